@@ -1,0 +1,294 @@
+r"""LLaMA-2 / LLaMA-3 / Qwen2 causal language model in Flax NNX, laid out like Hugging Face.
+
+Per decoder layer, with ``x`` the residual stream:
+
+    h = x + o_proj(Attn(RoPE(q_proj(n1)), RoPE(k_proj(n1)), v_proj(n1))),   n1 = RMSNorm_1(x)
+    y = h + down_proj(silu(gate_proj(n2)) * up_proj(n2)),                     n2 = RMSNorm_2(h)
+
+``RMSNorm(x) = w * x / sqrt(mean(x^2) + eps)`` computed in float32 (the normalised value is cast
+to the compute dtype before the weight multiplies it, as transformers does). RoPE rotates the two
+halves of each head: ``q' = q cos(p f) + rotate_half(q) sin(p f)`` with ``rotate_half([a, b]) =
+[-b, a]`` and ``f`` from :meth:`ModelConfig.rope_inv_freq`. Attention is causal, grouped-query
+(``H / H_kv`` query heads share a key/value head), ``softmax(q k^T / sqrt(D) + mask)`` with the
+softmax in float32; ``attention_mask`` (1 = token, 0 = pad) hides padded keys. Logits are
+``RMSNorm(x_L) @ W_head`` or, with tied embeddings, ``RMSNorm(x_L) @ E^T``; returned in float32.
+
+Naming contract: ``".".join(map(str, path))`` of every submodule equals its Hugging Face module name
+(``model.embed_tokens``, ``model.layers.<i>.self_attn.q_proj``, ``model.layers.<i>.mlp.up_proj``,
+``model.norm``, ``lm_head``, ...). Projections are ``nnx.Linear`` (kernel ``(in, out)``) looked up as
+attributes at call time, so a LoRA wrapper with the same ``__call__(x)`` can replace any of them.
+
+Logical axis names carried by every parameter (``out_sharding`` metadata, read with
+``nnx.get_partition_spec``), for mesh rules to map onto mesh axes:
+
+    vocab    vocabulary axis of embed_tokens.embedding (V, d) and lm_head.kernel (d, V)
+    embed    the residual width d
+    q_heads  flattened query heads H * D (q_proj output, o_proj input, q bias)
+    kv_heads flattened key/value heads H_kv * D (k_proj / v_proj output and bias)
+    mlp      the SwiGLU width d_ff
+    norm     RMSNorm weights (d,)
+
+Variables are created unsharded unless a mesh is active (``jax.set_mesh``), in which case flax
+shards them eagerly through the logical rules in force (``nnx.logical_axis_rules``).
+
+Decoding uses a :class:`KVCache` of fixed length: one ``(B, S, H_kv, D)`` key and value array per
+layer, a ``(B, S)`` slot mask and the next write index, so a jitted step keeps one shape.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from anlr_jax.models.config import ModelConfig
+
+AXIS_VOCAB = "vocab"
+AXIS_EMBED = "embed"
+AXIS_Q_HEADS = "q_heads"
+AXIS_KV_HEADS = "kv_heads"
+AXIS_MLP = "mlp"
+AXIS_NORM = "norm"
+LOGICAL_AXES = (AXIS_VOCAB, AXIS_EMBED, AXIS_Q_HEADS, AXIS_KV_HEADS, AXIS_MLP, AXIS_NORM)
+
+_INIT_STD = 0.02  # transformers' initializer_range
+
+
+def _axes(*names: str) -> dict:
+  """Variable metadata for logical ``names``; eager sharding only when a mesh is active."""
+  return {"out_sharding": names, "eager_sharding": not jax.sharding.get_abstract_mesh().empty}
+
+
+def _linear(config: ModelConfig, d_in: int, d_out: int, axes: tuple[str, str], bias: bool,
+            rngs: nnx.Rngs) -> nnx.Linear:
+  return nnx.Linear(
+      d_in, d_out, use_bias=bias, dtype=config.dtype, param_dtype=config.param_dtype,
+      kernel_init=nnx.initializers.normal(_INIT_STD), bias_init=nnx.initializers.zeros_init(),
+      kernel_metadata=_axes(*axes), bias_metadata=_axes(axes[1]), rngs=rngs)
+
+
+class KVCache(NamedTuple):
+  """Fixed-size key/value cache: per-layer ``(B, S, H_kv, D)`` arrays, slot mask, write index."""
+
+  keys: tuple[jax.Array, ...]
+  values: tuple[jax.Array, ...]
+  mask: jax.Array  # (B, S) int32: 1 where a slot holds a real (non-pad) token
+  index: jax.Array  # int32 scalar: the next slot to write
+
+  @property
+  def max_length(self) -> int:
+    return self.mask.shape[1]
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> KVCache:
+  """An empty :class:`KVCache` for ``batch_size`` rows of up to ``max_length`` tokens."""
+  if batch_size <= 0 or max_length <= 0:
+    raise ValueError(f"batch_size and max_length must be positive, got {batch_size}, {max_length}.")
+  dtype = config.dtype if dtype is None else dtype
+  shape = (batch_size, max_length, config.num_key_value_heads, config.head_dim)
+  layers = range(config.num_hidden_layers)
+  return KVCache(
+      keys=tuple(jnp.zeros(shape, dtype) for _ in layers),
+      values=tuple(jnp.zeros(shape, dtype) for _ in layers),
+      mask=jnp.zeros((batch_size, max_length), jnp.int32),
+      index=jnp.zeros((), jnp.int32),
+  )
+
+
+class RMSNorm(nnx.Module):
+  """``w * x / sqrt(mean(x^2) + eps)``, statistics in float32, result in the compute dtype."""
+
+  def __init__(self, dim: int, eps: float, *, dtype, param_dtype):
+    self.weight = nnx.Param(jnp.ones((dim,), param_dtype), **_axes(AXIS_NORM))
+    self.eps = eps
+    self.dtype = dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.weight[...].astype(self.dtype) * normed.astype(self.dtype)
+
+
+def rope_cos_sin(inv_freq: np.ndarray, positions: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """``cos(p f), sin(p f)`` duplicated over both halves: ``(B, T, D)`` each, in ``dtype``."""
+  freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """``x cos + rotate_half(x) sin`` for ``x`` of shape ``(B, T, heads, D)``."""
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+class Attention(nnx.Module):
+  """Grouped-query causal self-attention with RoPE and an optional fixed-size KV cache."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    d, dh = config.hidden_size, config.head_dim
+    q_dim, kv_dim = config.num_attention_heads * dh, config.num_key_value_heads * dh
+    bias = config.attention_bias
+    self.q_proj = _linear(config, d, q_dim, (AXIS_EMBED, AXIS_Q_HEADS), bias, rngs)
+    self.k_proj = _linear(config, d, kv_dim, (AXIS_EMBED, AXIS_KV_HEADS), bias, rngs)
+    self.v_proj = _linear(config, d, kv_dim, (AXIS_EMBED, AXIS_KV_HEADS), bias, rngs)
+    # LLaMA's attention_bias also covers o_proj; Qwen2 never has an o_proj bias.
+    o_bias = bias and config.model_type == "llama"
+    self.o_proj = _linear(config, q_dim, d, (AXIS_Q_HEADS, AXIS_EMBED), o_bias, rngs)
+    self.num_heads = config.num_attention_heads
+    self.num_kv_heads = config.num_key_value_heads
+    self.head_dim = dh
+    self.dtype = config.dtype
+
+  def __call__(self, x, cos, sin, allowed, kv=None, index=None):
+    """``x`` (B, T, d); ``allowed`` (B, T, S) bool; ``kv`` the layer's cached (k, v) or None.
+
+    Returns the attention output (B, T, d) and the updated ``(k, v)`` (None without a cache).
+    """
+    b, t, _ = x.shape
+    q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+    k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k, v = k.astype(self.dtype), v.astype(self.dtype)
+    new_kv = None
+    if kv is not None:
+      k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, index, 0, 0))
+      v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, index, 0, 0))
+      new_kv = (k, v)
+      k, v = k.astype(self.dtype), v.astype(self.dtype)
+    groups = self.num_heads // self.num_kv_heads
+    q = q.reshape(b, t, self.num_kv_heads, groups, self.head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k) * (self.head_dim ** -0.5)
+    scores = scores.astype(jnp.float32)
+    scores = jnp.where(allowed[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, self.num_heads * self.head_dim)
+    return self.o_proj(out), new_kv
+
+
+class MLP(nnx.Module):
+  """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    d, f = config.hidden_size, config.intermediate_size
+    self.gate_proj = _linear(config, d, f, (AXIS_EMBED, AXIS_MLP), False, rngs)
+    self.up_proj = _linear(config, d, f, (AXIS_EMBED, AXIS_MLP), False, rngs)
+    self.down_proj = _linear(config, f, d, (AXIS_MLP, AXIS_EMBED), False, rngs)
+
+  def __call__(self, x):
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm decoder block: attention then SwiGLU, each with a residual connection."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    norm_kw = dict(dtype=config.dtype, param_dtype=config.param_dtype)
+    self.self_attn = Attention(config, rngs=rngs)
+    self.mlp = MLP(config, rngs=rngs)
+    self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm_kw)
+    self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm_kw)
+
+  def __call__(self, x, cos, sin, allowed, kv=None, index=None):
+    attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, allowed, kv, index)
+    h = x + attn
+    return h + self.mlp(self.post_attention_layernorm(h)), new_kv
+
+
+def _layer_forward(layer: DecoderLayer, x, cos, sin, allowed):
+  """Cache-free layer application; module-level so ``nnx.remat`` can wrap it."""
+  return layer(x, cos, sin, allowed)[0]
+
+
+class LlamaModel(nnx.Module):
+  """Embedding, decoder stack and final norm (Hugging Face's ``model`` submodule)."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    self.embed_tokens = nnx.Embed(
+        config.vocab_size, config.hidden_size, dtype=config.dtype, param_dtype=config.param_dtype,
+        embedding_init=nnx.initializers.normal(_INIT_STD),
+        embedding_metadata=_axes(AXIS_VOCAB, AXIS_EMBED), rngs=rngs)
+    self.layers = nnx.List([DecoderLayer(config, rngs=rngs)
+                            for _ in range(config.num_hidden_layers)])
+    self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=config.dtype,
+                        param_dtype=config.param_dtype)
+
+
+class LlamaForCausalLM(nnx.Module):
+  """Causal LM serving LLaMA-2, LLaMA-3 and Qwen2/2.5 checkpoints (see the module docstring)."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    if not isinstance(config, ModelConfig):
+      raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}.")
+    self.config = config
+    self.model = LlamaModel(config, rngs=rngs)
+    if not config.tie_word_embeddings:
+      self.lm_head = _linear(config, config.hidden_size, config.vocab_size,
+                             (AXIS_EMBED, AXIS_VOCAB), False, rngs)
+
+  def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
+               attention_mask: jax.Array | None = None, cache: KVCache | None = None):
+    """Logits ``(B, T, V)`` float32 for ``input_ids`` ``(B, T)``.
+
+    Args:
+      input_ids: int token ids ``(B, T)``.
+      positions: RoPE positions ``(B, T)``; by default each row counts its real tokens, i.e.
+        ``cumsum(attention_mask) - 1`` (plus the real tokens already in ``cache``), so a
+        left-padded row gets the same positions as the unpadded one.
+      attention_mask: ``(B, T)``, 1 = token, 0 = pad; None means all tokens are real.
+      cache: a :class:`KVCache`; the new keys/values are written at ``cache.index``.
+
+    Returns:
+      ``logits`` or, when ``cache`` is given, ``(logits, updated_cache)``.
+    """
+    config = self.config
+    if input_ids.ndim != 2:
+      raise ValueError(f"input_ids must have shape (B, T), got {input_ids.shape}.")
+    b, t = input_ids.shape
+    if attention_mask is None:
+      attention_mask = jnp.ones((b, t), jnp.int32)
+    elif attention_mask.shape != (b, t):
+      raise ValueError(f"attention_mask shape {attention_mask.shape} != input_ids shape {(b, t)}.")
+    attention_mask = attention_mask.astype(jnp.int32)
+    if positions is None:
+      offset = 0 if cache is None else jnp.sum(cache.mask, axis=-1, keepdims=True)
+      positions = jnp.maximum(offset + jnp.cumsum(attention_mask, axis=-1) - 1, 0)
+    elif positions.shape != (b, t):
+      raise ValueError(f"positions shape {positions.shape} != input_ids shape {(b, t)}.")
+
+    if cache is None:
+      key_mask, query_slots = attention_mask, jnp.arange(t)
+    else:
+      if cache.mask.shape[0] != b:
+        raise ValueError(f"cache batch size {cache.mask.shape[0]} != input batch size {b}.")
+      key_mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.index))
+      query_slots = cache.index + jnp.arange(t)
+    key_slots = jnp.arange(key_mask.shape[1])
+    allowed = (key_slots[None, :] <= query_slots[:, None])[None] & (key_mask[:, None, :] > 0)
+
+    h = self.model.embed_tokens(input_ids.astype(jnp.int32)).astype(config.dtype)
+    cos, sin = rope_cos_sin(config.rope_inv_freq(), positions, config.dtype)
+    new_keys, new_values = [], []
+    for i, layer in enumerate(self.model.layers):
+      if cache is None:
+        forward = nnx.remat(_layer_forward) if config.remat else _layer_forward
+        h = forward(layer, h, cos, sin, allowed)
+      else:
+        h, (k, v) = layer(h, cos, sin, allowed, (cache.keys[i], cache.values[i]), cache.index)
+        new_keys.append(k)
+        new_values.append(v)
+    h = self.model.norm(h)
+    if config.tie_word_embeddings:
+      logits = self.model.embed_tokens.attend(h)
+    else:
+      logits = self.lm_head(h)
+    logits = logits.astype(jnp.float32)
+    if cache is None:
+      return logits
+    new_cache = KVCache(keys=tuple(new_keys), values=tuple(new_values), mask=key_mask,
+                        index=cache.index + t)
+    return logits, new_cache
