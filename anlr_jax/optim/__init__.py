@@ -1,0 +1,11 @@
+"""The AnLR-LoRA optimizer family: optax transformations and diagnostics."""
+from anlr_jax.optim.diagnostics import (
+    cumulative_energy,
+    diagnostics,
+    effective_rank,
+    find_anlr_state,
+    singular_values,
+)
+from anlr_jax.optim.dims import FLAX, PEFT, LoraDims, LoraModule, find_lora_modules
+from anlr_jax.optim.loraplus import loraplus, scale_lora_b
+from anlr_jax.optim.transform import DEFAULTS, SIGNALS, AnLRState, anlr, scale_by_anlr
