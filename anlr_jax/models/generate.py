@@ -1,0 +1,147 @@
+r"""Autoregressive generation for :class:`~anlr_jax.models.llama.LlamaForCausalLM`.
+
+For a left-padded prompt batch ``x`` (``B, P``) with mask ``m``, one prefill pass writes the prompt
+keys/values into a :class:`~anlr_jax.models.llama.KVCache` of fixed length ``P + N`` and yields the
+first token; then a jitted single-token step is called ``N - 1`` times. Token ``y_{n+1}`` is drawn from
+
+    greedy (temperature == 0):  argmax_v logits_v
+    sampling:                   softmax(logits / temperature) restricted to the top_k largest
+                                logits and to the smallest set whose probability reaches top_p
+
+and once a row has produced ``eos_token_id`` every later token of that row is ``pad_token_id``.
+Both jitted functions live at module level, keyed on the model's graph definition and the
+(static) sampling settings, so the step compiles once and is reused across tokens and calls.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from anlr_jax.models.llama import KVCache, LlamaForCausalLM, init_cache
+
+# Python-side trace counters (incremented only while tracing), for compile-once checks.
+TRACE_COUNTS = {"prefill": 0, "decode_step": 0}
+
+
+def _filter_logits(logits: jax.Array, top_k: int | None, top_p: float | None) -> jax.Array:
+  """Sets logits outside the top-k / nucleus (top-p) set to -inf; ``logits`` is ``(B, V)``."""
+  neg_inf = jnp.finfo(logits.dtype).min
+  if top_k is not None and top_k < logits.shape[-1]:
+    kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+    logits = jnp.where(logits < kth, neg_inf, logits)
+  if top_p is not None and top_p < 1.0:
+    sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    # Keep every token whose preceding mass is below top_p (the most likely one always stays).
+    keep = mass_before < top_p
+    threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits < threshold, neg_inf, logits)
+  return logits
+
+
+def _next_token(logits, done, rng, step, *, temperature, top_k, top_p, eos_token_id, pad_token_id):
+  """Chooses the next token of each row from its last logits ``(B, V)``; updates ``done``."""
+  if temperature == 0.0:
+    token = jnp.argmax(logits, axis=-1)
+  else:
+    scaled = _filter_logits(logits / temperature, top_k, top_p)
+    token = jax.random.categorical(jax.random.fold_in(rng, step), scaled, axis=-1)
+  token = jnp.where(done, pad_token_id, token).astype(jnp.int32)
+  if eos_token_id is not None:
+    done = done | (token == eos_token_id)
+  return token, done
+
+
+_STATIC = ("graphdef", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _prefill(graphdef, state, prompt_ids, prompt_mask, cache, rng, *, temperature, top_k, top_p,
+             eos_token_id, pad_token_id):
+  """Runs the prompt through the model; returns the first new token, cache, done flags, position."""
+  TRACE_COUNTS["prefill"] += 1
+  model = nnx.merge(graphdef, state)
+  logits, cache = model(prompt_ids, attention_mask=prompt_mask, cache=cache)
+  done = jnp.zeros(prompt_ids.shape[:1], bool)
+  token, done = _next_token(logits[:, -1], done, rng, 0, temperature=temperature, top_k=top_k,
+                            top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+  last_position = jnp.sum(prompt_mask, axis=-1) - 1
+  return token, cache, done, last_position
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+def _decode_step(graphdef, state, token, cache: KVCache, done, position, rng, step, *,
+                 temperature, top_k, top_p, eos_token_id, pad_token_id):
+  """Feeds one token per row at ``position + 1`` and chooses the following one."""
+  TRACE_COUNTS["decode_step"] += 1
+  model = nnx.merge(graphdef, state)
+  position = position + 1
+  logits, cache = model(token[:, None], positions=position[:, None],
+                        attention_mask=jnp.ones_like(token)[:, None], cache=cache)
+  token, done = _next_token(logits[:, -1], done, rng, step, temperature=temperature, top_k=top_k,
+                            top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+  return token, cache, done, position
+
+
+def generate(model: LlamaForCausalLM, prompt_ids: jax.Array, prompt_mask: jax.Array, *,
+             max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+             top_p: float | None = None, eos_token_id: int | None = None, pad_token_id: int = 0,
+             rng: jax.Array | None = None) -> jax.Array:
+  """Generates ``max_new_tokens`` tokens after a left-padded prompt batch.
+
+  Args:
+    model: the causal LM.
+    prompt_ids: ``(B, P)`` int token ids, left-padded.
+    prompt_mask: ``(B, P)``, 1 = token, 0 = pad (pads must come before every token of a row).
+    max_new_tokens: number of tokens ``N`` to produce per row.
+    temperature: 0 for greedy decoding, > 0 to sample from ``softmax(logits / temperature)``.
+    top_k: sample only among the ``top_k`` most likely tokens.
+    top_p: sample only from the smallest set of tokens whose probability reaches ``top_p``.
+    eos_token_id: after this token a row only emits ``pad_token_id``.
+    pad_token_id: filler after end of sequence.
+    rng: PRNG key for sampling (required when ``temperature > 0``).
+
+  Returns:
+    ``(B, N)`` int32 new token ids.
+  """
+  prompt_ids = jnp.asarray(prompt_ids, jnp.int32)
+  prompt_mask = jnp.asarray(prompt_mask, jnp.int32)
+  if prompt_ids.ndim != 2 or prompt_mask.shape != prompt_ids.shape:
+    raise ValueError(f"prompt_ids {prompt_ids.shape} and prompt_mask {prompt_mask.shape} must "
+                     "share one (B, P) shape.")
+  if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+    raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}.")
+  if temperature < 0:
+    raise ValueError(f"temperature must be >= 0, got {temperature}.")
+  if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
+    raise ValueError(f"top_k must be a positive int or None, got {top_k!r}.")
+  if top_p is not None and not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}.")
+  if temperature > 0 and rng is None:
+    raise ValueError("rng is required when temperature > 0.")
+  rng = jax.random.key(0) if rng is None else rng
+
+  batch, prompt_len = prompt_ids.shape
+  graphdef, state = nnx.split(model)
+  static = dict(temperature=float(temperature), top_k=top_k,
+                top_p=None if top_p is None else float(top_p), eos_token_id=eos_token_id,
+                pad_token_id=int(pad_token_id))
+  cache = init_cache(model.config, batch, prompt_len + max_new_tokens)
+  token, cache, done, position = _prefill(
+      graphdef=graphdef, state=state, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+      cache=cache, rng=rng, **static)
+  tokens = [token]
+  for step in range(1, max_new_tokens):
+    # Stop early once every row has ended; checked every 16 steps to keep dispatch asynchronous.
+    if eos_token_id is not None and step % 16 == 0 and bool(jnp.all(done)):
+      tokens.append(jnp.full((batch, max_new_tokens - step), pad_token_id, jnp.int32))
+      break
+    token, cache, done, position = _decode_step(
+        graphdef=graphdef, state=state, token=token, cache=cache, done=done, position=position,
+        rng=rng, step=jnp.asarray(step, jnp.int32), **static)
+    tokens.append(token)
+  return jnp.concatenate([t if t.ndim == 2 else t[:, None] for t in tokens], axis=1)

@@ -1,0 +1,311 @@
+r"""Hugging Face checkpoint I/O for :class:`~anlr_jax.models.llama.LlamaForCausalLM`.
+
+Key mapping (one table, :func:`hf_param_table`): a torch ``nn.Linear`` weight ``W`` of shape
+``(out, in)`` is the NNX kernel ``K = W^T`` of shape ``(in, out)``; biases, RMSNorm weights and the
+embedding matrix ``(V, d)`` are copied as they are:
+
+    model.embed_tokens.weight                  <-> model.embed_tokens.embedding
+    model.layers.<i>.<block>.<proj>.weight     <-> model.layers.<i>.<block>.<proj>.kernel  (transposed)
+    model.layers.<i>.self_attn.<q,k,v>_proj.bias <-> ....bias                              (Qwen2)
+    model.layers.<i>.<input,post_attention>_layernorm.weight <-> same path .weight
+    model.norm.weight                          <-> model.norm.weight
+    lm_head.weight                             <-> lm_head.kernel (transposed; absent when tied)
+
+Loading builds the model abstractly (``nnx.eval_shape``) and fills it one tensor at a time with
+``safetensors.safe_open``, so the host never holds two full copies of the weights. bfloat16
+tensors come back from safetensors as ``ml_dtypes.bfloat16`` NumPy arrays.
+
+Saving writes ``config.json`` plus ``model.safetensors`` or ``model-0000i-of-0000n.safetensors``
+with ``model.safetensors.index.json``, readable by ``transformers.AutoModelForCausalLM``.
+Projections replaced by LoRA wrappers (objects with a ``base`` ``nnx.Linear`` and ``lora_a`` /
+``lora_b``) are saved merged through their ``merged_kernel()`` (``merge_lora=True``) or as the bare
+base weights (``merge_lora=False``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from typing import Any, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from anlr_jax.models.config import ModelConfig
+from anlr_jax.models.llama import LlamaForCausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+# Buffers some older checkpoints store next to the weights; they are recomputed, never loaded.
+_IGNORED_KEY = re.compile(r".*rotary_emb\.inv_freq$")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamEntry:
+  """One checkpoint tensor: HF key, the NNX module path and attribute holding it, its HF shape."""
+
+  hf_key: str
+  module_path: tuple[str | int, ...]
+  attr: str  # 'kernel', 'bias', 'weight' (RMSNorm) or 'embedding'
+  hf_shape: tuple[int, ...]
+  transpose: bool  # torch (out, in) <-> NNX (in, out)
+
+
+def hf_param_table(config: ModelConfig) -> list[ParamEntry]:
+  """Every tensor of a Hugging Face checkpoint of ``config`` and where it lives in the NNX model."""
+  d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+  q_dim = config.num_attention_heads * config.head_dim
+  kv_dim = config.num_key_value_heads * config.head_dim
+  entries = [ParamEntry("model.embed_tokens.weight", ("model", "embed_tokens"), "embedding",
+                        (v, d), False)]
+  linears = {"self_attn.q_proj": (q_dim, d), "self_attn.k_proj": (kv_dim, d),
+             "self_attn.v_proj": (kv_dim, d), "self_attn.o_proj": (d, q_dim),
+             "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d), "mlp.down_proj": (d, f)}
+  biased = set()
+  if config.attention_bias:
+    biased = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}
+    if config.model_type == "llama":
+      biased.add("self_attn.o_proj")
+  for i in range(config.num_hidden_layers):
+    prefix = f"model.layers.{i}"
+    for name, shape in linears.items():
+      path = ("model", "layers", i, *name.split("."))
+      entries.append(ParamEntry(f"{prefix}.{name}.weight", path, "kernel", shape, True))
+      if name in biased:
+        entries.append(ParamEntry(f"{prefix}.{name}.bias", path, "bias", (shape[0],), False))
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+      entries.append(ParamEntry(f"{prefix}.{norm}.weight", ("model", "layers", i, norm), "weight",
+                                (d,), False))
+  entries.append(ParamEntry("model.norm.weight", ("model", "norm"), "weight", (d,), False))
+  if not config.tie_word_embeddings:
+    entries.append(ParamEntry("lm_head.weight", ("lm_head",), "kernel", (v, d), True))
+  return entries
+
+
+def _submodule(model: nnx.Module, path: Iterable[str | int]) -> Any:
+  node = model
+  for part in path:
+    node = node[part] if isinstance(part, int) else getattr(node, part)
+  return node
+
+
+def _is_lora_wrapper(module: Any) -> bool:
+  return all(hasattr(module, a) for a in ("base", "lora_a", "lora_b"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _weight_map(path: str) -> dict[str, str]:
+  """HF key -> safetensors file name, from the index when sharded or the single file."""
+  index_path = os.path.join(path, INDEX_FILE)
+  single_path = os.path.join(path, SINGLE_FILE)
+  if os.path.isfile(index_path):
+    try:
+      with open(index_path) as f:
+        weight_map = json.load(f)["weight_map"]
+    except (json.JSONDecodeError, KeyError) as e:
+      raise ValueError(f"{index_path} is not a valid safetensors index ({e}).") from e
+    for file in sorted(set(weight_map.values())):
+      if not os.path.isfile(os.path.join(path, file)):
+        raise FileNotFoundError(f"Shard {os.path.join(path, file)} listed in {index_path} is missing.")
+    return dict(weight_map)
+  if os.path.isfile(single_path):
+    with safe_open(single_path, framework="numpy") as f:
+      return {key: SINGLE_FILE for key in f.keys()}
+  raise FileNotFoundError(f"No {SINGLE_FILE} or {INDEX_FILE} found in {path}.")
+
+
+def load_hf_model(path: str | os.PathLike, *, dtype=jnp.float32,
+                  compute_dtype=None) -> tuple[LlamaForCausalLM, ModelConfig]:
+  """Loads a local Hugging Face LLaMA / Qwen2 checkpoint into a :class:`LlamaForCausalLM`.
+
+  Args:
+    path: directory with ``config.json`` and ``model.safetensors`` or sharded safetensors files
+      with ``model.safetensors.index.json``.
+    dtype: parameter dtype (checkpoint tensors are cast to it).
+    compute_dtype: activation dtype; defaults to ``dtype``.
+
+  Returns:
+    ``(model, config)``.
+
+  Raises:
+    FileNotFoundError: ``config.json`` or the weight files are missing.
+    KeyError: a tensor the architecture needs is not in the checkpoint.
+    ValueError: a tensor has the wrong shape, the checkpoint holds tensors the architecture does
+      not have, or the model_type is unsupported.
+  """
+  path = os.fspath(path)
+  config_path = os.path.join(path, CONFIG_FILE)
+  if not os.path.isfile(config_path):
+    raise FileNotFoundError(f"No {CONFIG_FILE} found at {config_path}.")
+  config = ModelConfig.from_pretrained(
+      path, param_dtype=dtype, dtype=dtype if compute_dtype is None else compute_dtype)
+  weight_map = _weight_map(path)
+  table = hf_param_table(config)
+  expected = {e.hf_key for e in table}
+  unexpected = sorted(k for k in weight_map if k not in expected and not _IGNORED_KEY.match(k)
+                      and not (config.tie_word_embeddings and k == "lm_head.weight"))
+  if unexpected:
+    raise ValueError(f"Checkpoint {path} holds tensors the {config.model_type} architecture of "
+                     f"{config_path} does not have: {unexpected[:8]}"
+                     f"{' ...' if len(unexpected) > 8 else ''}.")
+
+  model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+  by_file: dict[str, list[ParamEntry]] = {}
+  for entry in table:
+    if entry.hf_key not in weight_map:
+      files = sorted(set(weight_map.values())) or [SINGLE_FILE]
+      raise KeyError(f"Tensor {entry.hf_key!r} not found in {os.path.join(path, files[0])}"
+                     f"{f' (or the other {len(files) - 1} shards)' if len(files) > 1 else ''}.")
+    by_file.setdefault(weight_map[entry.hf_key], []).append(entry)
+
+  for file, entries in by_file.items():
+    file_path = os.path.join(path, file)
+    with safe_open(file_path, framework="numpy") as f:
+      keys = set(f.keys())
+      for entry in entries:
+        if entry.hf_key not in keys:
+          raise KeyError(f"Tensor {entry.hf_key!r} not found in {file_path}.")
+        found = tuple(f.get_slice(entry.hf_key).get_shape())
+        if found != entry.hf_shape:
+          raise ValueError(f"{file_path}: tensor {entry.hf_key!r} has shape {found}, expected "
+                           f"{entry.hf_shape}.")
+        array = f.get_tensor(entry.hf_key)
+        if entry.transpose:
+          array = array.T
+        variable = getattr(_submodule(model, entry.module_path), entry.attr)
+        sharding = getattr(variable.get_value(), "sharding", None)
+        value = jnp.asarray(array).astype(dtype)
+        del array
+        variable.set_value(jax.device_put(value, sharding) if sharding is not None else value)
+  return model, config
+
+
+# --------------------------------------------------------------------------------------------------
+# Saving
+
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
+               "GIB": 2**30}
+
+
+def _parse_size(size: int | str) -> int:
+  """Bytes from an int or a string such as ``"5GB"`` / ``"200MiB"``."""
+  if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
+    value = int(size)
+  else:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(size))
+    unit = match.group(2).upper() if match else ""
+    if not match or (unit or "B") not in _SIZE_UNITS:
+      raise ValueError(f"max_shard_size={size!r} is not a size such as 5000000 or '5GB'.")
+    value = int(float(match.group(1)) * _SIZE_UNITS[unit or "B"])
+  if value <= 0:
+    raise ValueError(f"max_shard_size must be positive, got {size!r}.")
+  return value
+
+
+def _torch_layout_tensor(model: LlamaForCausalLM, entry: ParamEntry, merge_lora: bool,
+                         dtype) -> np.ndarray:
+  """The checkpoint tensor of ``entry`` as a contiguous NumPy array in torch layout."""
+  module = _submodule(model, entry.module_path)
+  if _is_lora_wrapper(module):
+    if merge_lora and entry.attr == "kernel":
+      if not hasattr(module, "merged_kernel"):
+        raise AttributeError(f"LoRA wrapper at {'.'.join(map(str, entry.module_path))} has no "
+                             "merged_kernel() method; save with merge_lora=False.")
+      value = module.merged_kernel()
+    else:
+      value = getattr(module.base, entry.attr)[...]
+  else:
+    value = getattr(module, entry.attr)[...]
+  value = np.asarray(jax.device_get(value))
+  if dtype is not None:
+    value = value.astype(jnp.dtype(dtype))
+  if value.shape != (entry.hf_shape[::-1] if entry.transpose else entry.hf_shape):
+    raise ValueError(f"Model tensor for {entry.hf_key!r} has shape {value.shape}; its config "
+                     f"expects {entry.hf_shape} in HF layout.")
+  return np.ascontiguousarray(value.T if entry.transpose else value)
+
+
+def save_hf_model(model: LlamaForCausalLM, config: ModelConfig, out_dir: str | os.PathLike, *,
+                  max_shard_size: int | str = "5GB", merge_lora: bool = True,
+                  dtype=None) -> list[str]:
+  """Writes ``config.json`` and safetensors weights that transformers can load.
+
+  Args:
+    model: the model (LoRA-wrapped projections allowed, see the module docstring).
+    config: its config.
+    out_dir: output directory (created if needed).
+    max_shard_size: largest shard in bytes (int or e.g. ``"200MB"``); more than one shard adds
+      ``model.safetensors.index.json``.
+    merge_lora: save LoRA-wrapped projections as ``base + merged delta`` via ``merged_kernel()``;
+      False saves their frozen base weights.
+    dtype: dtype of the saved tensors; defaults to each parameter's own dtype.
+
+  Returns:
+    The written safetensors file names.
+  """
+  out_dir = os.fspath(out_dir)
+  limit = _parse_size(max_shard_size)
+  os.makedirs(out_dir, exist_ok=True)
+  table = hf_param_table(config)
+
+  shards: list[list[ParamEntry]] = [[]]
+  shard_bytes = 0
+  sizes = {}
+  for entry in table:
+    module = _submodule(model, entry.module_path)
+    variable = getattr(module.base if _is_lora_wrapper(module) else module, entry.attr)
+    itemsize = jnp.dtype(dtype if dtype is not None else variable.get_value().dtype).itemsize
+    sizes[entry.hf_key] = math.prod(entry.hf_shape) * itemsize
+    if shards[-1] and shard_bytes + sizes[entry.hf_key] > limit:
+      shards.append([])
+      shard_bytes = 0
+    shards[-1].append(entry)
+    shard_bytes += sizes[entry.hf_key]
+
+  n = len(shards)
+  names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                                        for i in range(n)]
+  weight_map = {}
+  for name, entries in zip(names, shards):
+    tensors = {e.hf_key: _torch_layout_tensor(model, e, merge_lora, dtype) for e in entries}
+    save_file(tensors, os.path.join(out_dir, name), metadata={"format": "pt"})
+    weight_map.update({e.hf_key: name for e in entries})
+    del tensors
+  if n > 1:
+    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+    with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+      json.dump(index, f, indent=2)
+
+  hf_config = config.to_hf_config()
+  if dtype is not None:
+    hf_config["torch_dtype"] = hf_config["dtype"] = str(jnp.dtype(dtype))
+  with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
+    json.dump(hf_config, f, indent=2)
+  return names
+
+
+def load_tokenizer(path: str | os.PathLike):
+  """``transformers.AutoTokenizer.from_pretrained(path)`` for a local directory.
+
+  Raises:
+    FileNotFoundError: ``path`` holds none of ``tokenizer.json``, ``tokenizer.model``,
+      ``vocab.json`` or ``tokenizer_config.json``.
+  """
+  import transformers
+
+  path = os.fspath(path)
+  if not os.path.isdir(path) or not any(os.path.isfile(os.path.join(path, f))
+                                        for f in _TOKENIZER_FILES):
+    raise FileNotFoundError(f"No tokenizer files ({', '.join(_TOKENIZER_FILES)}) found in {path}.")
+  return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
