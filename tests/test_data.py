@@ -15,7 +15,7 @@ from anlr_jax.data import (
     read_examples,
     tokenize_examples,
 )
-from tiny_tokenizer import build_tiny_tokenizer
+from tests.tiny_tokenizer import build_tiny_tokenizer
 
 PRE = ("Below is an instruction that describes a task. "
        "Write a response that appropriately completes the request.\n\n")
