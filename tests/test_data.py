@@ -276,3 +276,29 @@ def test_bad_source_arguments(varied_path, tok):
     tokenized = source(varied_path, tok).examples
     with pytest.raises(ValueError, match="max_length=4"):
         LengthBucketedSource(tokenized, global_batch=2, seed=0, pad_id=0, max_length=4)
+
+
+def test_loss_mask_matches_hf_labels_loss(varied_path, tok):
+    """The contract's loss (logits[:, :-1] vs input_ids[:, 1:], weighted by loss_mask[:, 1:]) equals the
+    transformers loss with labels = input_ids on response tokens and -100 elsewhere."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                      max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(config).eval()
+    batch = source(varied_path, tok, global_batch=4).get_batch(1)
+    ids = torch.tensor(batch["input_ids"], dtype=torch.long)
+    attention = torch.tensor(batch["attention_mask"])
+    labels = torch.where(torch.tensor(batch["loss_mask"]) == 1, ids, torch.full_like(ids, -100))
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=attention, labels=labels)
+    logits = out.logits.double().numpy()
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    target = batch["input_ids"][:, 1:]
+    nll = -np.take_along_axis(logp[:, :-1], target[..., None], axis=-1)[..., 0]
+    weights = batch["loss_mask"][:, 1:]
+    np.testing.assert_allclose(float(out.loss), (nll * weights).sum() / weights.sum(), rtol=1e-5)

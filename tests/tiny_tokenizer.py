@@ -6,8 +6,9 @@ small built-in corpus (instruction templates, arithmetic, a few sentences), wrap
 `transformers.PreTrainedTokenizerFast` with `<s>` (bos), `</s>` (eos), `<pad>` and `<unk>`, and saved
 with `save_pretrained` so it also loads with `AutoTokenizer.from_pretrained(directory)`.
 
-Example::
+Example (run pytest from the repo root; works whether or not `tests/` is a package)::
 
+    from tests.tiny_tokenizer import build_tiny_tokenizer
     tok = build_tiny_tokenizer(tmp_path / "tok")
     tok("hello").input_ids        # no special tokens are added by encoding
     tok.bos_token_id, tok.eos_token_id, tok.pad_token_id   # 1, 2, 0
