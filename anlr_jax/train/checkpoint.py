@@ -1,0 +1,153 @@
+r"""Orbax checkpoints of the trainer: LoRA params, the whole optimizer state, step, data position, RNG.
+
+A checkpoint of update count ``t`` holds the :class:`~anlr_jax.train.step.TrainState` after ``t``
+updates (``TrainState.extra`` carries the model's RNG state), optionally the frozen base params, and
+a JSON record ``{"step": t, "data_step": t, ...}``: batch ``t`` is the next one to feed, because
+batch sources are deterministic in the step. Saving is collective (every process calls
+:meth:`TrainCheckpointer.save`), asynchronous, and atomic: orbax writes into a temporary directory
+and renames it when complete, so a process killed mid-save leaves the previous checkpoint intact and
+the partial one is ignored (and cleaned) on the next start.
+
+Trees are stored as flat ``{"a.b.0.c": array}`` dicts (integer layer keys and NamedTuple optimizer
+states survive unchanged), typed PRNG keys as their raw ``uint32`` data. Restore always goes into
+an abstract target (``jax.ShapeDtypeStruct`` with the live shardings), never target-less.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+
+def _key_name(entry) -> str:
+  if isinstance(entry, DictKey):
+    return str(entry.key)
+  if isinstance(entry, SequenceKey):
+    return str(entry.idx)
+  if isinstance(entry, GetAttrKey):
+    return entry.name
+  if isinstance(entry, FlattenedIndexKey):
+    return str(entry.key)
+  raise TypeError(f'unsupported pytree key {entry!r}')
+
+
+def _is_prng_key(x) -> bool:
+  return hasattr(x, 'dtype') and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _named_leaves(tree) -> tuple[list[tuple[str, Any]], Any]:
+  """``[("path.to.leaf", leaf), ...]`` and the treedef; names must be unique."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  named = [('.'.join(_key_name(e) for e in path) or 'root', leaf) for path, leaf in leaves]
+  seen = set()
+  for name, _ in named:
+    if name in seen:
+      raise ValueError(f'two leaves share the checkpoint name {name!r}')
+    seen.add(name)
+  return named, treedef
+
+
+def flatten_for_checkpoint(tree) -> dict[str, Any]:
+  """``{"path.to.leaf": leaf}``; typed PRNG keys become ``key_data`` (``uint32``)."""
+  return {name: jax.random.key_data(leaf) if _is_prng_key(leaf) else leaf
+          for name, leaf in _named_leaves(tree)[0]}
+
+
+def abstract_for_checkpoint(tree) -> dict[str, jax.ShapeDtypeStruct]:
+  """Abstract flat target (shape, dtype, sharding) matching :func:`flatten_for_checkpoint`.
+
+  ``tree`` may hold live arrays or ``jax.ShapeDtypeStruct`` leaves with shardings.
+  """
+  def abstract(x):
+    sharding = getattr(x, 'sharding', None)
+    if _is_prng_key(x):
+      x = jax.eval_shape(jax.random.key_data, x)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+  return {name: abstract(leaf) for name, leaf in _named_leaves(tree)[0]}
+
+
+def unflatten_from_checkpoint(flat: dict[str, Any], template):
+  """Inverse of :func:`flatten_for_checkpoint` given the (abstract or live) template tree."""
+  named, treedef = _named_leaves(template)
+  out = []
+  for name, like in named:
+    if name not in flat:
+      raise KeyError(f'checkpoint has no entry {name!r}')
+    value = flat[name]
+    if _is_prng_key(like):
+      value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(like))
+    out.append(value)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+class TrainCheckpointer:
+  """Thin wrapper over ``ocp.CheckpointManager`` with items ``state`` (+ ``frozen``) and ``meta``.
+
+  Args:
+    directory: checkpoint root (created if missing).
+    save_every: save when ``step % save_every == 0`` (``0``: only on ``force``).
+    keep: keep the last ``keep`` checkpoints.
+    async_save: write in a background thread (the next save or :meth:`wait` joins it).
+  """
+
+  def __init__(self, directory: str | os.PathLike, *, save_every: int = 0, keep: int = 3,
+               async_save: bool = True):
+    if keep < 1:
+      raise ValueError(f'keep={keep} must be >= 1')
+    if save_every < 0:
+      raise ValueError(f'save_every={save_every} must be >= 0')
+    self.directory = os.path.abspath(os.fspath(directory))
+    self.save_every = save_every
+    options = ocp.CheckpointManagerOptions(
+        save_interval_steps=max(save_every, 1), max_to_keep=keep, create=True,
+        enable_async_checkpointing=async_save, cleanup_tmp_directories=True)
+    self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def should_save(self, step: int) -> bool:
+    return self.save_every > 0 and step % self.save_every == 0
+
+  def save(self, step: int, state, meta: dict, frozen=None, *, force: bool = False) -> bool:
+    """Starts a (collective, async) save of ``state`` and ``meta`` at ``step``; True if started."""
+    if not force and not self.should_save(step):
+      return False
+    if step in self.manager.all_steps():
+      return False
+    items = {'state': ocp.args.StandardSave(flatten_for_checkpoint(state)),
+             'meta': ocp.args.JsonSave(dict(meta, step=int(step)))}
+    if frozen is not None:
+      items['frozen'] = ocp.args.StandardSave(flatten_for_checkpoint(frozen))
+    return self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+  def restore(self, step: int | None, state_template, frozen_template=None):
+    """Restores ``(state, meta, frozen_or_None)`` into the templates' shapes, dtypes and shardings.
+
+    ``step=None`` takes the latest complete checkpoint.
+    """
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f'no complete checkpoint under {self.directory}')
+    items = {'state': ocp.args.StandardRestore(abstract_for_checkpoint(state_template)),
+             'meta': ocp.args.JsonRestore()}
+    if frozen_template is not None:
+      items['frozen'] = ocp.args.StandardRestore(abstract_for_checkpoint(frozen_template))
+    restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+    state = unflatten_from_checkpoint(restored['state'], state_template)
+    frozen = (unflatten_from_checkpoint(restored['frozen'], frozen_template)
+              if frozen_template is not None else None)
+    return state, dict(restored['meta']), frozen
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.close()
+
+
+__all__ = ['TrainCheckpointer', 'flatten_for_checkpoint', 'unflatten_from_checkpoint',
+           'abstract_for_checkpoint']

@@ -1,0 +1,145 @@
+r"""Training metrics: JSONL + CSV + TensorBoard in the run directory, a tqdm bar or plain log lines.
+
+Per logged step: ``loss``, ``lr``, ``grad_norm``, ``tokens``, ``loss_tokens`` (from the step's device
+scalars, fetched only every ``log_every`` steps, so no host sync per step) and
+``tokens_per_s = sum(tokens) / wall seconds`` over the logging window. AnLR diagnostics (from
+``anlr_jax.diagnostics(opt_state)`` when the optimizer provides it) go to ``diagnostics/step_<t>.npz``
+every ``diag_every`` steps, their scalar summaries into the same JSONL/CSV/TensorBoard rows.
+Only process 0 writes; the other processes' writer is inert.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+logger = logging.getLogger('anlr_jax.train')
+
+
+def _scalar_items(tree: Mapping[str, Any], prefix: str = '') -> dict[str, float]:
+  """Flattens nested mappings; keeps size-1 numeric leaves as floats (arrays are skipped)."""
+  out = {}
+  for key, value in tree.items():
+    name = f'{prefix}{key}'
+    if isinstance(value, Mapping):
+      out.update(_scalar_items(value, prefix=f'{name}/'))
+    elif np.size(value) == 1 and np.issubdtype(np.asarray(value).dtype, np.number):
+      out[name] = float(np.asarray(value).reshape(()))
+  return out
+
+
+class MetricsWriter:
+  """Writes metric rows; call :meth:`record` every step with the step's device metrics."""
+
+  def __init__(self, run_dir: str | None, *, total_steps: int, log_every: int = 1,
+               progress: bool | None = None, is_writer: bool | None = None):
+    if log_every < 1:
+      raise ValueError(f'log_every={log_every} must be >= 1')
+    self.is_writer = jax.process_index() == 0 if is_writer is None else is_writer
+    self.run_dir = run_dir
+    self.log_every = log_every
+    self.total_steps = total_steps
+    self.rows: list[dict[str, float]] = []
+    self._pending: list[Any] = []
+    self._window_start = time.perf_counter()
+    self._csv_fields: list[str] | None = None
+    self._tb = self._bar = self._jsonl = None
+    if self.is_writer and run_dir is not None:
+      os.makedirs(run_dir, exist_ok=True)
+      self._jsonl = open(os.path.join(run_dir, 'metrics.jsonl'), 'a')
+      from tensorboardX import SummaryWriter
+      self._tb = SummaryWriter(os.path.join(run_dir, 'tensorboard'))
+    use_bar = sys.stderr.isatty() if progress is None else progress
+    if self.is_writer and use_bar:
+      from tqdm.auto import tqdm
+      self._bar = tqdm(total=total_steps, dynamic_ncols=True)
+
+  def start(self, step: int) -> None:
+    """Resets the timing window (call before the first step and after a restore)."""
+    self._window_start = time.perf_counter()
+    if self._bar is not None:
+      self._bar.n = step
+      self._bar.refresh()
+
+  def record(self, step: int, metrics: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
+             *, flush: bool = False):
+    """Queues update ``step``'s (1-based) device metrics; writes a row every ``log_every`` steps,
+    at the last step, or when ``flush``. ``extra``: more (nested) scalars for the row."""
+    self._pending.append(metrics)
+    if step % self.log_every and step != self.total_steps and not flush:
+      return None
+    host = jax.device_get(self._pending)  # the only host sync, once per window
+    elapsed = max(time.perf_counter() - self._window_start, 1e-9)
+    tokens = float(sum(np.asarray(m['tokens']) for m in host))
+    row = {'step': step, **_scalar_items(host[-1]), 'tokens_per_s': tokens / elapsed}
+    if extra:
+      row.update(_scalar_items(extra))
+    self._pending = []
+    self._window_start = time.perf_counter()
+    self.rows.append(row)
+    self._write(row)
+    return row
+
+  def _write(self, row: dict[str, float]) -> None:
+    if not self.is_writer:
+      return
+    if self._jsonl is not None:
+      self._jsonl.write(json.dumps(row) + '\n')
+      self._jsonl.flush()
+      self._write_csv(row)
+    if self._tb is not None:
+      for key, value in row.items():
+        if key != 'step':
+          self._tb.add_scalar(key, value, row['step'])
+    message = f"step {row['step']}/{self.total_steps} loss {row.get('loss', float('nan')):.4f} " \
+              f"tok/s {row['tokens_per_s']:.0f}"
+    if self._bar is not None:
+      self._bar.n = row['step']
+      self._bar.set_postfix(loss=f"{row.get('loss', float('nan')):.4f}",
+                            tok_s=f"{row['tokens_per_s']:.0f}")
+    else:
+      logger.info(message)
+
+  def _write_csv(self, row: dict[str, float]) -> None:
+    path = os.path.join(self.run_dir, 'metrics.csv')
+    fields = list(row)
+    if self._csv_fields is not None and not set(fields) <= set(self._csv_fields):
+      self._csv_fields = self._csv_fields + [f for f in fields if f not in self._csv_fields]
+      rows = [json.loads(line) for line in open(os.path.join(self.run_dir, 'metrics.jsonl'))]
+      with open(path, 'w', newline='') as f:  # a new column: rewrite the file from the JSONL
+        writer = csv.DictWriter(f, self._csv_fields)
+        writer.writeheader()
+        writer.writerows(rows)
+      return
+    new_file = self._csv_fields is None
+    if new_file:
+      self._csv_fields = fields
+    with open(path, 'w' if new_file else 'a', newline='') as f:
+      writer = csv.DictWriter(f, self._csv_fields)
+      if new_file:
+        writer.writeheader()
+      writer.writerow(row)
+
+  def write_diagnostics(self, step: int, diagnostics: Any) -> None:
+    """Saves the full per-module diagnostics tree (``s_k``, ``nu_bar_k``, ``snr_k``...) as .npz."""
+    if not self.is_writer or self.run_dir is None:
+      return
+    flat = {jax.tree_util.keystr(p): np.asarray(v)
+            for p, v in jax.tree_util.tree_flatten_with_path(jax.device_get(diagnostics))[0]}
+    os.makedirs(os.path.join(self.run_dir, 'diagnostics'), exist_ok=True)
+    np.savez(os.path.join(self.run_dir, 'diagnostics', f'step_{step:08d}.npz'), **flat)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+    if self._tb is not None:
+      self._tb.close()
+    if self._jsonl is not None:
+      self._jsonl.close()

@@ -1,0 +1,301 @@
+r"""The LoRA trainer: config, placement on the mesh, the compiled step, the loop, checkpoints.
+
+Given a model with ``nnx.LoRAParam`` adapters, a batch source (``__len__`` and
+``get_batch(step, *, process_index, process_count)``, see :mod:`anlr_jax.train`) and an optax
+transform, :class:`Trainer` runs ``T`` updates of
+
+.. math::  \theta_{t+1} = \theta_t + \mathrm{tx}(\nabla_\theta L(\theta_t; \text{batch}_t))
+
+over the LoRA params ``\theta`` only, with ``L`` the mean response-token cross-entropy of global batch
+``t`` and the default ``tx = clip_by_global_norm(c) -> anlr(eta_t)`` (AdamW when AnLR is unavailable
+or ``optimizer='adamw'``), ``eta_t`` the linear warmup/decay schedule of the paper (App. B).
+Everything the step touches is placed on the mesh before the first step, so it compiles once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from anlr_jax.train.checkpoint import TrainCheckpointer
+from anlr_jax.train.distributed import global_batch_array
+from anlr_jax.train.mesh import (BATCH_AXES, DEFAULT_LOGICAL_AXIS_RULES, batch_sharding, make_mesh,
+                                 matching_shardings, replicated, state_shardings)
+from anlr_jax.train.metrics import MetricsWriter
+from anlr_jax.train.schedule import linear_warmup_decay
+from anlr_jax.train.step import BATCH_KEYS, TrainState, init_train_state, make_train_step
+
+_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+  """Trainer settings; defaults follow the paper's App. B (lr 3e-4, batch 16, 3 epochs, linear)."""
+  steps: int | None = None            # number of updates; if None, from `epochs`
+  epochs: float | None = 3.0
+  global_batch: int = 16
+  micro_batches: int = 1
+  learning_rate: float = 3e-4
+  warmup_steps: int = 0
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  clip_norm: float | None = 1.0
+  optimizer: str = 'auto'             # 'auto' (anlr if importable), 'anlr' or 'adamw'
+  mesh_data: int = 1
+  mesh_fsdp: int = -1
+  mesh_tensor: int = 1
+  compute_dtype: str = 'bfloat16'     # forward/backward dtype; LoRA params + opt state stay f32
+  base_dtype: str | None = None       # storage dtype of the frozen base weights (None: as built)
+  remat: str = 'none'                 # 'none' | 'full' | 'dots'
+  run_dir: str | None = None
+  ckpt_dir: str | None = None
+  save_every: int = 0
+  keep: int = 3
+  async_save: bool = True
+  save_full_model: bool = False
+  resume: bool = True
+  log_every: int = 1
+  diag_every: int = 0
+  progress: bool | None = None        # None: a tqdm bar only on a terminal
+  seed: int = 0
+
+  def __post_init__(self):
+    for name in ('global_batch', 'micro_batches', 'keep', 'log_every'):
+      if getattr(self, name) < 1:
+        raise ValueError(f'TrainerConfig.{name}={getattr(self, name)} must be >= 1')
+    for name in ('warmup_steps', 'save_every', 'diag_every'):
+      if getattr(self, name) < 0:
+        raise ValueError(f'TrainerConfig.{name}={getattr(self, name)} must be >= 0')
+    if self.steps is None and self.epochs is None:
+      raise ValueError('TrainerConfig needs `steps` or `epochs`')
+    if self.global_batch % self.micro_batches:
+      raise ValueError(f'TrainerConfig.global_batch={self.global_batch} is not divisible by '
+                       f'micro_batches={self.micro_batches}')
+    for name in ('compute_dtype', 'base_dtype'):
+      value = getattr(self, name)
+      if value is not None and value not in _DTYPES:
+        raise ValueError(f'TrainerConfig.{name}={value!r} must be one of {sorted(_DTYPES)}')
+    if self.optimizer not in ('auto', 'anlr', 'adamw'):
+      raise ValueError(f"TrainerConfig.optimizer={self.optimizer!r} must be 'auto', 'anlr' or 'adamw'")
+    if self.learning_rate <= 0:
+      raise ValueError(f'TrainerConfig.learning_rate={self.learning_rate} must be > 0')
+
+  def total_steps(self, batches_per_epoch: int) -> int:
+    if self.steps is not None:
+      return int(self.steps)
+    return max(1, math.ceil(self.epochs * batches_per_epoch))
+
+
+def _find_anlr():
+  package = importlib.import_module('anlr_jax')
+  return getattr(package, 'anlr', None), getattr(package, 'diagnostics', None)
+
+
+def default_optimizer(config: TrainerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+  """``clip_by_global_norm(clip_norm)`` then ``anlr_jax.anlr`` (or ``optax.adamw``) on ``schedule``."""
+  anlr, _ = _find_anlr()
+  if config.optimizer == 'anlr' and anlr is None:
+    raise ImportError("TrainerConfig.optimizer='anlr' but anlr_jax.anlr is not available")
+  kwargs = dict(b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay)
+  if anlr is not None and config.optimizer != 'adamw':
+    inner = anlr(schedule, **kwargs)
+  else:
+    inner = optax.adamw(schedule, **kwargs)
+  if config.clip_norm is None:
+    return inner
+  return optax.chain(optax.clip_by_global_norm(config.clip_norm), inner)
+
+
+class Trainer:
+  """Places a LoRA model on a mesh and trains it; see the module docstring.
+
+  Args:
+    model: an NNX module with ``nnx.LoRAParam`` adapters whose params carry logical axis names.
+    batches: a batch source (batch contract).
+    config: :class:`TrainerConfig`.
+    tx: an optax transform over the LoRA param tree (default: :func:`default_optimizer`).
+    schedule: the schedule used for the ``lr`` metric (default: the config's, when ``tx`` is None).
+    mesh: a ``('data', 'fsdp', 'tensor')`` mesh (default: from the config's sizes over ``devices``).
+    devices: devices for the default mesh (default: all).
+    logical_axis_rules: logical name -> mesh axis table.
+  """
+
+  def __init__(self, model: nnx.Module, batches, config: TrainerConfig,
+               tx: optax.GradientTransformation | None = None, *,
+               schedule: optax.Schedule | None = None, mesh: jax.sharding.Mesh | None = None,
+               devices: Sequence[jax.Device] | None = None,
+               logical_axis_rules=DEFAULT_LOGICAL_AXIS_RULES):
+    if not hasattr(batches, 'get_batch') or not hasattr(batches, '__len__'):
+      raise TypeError(f'batches={batches!r} must have __len__ and get_batch(step, ...)')
+    self.config = config
+    self.batches = batches
+    self.total_steps = config.total_steps(len(batches))
+    if tx is None:
+      schedule = linear_warmup_decay(config.learning_rate, self.total_steps, config.warmup_steps)
+      tx = default_optimizer(config, schedule)
+    self.tx, self.schedule = tx, schedule
+    self.mesh = mesh if mesh is not None else make_mesh(
+        config.mesh_data, config.mesh_fsdp, config.mesh_tensor, devices=devices)
+    self.model = model
+
+    graphdef, lora, frozen, extra = nnx.split(model, nnx.LoRAParam, nnx.Param, ...)
+    if not jax.tree.leaves(lora):
+      raise ValueError('model has no nnx.LoRAParam leaves: inject LoRA adapters first')
+    self.graphdef = graphdef
+    rules = list(logical_axis_rules)
+    lora_sh = state_shardings(lora, self.mesh, rules)
+    self.frozen_shardings = state_shardings(frozen, self.mesh, rules)
+    extra_sh = state_shardings(extra, self.mesh, rules)
+    base_dtype = _DTYPES[config.base_dtype] if config.base_dtype else None
+    frozen = jax.tree.map(
+        lambda x: x.astype(base_dtype) if base_dtype and jnp.issubdtype(x.dtype, jnp.floating) else x,
+        nnx.to_pure_dict(frozen))
+    self.frozen = jax.device_put(frozen, self.frozen_shardings)
+    lora, extra = jax.device_put((nnx.to_pure_dict(lora), nnx.to_pure_dict(extra)), (lora_sh, extra_sh))
+
+    init_fn = lambda l, e: init_train_state(l, e, tx)  # noqa: E731
+    self.state_shardings = matching_shardings(jax.eval_shape(init_fn, lora, extra),
+                                              lora, lora_sh, self.mesh)
+    with jax.set_mesh(self.mesh):
+      self.state = jax.jit(init_fn, out_shardings=self.state_shardings)(lora, extra)
+    self.batch_sharding = batch_sharding(self.mesh)
+    step_fn = make_train_step(
+        graphdef, tx, schedule=schedule, micro_batches=config.micro_batches,
+        compute_dtype=_DTYPES[config.compute_dtype], remat=config.remat,
+        batch_spec=jax.sharding.PartitionSpec(BATCH_AXES))
+    self.step_fn = jax.jit(
+        step_fn,
+        in_shardings=(self.state_shardings, self.frozen_shardings,
+                      {k: self.batch_sharding for k in BATCH_KEYS}),
+        out_shardings=(self.state_shardings, replicated(self.mesh)),
+        donate_argnums=(0,))
+
+    self.checkpointer = None
+    if config.ckpt_dir is not None:
+      self.checkpointer = TrainCheckpointer(config.ckpt_dir, save_every=config.save_every,
+                                            keep=config.keep, async_save=config.async_save)
+      if config.resume and self.checkpointer.latest_step() is not None:
+        self.restore()
+
+  # -- state ------------------------------------------------------------------------------------
+  @property
+  def step(self) -> int:
+    """Updates done so far (= the index of the next batch)."""
+    return int(jax.device_get(self.state.step))
+
+  def abstract_state(self):
+    """Restore target: ``jax.eval_shape`` of the state init, with the live shardings."""
+    shapes = jax.eval_shape(lambda l, e: init_train_state(l, e, self.tx),
+                            self.state.lora, self.state.extra)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, self.state_shardings)
+
+  def save(self, *, force: bool = True) -> bool:
+    """Starts a checkpoint of the current state (collective: every process must call it)."""
+    if self.checkpointer is None:
+      raise ValueError('TrainerConfig.ckpt_dir is not set: nothing to save to')
+    step = self.step
+    meta = {'data_step': step, 'seed': self.config.seed, 'total_steps': self.total_steps,
+            'config': dataclasses.asdict(self.config)}
+    frozen = self.frozen if self.config.save_full_model else None
+    return self.checkpointer.save(step, self.state, meta, frozen, force=force)
+
+  def restore(self, step: int | None = None) -> int:
+    """Loads checkpoint ``step`` (default: the latest complete one); returns its step."""
+    frozen_target = None
+    if self.config.save_full_model:
+      frozen_target = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.frozen)
+    state, meta, frozen = self.checkpointer.restore(step, self.abstract_state(), frozen_target)
+    self.state = state
+    if frozen is not None:
+      self.frozen = frozen
+    return int(meta['step'])
+
+  def _diagnostics_fn(self):
+    """``anlr_jax.diagnostics`` if the optimizer state holds an AnLR state, else None."""
+    _, diagnostics = _find_anlr()
+    if diagnostics is None:
+      return None
+    try:
+      diagnostics(self.state.opt_state)
+    except ValueError:  # no AnLRState in this optimizer
+      return None
+    return jax.jit(diagnostics)
+
+  def updated_model(self) -> nnx.Module:
+    """Writes the current LoRA params and model state back into ``model`` and returns it."""
+    nnx.update(self.model, jax.device_get(self.state.lora), jax.device_get(self.state.extra))
+    return self.model
+
+  # -- stepping ---------------------------------------------------------------------------------
+  def global_batch(self, step: int) -> dict[str, jax.Array]:
+    """Global batch ``step`` as sharded arrays, from this process's rows."""
+    pc, pi = jax.process_count(), jax.process_index()
+    local = self.batches.get_batch(step, process_index=pi, process_count=pc)
+    missing = [k for k in BATCH_KEYS if k not in local]
+    if missing:
+      raise KeyError(f'batches.get_batch({step}) is missing keys {missing}')
+    rows = self.config.global_batch // pc
+    for key in BATCH_KEYS:
+      if np.shape(local[key])[0] != rows:
+        raise ValueError(f'batches.get_batch({step})[{key!r}] has {np.shape(local[key])[0]} rows, '
+                         f'expected global_batch/process_count = {rows}')
+    local = {'input_ids': np.asarray(local['input_ids'], np.int32),
+             'attention_mask': np.asarray(local['attention_mask'], np.int32),
+             'loss_mask': np.asarray(local['loss_mask'], np.float32)}
+    return global_batch_array(local, self.batch_sharding, self.config.global_batch)
+
+  def train_step(self) -> dict[str, jax.Array]:
+    """One update on batch ``self.step``; returns the step's metrics as device scalars."""
+    batch = self.global_batch(int(jax.device_get(self.state.step)))
+    with jax.set_mesh(self.mesh):
+      self.state, metrics = self.step_fn(self.state, self.frozen, batch)
+    return metrics
+
+  def run(self, steps: int | None = None) -> list[dict[str, float]]:
+    """Trains until ``steps`` (default: the config's total) updates are done; returns logged rows."""
+    end = self.total_steps if steps is None else min(steps, self.total_steps)
+    diagnostics = self._diagnostics_fn()
+    writer = MetricsWriter(self.config.run_dir, total_steps=self.total_steps,
+                           log_every=self.config.log_every, progress=self.config.progress)
+    step = self.step
+    writer.start(step)
+    try:
+      while step < end:
+        metrics = self.train_step()
+        step += 1
+        log_now = step % self.config.log_every == 0 or step == end
+        diag_now = bool(self.config.diag_every) and step % self.config.diag_every == 0
+        extra = None
+        if diagnostics is not None and (log_now or diag_now):
+          diag = diagnostics(self.state.opt_state)
+          extra = {'anlr': diag['mean']} if log_now else None
+          if diag_now:
+            writer.write_diagnostics(step, diag)
+        writer.record(step, metrics, extra, flush=log_now)
+        if self.checkpointer is not None and self.checkpointer.should_save(step):
+          self.save(force=False)
+      if self.checkpointer is not None and step == self.total_steps:
+        self.save(force=True)
+        self.checkpointer.wait()
+    finally:
+      writer.close()
+    return writer.rows
+
+
+def train(model: nnx.Module, batches, config: TrainerConfig,
+          tx: optax.GradientTransformation | None = None, **kwargs) -> Trainer:
+  """Builds a :class:`Trainer`, runs it to the end (resuming from ``ckpt_dir`` if possible)."""
+  trainer = Trainer(model, batches, config, tx, **kwargs)
+  trainer.run()
+  return trainer
