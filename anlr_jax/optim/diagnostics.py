@@ -21,7 +21,7 @@ __all__ = ["find_anlr_state", "diagnostics", "singular_values", "effective_rank"
 
 
 def _value(x):
-    return getattr(x, "value", x)
+    return x.get_value() if hasattr(x, "get_value") else x
 
 
 def find_anlr_state(opt_state) -> AnLRState:
@@ -35,7 +35,7 @@ def find_anlr_state(opt_state) -> AnLRState:
     if len(found) != 1:
         raise ValueError(f"expected exactly one AnLRState in the optimizer state, found {len(found)}")
     s = found[0]
-    unwrap = lambda tree: jax.tree.map(_value, tree, is_leaf=lambda x: hasattr(x, "value"))
+    unwrap = lambda tree: jax.tree.map(_value, tree, is_leaf=lambda x: hasattr(x, "get_value"))
     return AnLRState(
         count=_value(s.count),
         inner_state=s.inner_state,

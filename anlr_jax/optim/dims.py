@@ -207,5 +207,5 @@ def find_lora_modules(tree, lora_dims: LoraDimsSpec = None) -> list[LoraModule]:
 
 
 def _shape(leaf) -> tuple[int, ...]:
-    value = getattr(leaf, "value", leaf)  # nnx.Variable -> array
+    value = leaf.get_value() if hasattr(leaf, "get_value") else leaf  # nnx.Variable -> array
     return tuple(getattr(value, "shape", ()))

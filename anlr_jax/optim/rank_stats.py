@@ -22,8 +22,14 @@ __all__ = [
 _TINY = float(jnp.finfo(jnp.float32).tiny)
 
 
+def stat_dtype(*xs):
+    """float32, or wider when an input is wider (float64 under ``jax_enable_x64``)."""
+    return jnp.result_type(jnp.float32, *[x.dtype for x in xs])
+
+
 def _dot(x, y, axis):
-    return jnp.sum(x.astype(jnp.float32) * y.astype(jnp.float32), axis=axis)
+    dt = stat_dtype(x, y)
+    return jnp.sum(x.astype(dt) * y.astype(dt), axis=axis)
 
 
 def rank_velocity(a, b, grad_a, grad_b, *, a_axis: int = -2, b_axis: int = -1):
@@ -62,9 +68,9 @@ def rank_sensitivity(a, b, grad_a, grad_b, *, a_axis: int = -2, b_axis: int = -1
     Returns:
       float32 array ``(..., r)``.
     """
-    f32 = jnp.float32
-    return jnp.sum(jnp.abs(grad_a.astype(f32) * a.astype(f32)), axis=a_axis) + jnp.sum(
-        jnp.abs(grad_b.astype(f32) * b.astype(f32)), axis=b_axis
+    da, db = stat_dtype(a, grad_a), stat_dtype(b, grad_b)
+    return jnp.sum(jnp.abs(grad_a.astype(da) * a.astype(da)), axis=a_axis) + jnp.sum(
+        jnp.abs(grad_b.astype(db) * b.astype(db)), axis=b_axis
     )
 
 
@@ -102,22 +108,23 @@ def module_multipliers(nu_bar, snr, *, alpha, beta, kappa):
     Returns:
       float32 multipliers ``(..., r)`` with mean 1 over the last axis.
     """
-    log_nu, nu_ok = _normalised_log(nu_bar.astype(jnp.float32))
-    log_snr, snr_ok = _normalised_log(snr.astype(jnp.float32))
+    dt = stat_dtype(nu_bar, snr)
+    log_nu, nu_ok = _normalised_log(nu_bar.astype(dt))
+    log_snr, snr_ok = _normalised_log(snr.astype(dt))
     valid = (nu_ok | (alpha == 0)) & (snr_ok | (beta == 0))
     log_s = -alpha * log_nu + beta * log_snr
-    return _clamp_normalise(log_s, jnp.log(kappa), valid)
+    return _clamp_normalise(log_s, jnp.log(jnp.asarray(kappa, dt)), valid)
 
 
 def score_multipliers(score, *, kappa):
     r"""Multipliers from a single importance score: :math:`\log s_k = \mathrm{clip}(\log \tilde x_k)`,
     mean-normalised (used for the parameter-sensitivity ablation)."""
-    log_x, ok = _normalised_log(score.astype(jnp.float32))
-    return _clamp_normalise(log_x, jnp.log(kappa), ok)
+    log_x, ok = _normalised_log(score.astype(stat_dtype(score)))
+    return _clamp_normalise(log_x, jnp.log(jnp.asarray(kappa, log_x.dtype)), ok)
 
 
-def random_multipliers(key, shape, *, kappa):
+def random_multipliers(key, shape, *, kappa, dtype=jnp.float32):
     r"""Control: :math:`\log s_k \sim U[-\log\kappa, \log\kappa]`, mean-normalised."""
-    log_kappa = jnp.log(jnp.asarray(kappa, jnp.float32))
-    log_s = jax.random.uniform(key, shape, jnp.float32, -1.0, 1.0) * log_kappa
+    log_kappa = jnp.log(jnp.asarray(kappa, dtype))
+    log_s = jax.random.uniform(key, shape, dtype, -1.0, 1.0) * log_kappa
     return _clamp_normalise(log_s, log_kappa, True)

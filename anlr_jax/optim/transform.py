@@ -81,12 +81,13 @@ def _validate(signal, kappa, rho, warmup_steps, alpha, beta):
 
 
 def _unwrap(x):
-    return getattr(x, "value", x)
+    return x.get_value() if hasattr(x, "get_value") else x
 
 
 def _per_rank_zeros(leaf, feature_axis):
     # Reduce a zeros_like of the parameter so the state's placement follows the parameter's.
-    return jnp.sum(jnp.zeros_like(_unwrap(leaf), dtype=jnp.float32), axis=feature_axis)
+    x = _unwrap(leaf)
+    return jnp.sum(jnp.zeros_like(x, dtype=rank_stats.stat_dtype(x)), axis=feature_axis)
 
 
 def scale_by_anlr(
@@ -157,6 +158,9 @@ def scale_by_anlr(
         if params is None:
             raise ValueError(optax.NO_PARAMS_MSG)
         inner_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+        # Keep the inner state's dtypes fixed step to step (float32 injected hyperparameters would
+        # otherwise promote bf16 moments, changing the state type and forcing a recompile).
+        inner_state = optax.tree.cast_like(inner_state, state.inner_state)
         count = optax.safe_increment(state.count)
         modules = find_lora_modules(updates, lora_dims)
         mu = optax.tree_utils.tree_get(inner_state, "mu")
@@ -178,13 +182,12 @@ def scale_by_anlr(
                 f"scale_by_anlr: the inner state's 'mu' has {len(flat['m'])} leaves, the updates have "
                 f"{len(grads)}; the inner optimizer must keep one moment per parameter"
             )
-        t = count.astype(jnp.float32)
-        corr1 = 1.0 - jnp.asarray(b1, jnp.float32) ** t
-        corr2 = 1.0 - jnp.asarray(b2, jnp.float32) ** t
-
         def adam_direction(i):
-            m_hat = flat["m"][i].astype(jnp.float32) / corr1
-            v_hat = flat["v"][i].astype(jnp.float32) / corr2
+            m, v = flat["m"][i], flat["v"][i]
+            dt = rank_stats.stat_dtype(m, v)
+            t = count.astype(dt)
+            m_hat = m.astype(dt) / (1.0 - jnp.asarray(b1, dt) ** t)
+            v_hat = v.astype(dt) / (1.0 - jnp.asarray(b2, dt) ** t)
             return m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
 
         out = list(flat["u"])
@@ -200,7 +203,7 @@ def scale_by_anlr(
                 s = jnp.ones_like(velocity)
             elif signal == "random":
                 key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), count), index)
-                s = rank_stats.random_multipliers(key, velocity.shape, kappa=kappa)
+                s = rank_stats.random_multipliers(key, velocity.shape, kappa=kappa, dtype=velocity.dtype)
             elif signal == "sensitivity":
                 score = rank_stats.rank_sensitivity(a, b, ga, gb, **axes)
                 sens[mod.name] = rho * state.sensitivity[mod.name] + (1.0 - rho) * score
@@ -229,7 +232,8 @@ def scale_by_anlr(
 
 def _scale_along(update, s, feature_axis):
     """``update * s`` with ``s (..., r)`` broadcast along the factor's feature axis."""
-    scaled = update.astype(jnp.float32) * jnp.expand_dims(s, feature_axis)
+    dt = rank_stats.stat_dtype(update, s)
+    scaled = update.astype(dt) * jnp.expand_dims(s, feature_axis).astype(dt)
     return scaled.astype(update.dtype)
 
 
