@@ -77,10 +77,27 @@ def test_gradient_accumulation_equals_one_big_batch():
                               jax.device_get(big.state.lora), atol=1e-5, rtol=1e-5)
 
 
+_COMPILES = {'count': 0, 'on': False}
+
+
+def _count_compiles(event, duration, **kwargs):
+  if _COMPILES['on'] and event == '/jax/core/compile/backend_compile_duration':
+    _COMPILES['count'] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
 def test_step_compiles_once_over_steps():
   trainer = _trainer()
-  losses = [float(trainer.train_step()['loss']) for _ in range(4)]
-  assert trainer.step_fn._cache_size() == 1
+  losses = [float(trainer.train_step()['loss'])]
+  _COMPILES.update(count=0, on=True)
+  try:
+    losses += [float(trainer.train_step()['loss']) for _ in range(3)]
+  finally:
+    _COMPILES['on'] = False
+  assert trainer.step_traces == 1       # traced once over 4 steps
+  assert _COMPILES['count'] == 0        # no XLA compilation at all after the first step
   assert all(np.isfinite(losses)) and trainer.step == 4
 
 

@@ -172,8 +172,14 @@ class Trainer:
         graphdef, tx, schedule=schedule, micro_batches=config.micro_batches,
         compute_dtype=_DTYPES[config.compute_dtype], remat=config.remat,
         batch_spec=jax.sharding.PartitionSpec(BATCH_AXES))
+    self.step_traces = 0  # how many times the step was traced (= compiled); 1 in a healthy run
+
+    def counted_step(state, frozen, batch):
+      self.step_traces += 1
+      return step_fn(state, frozen, batch)
+
     self.step_fn = jax.jit(
-        step_fn,
+        counted_step,
         in_shardings=(self.state_shardings, self.frozen_shardings,
                       {k: self.batch_sharding for k in BATCH_KEYS}),
         out_shardings=(self.state_shardings, replicated(self.mesh)),
