@@ -258,3 +258,18 @@ def test_bad_arguments_raise_naming_them(kwargs, match):
     LoRALinear(_linear(), rngs=nnx.Rngs(0), **kwargs)
   with pytest.raises(TypeError, match="base"):
     LoRALinear(nnx.Dropout(0.1), rank=1, alpha=1.0, rngs=nnx.Rngs(0))
+
+
+def test_logical_axis_names_follow_the_kernel():
+  base = nnx.Linear(D_IN, D_OUT, kernel_metadata={"out_sharding": ("embed", "mlp"), "eager_sharding": False},
+                    rngs=nnx.Rngs(0))
+  layer = LoRALinear(base, rank=2, alpha=2.0, use_dora=True, init="pissa", rngs=nnx.Rngs(1))
+  assert layer.lora_a.get_metadata()["out_sharding"] == ("embed", None)
+  assert layer.lora_b.get_metadata()["out_sharding"] == (None, "mlp")
+  assert layer.lora_magnitude.get_metadata()["out_sharding"] == ("mlp",)
+  with nnx.logical_axis_rules([("embed", "fsdp"), ("mlp", "tp")]):
+    spec = nnx.get_partition_spec(nnx.state(layer, nnx.LoRAParam))
+  assert tuple(spec["lora_a"].get_value()) == ("fsdp", None)
+  assert tuple(spec["lora_b"].get_value()) == (None, "tp")
+  plain = LoRALinear(_linear(), rank=2, alpha=2.0, rngs=nnx.Rngs(1))
+  assert "out_sharding" not in plain.lora_a.get_metadata()

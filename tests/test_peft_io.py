@@ -300,3 +300,62 @@ def test_import_errors_name_the_problem(tmp_path):
     import_peft_adapter(_nnx_model(), pissa)
   with pytest.raises(ValueError, match="no LoRALinear"):
     export_peft_adapter(_nnx_model(), tmp_path / "empty")
+
+
+# ---------------------------------------------------------------------------- real LLaMA
+def test_llama_train_export_load_in_peft(tmp_path):
+  """Tiny HF LLaMA -> Flax, LoRA (paper targets) trained 3 steps, exported, loaded by PEFT on torch."""
+  import optax
+  import transformers
+  from peft import PeftModel
+
+  from anlr_jax.models.hf_io import load_hf_model
+
+  torch.manual_seed(0)
+  hf_config = transformers.LlamaConfig(
+      vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, pad_token_id=0,
+      bos_token_id=1, eos_token_id=2)
+  hf_model = transformers.LlamaForCausalLM(hf_config).eval()
+  hf_model.save_pretrained(tmp_path / "base")
+  model, _ = load_hf_model(tmp_path / "base")
+  inject_lora(model, rank=4, alpha=8.0, dropout=0.1, use_dora=True, rngs=nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, hf_config.vocab_size)
+
+  optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.LoRAParam)
+
+  @nnx.jit
+  def train_step(model, optimizer, tokens):
+    def loss_fn(model):
+      logits = model(tokens[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  model.train()
+  losses = [float(train_step(model, optimizer, tokens)) for _ in range(3)]
+  assert losses[-1] < losses[0]
+  model.eval()
+  assert np.abs(np.asarray(model.model.layers[0].mlp.down_proj.lora_b[...])).max() > 0
+
+  export_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "base"))
+  peft_model = PeftModel.from_pretrained(hf_model, tmp_path / "adapter").eval()
+  ids = np.asarray(jax.random.randint(jax.random.key(2), (2, 10), 0, hf_config.vocab_size))
+  with torch.no_grad():
+    torch_logits = peft_model(input_ids=torch.tensor(ids)).logits.numpy()
+  flax_logits = np.asarray(model(jnp.asarray(ids)))
+  chex.assert_trees_all_close(flax_logits, torch_logits, atol=1e-4, rtol=1e-4)
+  with torch.no_grad(), peft_model.disable_adapter():
+    base_logits = peft_model(input_ids=torch.tensor(ids)).logits.numpy()
+  assert np.abs(torch_logits - base_logits).max() > 1e-2  # the adapter matters at this tolerance
+  assert {type(m).__name__ for n, m in peft_model.named_modules() if n.endswith("q_proj")} == {"Linear"}
+  n_lora = sum(1 for n, _ in peft_model.named_modules() if n.endswith(".lora_A"))
+  assert n_lora == 2 * 5
+
+  fresh, _ = load_hf_model(tmp_path / "base")
+  import_peft_adapter(fresh, tmp_path / "adapter")
+  chex.assert_trees_all_close(fresh(jnp.asarray(ids)), flax_logits, atol=1e-5, rtol=1e-5)
+  export_peft_adapter(fresh, tmp_path / "again", base_model_name_or_path=str(tmp_path / "base"))
+  assert (_tensor_bytes(tmp_path / "adapter" / "adapter_model.safetensors")
+          == _tensor_bytes(tmp_path / "again" / "adapter_model.safetensors"))

@@ -24,7 +24,9 @@ dropped input. Without dropout this is ``y = b + (m / n) \odot (x W_0 + c\, x A 
 The adapter parameters ``lora_a``, ``lora_b`` (and ``lora_magnitude`` for DoRA) are
 ``nnx.LoRAParam``; the base kernel and bias stay ``nnx.Param``, so
 ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)`` trains only the adapter. Adapters are kept in
-float32 whatever the base dtype (as PEFT's ``autocast_adapter_dtype``).
+float32 whatever the base dtype (as PEFT's ``autocast_adapter_dtype``). When the base kernel carries
+logical axis names (``out_sharding=(in_axis, out_axis)``), ``A`` gets ``(in_axis, None)``, ``B``
+``(None, out_axis)`` and the magnitude ``(out_axis,)``: the rank axis is never sharded.
 
 References:
   Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", 2021.
@@ -175,6 +177,18 @@ class LoRALinear(nnx.Module):
     self.merged = False
     self.dropout = nnx.Dropout(float(dropout), deterministic=True, rngs=rngs)
 
+    kernel_meta = base.kernel.get_metadata()
+    names = kernel_meta.get("out_sharding")
+
+    def axes(*which):
+      """Logical axis names of the kernel carried over to an adapter tensor (rank axis: None)."""
+      if names is None:
+        return {}
+      meta = {"out_sharding": tuple(None if w is None else names[w] for w in which)}
+      if "eager_sharding" in kernel_meta:
+        meta["eager_sharding"] = kernel_meta["eager_sharding"]
+      return meta
+
     if init == "default":
       a = kaiming_uniform_a(rngs.params(), d_in, rank)
       b = jnp.zeros((rank, d_out), ADAPTER_DTYPE)
@@ -182,14 +196,14 @@ class LoRALinear(nnx.Module):
       a, b, residual = svd_init_factors(
           base.kernel[...], rank, self.scale, minor=(init == "milora"))
       base.kernel[...] = residual.astype(base.kernel.dtype)
-      self.init_lora_a = InitialAdapter(a)
-      self.init_lora_b = InitialAdapter(b)
-    self.lora_a = nnx.LoRAParam(a)
-    self.lora_b = nnx.LoRAParam(b)
+      self.init_lora_a = InitialAdapter(a, **axes(0, None))
+      self.init_lora_b = InitialAdapter(b, **axes(None, 1))
+    self.lora_a = nnx.LoRAParam(a, **axes(0, None))
+    self.lora_b = nnx.LoRAParam(b, **axes(None, 1))
     if self.use_dora:
       self.lora_magnitude = nnx.LoRAParam(
-          dora_column_norm(base.kernel[...], self.scale * (a @ b)).astype(ADAPTER_DTYPE))
-      self.dora_merged_norm = DoRAMergedNorm(jnp.zeros((d_out,), jnp.float32))
+          dora_column_norm(base.kernel[...], self.scale * (a @ b)).astype(ADAPTER_DTYPE), **axes(1))
+      self.dora_merged_norm = DoRAMergedNorm(jnp.zeros((d_out,), jnp.float32), **axes(1))
 
   # ------------------------------------------------------------------ maths helpers
   def delta_kernel(self) -> jax.Array:
