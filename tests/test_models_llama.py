@@ -1,0 +1,259 @@
+"""ModelConfig and LlamaForCausalLM against transformers/torch (tiny random models, CPU, no network)."""
+import json
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from anlr_jax.models.config import ModelConfig
+from anlr_jax.models.hf_io import load_hf_model
+from anlr_jax.models.llama import LOGICAL_AXES, LlamaForCausalLM, init_cache
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def make_hf_model(kind: str, seed: int = 0):
+  """A tiny random HF causal LM with O(1) activations, so attention and RoPE matter.
+
+  kind: 'llama' (GQA 4/2), 'llama3' (GQA + llama3 RoPE scaling), 'qwen2' (qkv bias),
+  'qwen2_tied' (qkv bias + tied embeddings).
+  """
+  torch.manual_seed(seed)
+  if kind.startswith("llama"):
+    config = transformers.LlamaConfig(
+        **TINY, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=None,
+        pad_token_id=0, rope_scaling=LLAMA3_ROPE if kind == "llama3" else None)
+    model = transformers.LlamaForCausalLM(config)
+  else:
+    config = transformers.Qwen2Config(
+        **TINY, rms_norm_eps=1e-6, rope_theta=1000.0, tie_word_embeddings=kind == "qwen2_tied",
+        bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    model = transformers.Qwen2ForCausalLM(config)
+  g = torch.Generator().manual_seed(seed + 1)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      noise = torch.randn(p.shape, generator=g)
+      p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.25 * noise)
+  return model.eval()
+
+
+def left_padded_batch(vocab: int, seed: int = 0, length: int = 24):
+  """Token ids (3, length) and a mask with 0 / 5 / 11 leading pads."""
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(1, vocab, size=(3, length))
+  mask = np.ones_like(ids)
+  for row, pads in enumerate((0, 5, 11)):
+    mask[row, :pads] = 0
+    ids[row, :pads] = 0
+  return ids, mask
+
+
+@nnx.jit
+def forward(model, ids, mask):
+  """Jitted forward: one compile per shape instead of one per eager op (keeps tests fast)."""
+  return model(ids, attention_mask=mask)
+
+
+def hf_logits(model, ids, mask):
+  """HF logits with the same positions as ours: cumsum(mask) - 1 (what HF generate uses)."""
+  ids_t, mask_t = torch.tensor(ids), torch.tensor(mask)
+  pos = (mask_t.cumsum(-1) - 1).clamp(min=0)
+  with torch.no_grad():
+    return model(ids_t, attention_mask=mask_t, position_ids=pos).logits.float().numpy()
+
+
+@pytest.fixture(scope="module", params=["llama", "llama3", "qwen2", "qwen2_tied"])
+def hf_and_flax(request, tmp_path_factory):
+  hf = make_hf_model(request.param)
+  path = tmp_path_factory.mktemp(request.param)
+  hf.save_pretrained(path)
+  model, config = load_hf_model(path)
+  return request.param, hf, model, config
+
+
+# ------------------------------------------------------------------------------------------------
+# ModelConfig
+
+
+@pytest.mark.parametrize("preset,billions", [
+    ("llama2_7b", 6.738), ("llama3_8b", 8.030), ("qwen2_5_7b", 7.616), ("qwen2_5_14b", 14.770)])
+def test_preset_parameter_counts_match_published_sizes(preset, billions):
+  config = getattr(ModelConfig, preset)()
+  assert abs(config.num_params() / 1e9 - billions) < 0.01 * billions
+
+
+def test_tiny_preset_is_a_few_hundred_k_params():
+  config = ModelConfig.tiny()
+  model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+  n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert n == config.num_params()
+  assert 50_000 < n < 1_000_000
+
+
+def test_from_hf_config_reads_transformers_configs():
+  hf = transformers.LlamaConfig(**TINY, rope_scaling=LLAMA3_ROPE, rope_theta=5e5).to_dict()
+  config = ModelConfig.from_hf_config(hf)
+  assert (config.num_key_value_heads, config.head_dim, config.rope_theta) == (2, 8, 5e5)
+  assert config.rope_scaling["rope_type"] == "llama3" and not config.attention_bias
+  qwen = ModelConfig.from_hf_config(transformers.Qwen2Config(**TINY, tie_word_embeddings=True).to_dict())
+  assert qwen.attention_bias and qwen.tie_word_embeddings and qwen.model_type == "qwen2"
+  # transformers 4.x layout: top-level rope_theta and legacy {"type": ...}.
+  legacy = dict(model_type="llama", **TINY, rope_theta=123.0,
+                rope_scaling={"type": "llama3", **{k: v for k, v in LLAMA3_ROPE.items()
+                                                   if k != "rope_type"}})
+  old = ModelConfig.from_hf_config(legacy)
+  assert old.rope_theta == 123.0 and old.rope_scaling["rope_type"] == "llama3"
+  assert hash(old) == hash(ModelConfig.from_hf_config(legacy))
+
+
+def test_from_pretrained_and_round_trip_through_transformers(tmp_path):
+  config = ModelConfig.tiny(rope_scaling=LLAMA3_ROPE)
+  (tmp_path / "config.json").write_text(json.dumps(config.to_hf_config()))
+  assert ModelConfig.from_pretrained(tmp_path) == config
+  hf = transformers.AutoConfig.from_pretrained(tmp_path)
+  assert hf.num_key_value_heads == 2 and hf.rope_parameters["rope_type"] == "llama3"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(model_type="mistral"), r"mistral.*llama.*qwen2"),
+    (dict(num_attention_heads=5), "num_attention_heads"),
+    (dict(num_key_value_heads=3), "num_key_value_heads"),
+    (dict(vocab_size=0), "vocab_size"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "yarn"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 2.0}), "low_freq_factor"),
+    (dict(dtype=jnp.int32), "dtype"),
+])
+def test_invalid_config_names_the_field(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    ModelConfig.tiny(**kwargs)
+
+
+def test_from_pretrained_errors(tmp_path):
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    ModelConfig.from_pretrained(tmp_path)
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", **TINY}))
+  with pytest.raises(ValueError, match="gpt2"):
+    ModelConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("rope_scaling", [None, LLAMA3_ROPE])
+def test_rope_inv_freq_matches_transformers(rope_scaling):
+  hf = transformers.LlamaConfig(**TINY, rope_theta=500.0, rope_scaling=rope_scaling)
+  expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf) if rope_scaling else (
+      1.0 / (500.0 ** (torch.arange(0, 8, 2).float() / 8)), 1.0)
+  ours = ModelConfig.from_hf_config(hf.to_dict()).rope_inv_freq()
+  np.testing.assert_allclose(ours, expected.numpy(), rtol=1e-6)
+  if rope_scaling:  # the scaling really changes the low frequencies
+    assert not np.allclose(ours, ModelConfig.tiny(head_dim=8).rope_inv_freq())
+
+
+# ------------------------------------------------------------------------------------------------
+# Module tree: HF names and logical axes
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2_tied"])
+def test_module_paths_mirror_hugging_face_names(kind):
+  hf = make_hf_model(kind)
+  config = ModelConfig.from_hf_config(hf.config.to_dict())
+  ours = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+  ours_names = {".".join(map(str, p)) for p, _ in nnx.iter_modules(ours) if p}
+  hf_names = {n for n, m in hf.named_modules()
+              if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) or "norm" in n.split(".")[-1]}
+  if kind == "qwen2_tied":  # HF keeps an lm_head sharing the embedding; ours has none
+    hf_names.discard("lm_head")
+  assert hf_names <= ours_names
+  assert ("lm_head" in ours_names) == (kind != "qwen2_tied")
+  for name, param in hf.named_parameters():
+    module_name, leaf = name.rsplit(".", 1)
+    node = ours
+    for part in module_name.split("."):
+      node = node[int(part)] if part.isdigit() else getattr(node, part)
+    ours_leaf = {"weight": "kernel" if isinstance(node, nnx.Linear) else (
+        "embedding" if isinstance(node, nnx.Embed) else "weight"), "bias": "bias"}[leaf]
+    shape = getattr(node, ours_leaf).shape
+    assert shape == (tuple(param.shape)[::-1] if ours_leaf == "kernel" else tuple(param.shape)), name
+
+
+def test_every_param_has_logical_axes():
+  config = ModelConfig.tiny(attention_bias=True)
+  model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    names = var.get_metadata()["out_sharding"]
+    assert len(names) == var.ndim and set(names) <= set(LOGICAL_AXES), path
+  spec = nnx.get_partition_spec(nnx.state(model))
+  assert tuple(spec["model"]["layers"][0]["self_attn"]["k_proj"]["kernel"].get_value()) == (
+      "embed", "kv_heads")
+  assert tuple(spec["lm_head"]["kernel"].get_value()) == ("embed", "vocab")
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward parity with transformers
+
+
+def test_logits_match_transformers_with_left_padding(hf_and_flax):
+  kind, hf, model, config = hf_and_flax
+  ids, mask = left_padded_batch(config.vocab_size)
+  expected = hf_logits(hf, ids, mask)
+  got = np.asarray(forward(model, jnp.asarray(ids), jnp.asarray(mask)))
+  assert got.dtype == np.float32 and got.shape == expected.shape
+  real = mask.astype(bool)
+  assert np.abs(expected[real]).max() > 0.5  # non-trivial logits
+  np.testing.assert_allclose(got[real], expected[real], atol=1e-4, rtol=0)
+
+
+def test_left_padded_row_equals_unpadded_row(hf_and_flax):
+  _, _, model, config = hf_and_flax
+  ids, mask = left_padded_batch(config.vocab_size)
+  batch = forward(model, jnp.asarray(ids), jnp.asarray(mask))
+  alone = forward(model, jnp.asarray(ids[2:, 11:]), jnp.ones((1, ids.shape[1] - 11), jnp.int32))
+  chex.assert_trees_all_close(batch[2, 11:], alone[0], atol=1e-5)
+
+
+def test_cached_decoding_matches_full_forward(hf_and_flax):
+  _, _, model, config = hf_and_flax
+  ids, mask = left_padded_batch(config.vocab_size, length=12)
+  full = forward(model, jnp.asarray(ids), jnp.asarray(mask))
+  cache = init_cache(config, 3, 16)
+  step = nnx.jit(lambda m, x, x_mask, c: m(x, attention_mask=x_mask, cache=c))
+  logits, cache = step(model, jnp.asarray(ids[:, :8]), jnp.asarray(mask[:, :8]), cache)
+  pieces = [logits]
+  for t in range(8, 12):
+    logits, cache = step(model, jnp.asarray(ids[:, t:t + 1]), jnp.asarray(mask[:, t:t + 1]), cache)
+    pieces.append(logits)
+  assert int(cache.index) == 12
+  real = mask.astype(bool)
+  np.testing.assert_allclose(np.concatenate(pieces, 1)[real], np.asarray(full)[real], atol=1e-5)
+
+
+def test_remat_gives_same_logits_and_gradients():
+  config = ModelConfig.tiny(num_hidden_layers=1, vocab_size=64)
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 6)))
+  plain = LlamaForCausalLM(config, rngs=nnx.Rngs(3))
+  remat = LlamaForCausalLM(ModelConfig.tiny(num_hidden_layers=1, vocab_size=64, remat=True),
+                           rngs=nnx.Rngs(3))
+  loss = lambda m: jnp.mean(jax.nn.log_softmax(m(ids))[..., 0])
+  grad = nnx.jit(nnx.grad(loss))
+  chex.assert_trees_all_close(grad(plain), grad(remat), atol=1e-6)
+
+
+def test_bf16_compute_dtype(tmp_path):
+  hf = make_hf_model("llama3")
+  hf.save_pretrained(tmp_path)
+  model, config = load_hf_model(tmp_path, compute_dtype=jnp.bfloat16)
+  assert config.dtype == jnp.bfloat16 and config.param_dtype == jnp.float32
+  assert model.model.layers[0].mlp.up_proj.kernel.dtype == jnp.float32
+  ids, mask = left_padded_batch(config.vocab_size)
+  got = np.asarray(forward(model, jnp.asarray(ids), jnp.asarray(mask)))
+  expected = hf_logits(hf, ids, mask)
+  real = mask.astype(bool)
+  err = np.abs(got[real] - expected[real]).max()
+  assert got.dtype == np.float32 and 1e-4 < err < 0.1 * np.abs(expected[real]).max()
