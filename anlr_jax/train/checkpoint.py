@@ -69,16 +69,24 @@ def abstract_for_checkpoint(tree) -> dict[str, jax.ShapeDtypeStruct]:
   return {name: abstract(leaf) for name, leaf in _named_leaves(tree)[0]}
 
 
-def unflatten_from_checkpoint(flat: dict[str, Any], template):
-  """Inverse of :func:`flatten_for_checkpoint` given the (abstract or live) template tree."""
+def unflatten_from_checkpoint(flat: dict[str, Any], template, key_source=None):
+  """Inverse of :func:`flatten_for_checkpoint` given the (abstract or live) template tree.
+
+  Typed PRNG keys are re-wrapped with the implementation of the matching leaf of ``key_source``
+  (a live tree of the same structure), or of ``template`` itself when it holds live keys.
+  """
   named, treedef = _named_leaves(template)
+  live = dict(_named_leaves(key_source)[0]) if key_source is not None else {}
   out = []
   for name, like in named:
     if name not in flat:
       raise KeyError(f'checkpoint has no entry {name!r}')
     value = flat[name]
     if _is_prng_key(like):
-      value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(like))
+      source = like if isinstance(like, jax.Array) else live.get(name)
+      if source is None:
+        raise ValueError(f'PRNG key leaf {name!r} needs a live key in key_source to re-wrap')
+      value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(source))
     out.append(value)
   return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -124,10 +132,11 @@ class TrainCheckpointer:
       items['frozen'] = ocp.args.StandardSave(flatten_for_checkpoint(frozen))
     return self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
-  def restore(self, step: int | None, state_template, frozen_template=None):
+  def restore(self, step: int | None, state_template, frozen_template=None, *, key_source=None):
     """Restores ``(state, meta, frozen_or_None)`` into the templates' shapes, dtypes and shardings.
 
-    ``step=None`` takes the latest complete checkpoint.
+    ``step=None`` takes the latest complete checkpoint; ``key_source``: a live state whose PRNG key
+    leaves give the key implementation (see :func:`unflatten_from_checkpoint`).
     """
     step = self.latest_step() if step is None else step
     if step is None:
@@ -137,7 +146,7 @@ class TrainCheckpointer:
     if frozen_template is not None:
       items['frozen'] = ocp.args.StandardRestore(abstract_for_checkpoint(frozen_template))
     restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-    state = unflatten_from_checkpoint(restored['state'], state_template)
+    state = unflatten_from_checkpoint(restored['state'], state_template, key_source)
     frozen = (unflatten_from_checkpoint(restored['frozen'], frozen_template)
               if frozen_template is not None else None)
     return state, dict(restored['meta']), frozen

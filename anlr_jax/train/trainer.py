@@ -221,7 +221,8 @@ class Trainer:
     if self.config.save_full_model:
       frozen_target = jax.tree.map(
           lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.frozen)
-    state, meta, frozen = self.checkpointer.restore(step, self.abstract_state(), frozen_target)
+    state, meta, frozen = self.checkpointer.restore(step, self.abstract_state(), frozen_target,
+                                                   key_source=self.state)
     self.state = state
     if frozen is not None:
       self.frozen = frozen
