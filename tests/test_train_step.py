@@ -160,3 +160,28 @@ def test_bad_input_names_the_problem():
   with pytest.raises(ValueError, match='nnx.LoRAParam'):
     Trainer(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), ToyBatches(), TrainerConfig(steps=1, **ONE_DEVICE),
             devices=jax.devices()[:1])
+
+
+def test_run_writes_metrics_tensorboard_and_anlr_diagnostics(tmp_path):
+  import csv
+  import json
+  run_dir = tmp_path / 'run'
+  trainer = _trainer(steps=4, warmup_steps=1, run_dir=str(run_dir), diag_every=2, log_every=2,
+                     optimizer='anlr', learning_rate=1e-3)
+  rows = trainer.run()
+  lines = [json.loads(l) for l in open(run_dir / 'metrics.jsonl')]
+  assert [r['step'] for r in lines] == [2, 4] and lines == rows
+  schedule = linear_warmup_decay(1e-3, 4, 1)
+  np.testing.assert_allclose([r['lr'] for r in lines], [schedule(1), schedule(3)], rtol=1e-6)
+  for row in lines:
+    assert np.isfinite(row['loss']) and row['tokens_per_s'] > 0 and row['grad_norm'] > 0
+    assert 'anlr/velocity_cv' in row and 'anlr/multiplier_max_min' in row
+  with open(run_dir / 'metrics.csv') as f:
+    table = list(csv.DictReader(f))
+  assert [float(r['loss']) for r in table] == [r['loss'] for r in lines]
+  assert list((run_dir / 'tensorboard').glob('events.out.tfevents.*'))
+  diag = sorted((run_dir / 'diagnostics').glob('*.npz'))
+  assert [d.name for d in diag] == ['step_00000002.npz', 'step_00000004.npz']
+  arrays = np.load(diag[-1])
+  multipliers = [k for k in arrays if 'multipliers' in k]
+  assert multipliers and all(np.isclose(arrays[k].mean(), 1.0, atol=1e-5) for k in multipliers)

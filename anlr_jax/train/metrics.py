@@ -118,6 +118,11 @@ class MetricsWriter:
         writer.writeheader()
         writer.writerows(rows)
       return
+    if self._csv_fields is None and os.path.exists(path):  # resumed run: continue the file
+      with open(path, newline='') as f:
+        self._csv_fields = next(csv.reader(f), None)
+      if self._csv_fields is not None:
+        return self._write_csv(row)
     new_file = self._csv_fields is None
     if new_file:
       self._csv_fields = fields
