@@ -9,12 +9,14 @@ first token; then a jitted single-token step is called ``N - 1`` times. Token ``
                                 logits and to the smallest set whose probability reaches top_p
 
 and once a row has produced ``eos_token_id`` every later token of that row is ``pad_token_id``.
-Both jitted functions live at module level, keyed on the model's graph definition and the
-(static) sampling settings, so the step compiles once and is reused across tokens and calls.
+Both jitted functions live at module level, keyed only on the model's graph definition and greedy vs
+sampling (temperature, top_k, top_p, eos and pad ids are traced), so the step compiles once
+per prompt/cache shape and is reused across tokens and calls.
 """
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,64 +28,78 @@ from anlr_jax.models.llama import KVCache, LlamaForCausalLM, init_cache
 TRACE_COUNTS = {"prefill": 0, "decode_step": 0}
 
 
-def _filter_logits(logits: jax.Array, top_k: int | None, top_p: float | None) -> jax.Array:
-  """Sets logits outside the top-k / nucleus (top-p) set to -inf; ``logits`` is ``(B, V)``."""
+class SamplingParams(NamedTuple):
+  """Traced (non-static) decoding settings, so changing them does not recompile."""
+
+  temperature: jax.Array  # float32 scalar, > 0 when sampling
+  top_k: jax.Array  # int32 scalar; 0 keeps every token
+  top_p: jax.Array  # float32 scalar in (0, 1]; 1 keeps every token
+  eos_token_id: jax.Array  # int32 scalar; -1 means no end-of-sequence token
+  pad_token_id: jax.Array  # int32 scalar
+
+
+def _filter_logits(logits: jax.Array, top_k, top_p) -> jax.Array:
+  """Sets logits outside the top-k / nucleus (top-p) set to the dtype minimum; ``(B, V)``.
+
+  ``top_k`` keeps the ``k`` largest logits (ties at the k-th value stay); ``k <= 0`` or None keeps
+  all. The nucleus keeps, in decreasing probability order, every token whose preceding probability
+  mass (after top-k) is below ``top_p``, so the most likely token always stays; ``top_p >= 1`` or
+  None keeps all. Both may be traced scalars.
+  """
   neg_inf = jnp.finfo(logits.dtype).min
-  if top_k is not None and top_k < logits.shape[-1]:
-    kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+  vocab = logits.shape[-1]
+  sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+  if top_k is not None:
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take(sorted_logits, k - 1, axis=-1)[..., None]
+    sorted_logits = jnp.where(sorted_logits < kth, neg_inf, sorted_logits)
     logits = jnp.where(logits < kth, neg_inf, logits)
-  if top_p is not None and top_p < 1.0:
-    sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+  if top_p is not None:
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    # Keep every token whose preceding mass is below top_p (the most likely one always stays).
-    keep = mass_before < top_p
+    keep = (mass_before < top_p) | (top_p >= 1.0)
     threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
     logits = jnp.where(logits < threshold, neg_inf, logits)
   return logits
 
 
-def _next_token(logits, done, rng, step, *, temperature, top_k, top_p, eos_token_id, pad_token_id):
+def _next_token(logits, done, rng, step, params: SamplingParams, *, greedy):
   """Chooses the next token of each row from its last logits ``(B, V)``; updates ``done``."""
-  if temperature == 0.0:
+  if greedy:
     token = jnp.argmax(logits, axis=-1)
   else:
-    scaled = _filter_logits(logits / temperature, top_k, top_p)
+    scaled = _filter_logits(logits / params.temperature, params.top_k, params.top_p)
     token = jax.random.categorical(jax.random.fold_in(rng, step), scaled, axis=-1)
-  token = jnp.where(done, pad_token_id, token).astype(jnp.int32)
-  if eos_token_id is not None:
-    done = done | (token == eos_token_id)
+  token = jnp.where(done, params.pad_token_id, token).astype(jnp.int32)
+  done = done | ((token == params.eos_token_id) & (params.eos_token_id >= 0))
   return token, done
 
 
-_STATIC = ("graphdef", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id")
+_STATIC = ("graphdef", "greedy")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _prefill(graphdef, state, prompt_ids, prompt_mask, cache, rng, *, temperature, top_k, top_p,
-             eos_token_id, pad_token_id):
+def _prefill(graphdef, state, prompt_ids, prompt_mask, cache, rng, params, *, greedy):
   """Runs the prompt through the model; returns the first new token, cache, done flags, position."""
   TRACE_COUNTS["prefill"] += 1
   model = nnx.merge(graphdef, state)
   logits, cache = model(prompt_ids, attention_mask=prompt_mask, cache=cache)
   done = jnp.zeros(prompt_ids.shape[:1], bool)
-  token, done = _next_token(logits[:, -1], done, rng, 0, temperature=temperature, top_k=top_k,
-                            top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+  token, done = _next_token(logits[:, -1], done, rng, 0, params, greedy=greedy)
   last_position = jnp.sum(prompt_mask, axis=-1) - 1
   return token, cache, done, last_position
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
-def _decode_step(graphdef, state, token, cache: KVCache, done, position, rng, step, *,
-                 temperature, top_k, top_p, eos_token_id, pad_token_id):
+def _decode_step(graphdef, state, token, cache: KVCache, done, position, rng, step, params, *,
+                 greedy):
   """Feeds one token per row at ``position + 1`` and chooses the following one."""
   TRACE_COUNTS["decode_step"] += 1
   model = nnx.merge(graphdef, state)
   position = position + 1
   logits, cache = model(token[:, None], positions=position[:, None],
                         attention_mask=jnp.ones_like(token)[:, None], cache=cache)
-  token, done = _next_token(logits[:, -1], done, rng, step, temperature=temperature, top_k=top_k,
-                            top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+  token, done = _next_token(logits[:, -1], done, rng, step, params, greedy=greedy)
   return token, cache, done, position
 
 
@@ -127,13 +143,17 @@ def generate(model: LlamaForCausalLM, prompt_ids: jax.Array, prompt_mask: jax.Ar
 
   batch, prompt_len = prompt_ids.shape
   graphdef, state = nnx.split(model)
-  static = dict(temperature=float(temperature), top_k=top_k,
-                top_p=None if top_p is None else float(top_p), eos_token_id=eos_token_id,
-                pad_token_id=int(pad_token_id))
+  static = dict(greedy=temperature == 0)
+  params = SamplingParams(
+      temperature=jnp.asarray(temperature if temperature > 0 else 1.0, jnp.float32),
+      top_k=jnp.asarray(0 if top_k is None else top_k, jnp.int32),
+      top_p=jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
+      eos_token_id=jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32),
+      pad_token_id=jnp.asarray(pad_token_id, jnp.int32))
   cache = init_cache(model.config, batch, prompt_len + max_new_tokens)
   token, cache, done, position = _prefill(
       graphdef=graphdef, state=state, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
-      cache=cache, rng=rng, **static)
+      cache=cache, rng=rng, params=params, **static)
   tokens = [token]
   for step in range(1, max_new_tokens):
     # Stop early once every row has ended; checked every 16 steps to keep dispatch asynchronous.
@@ -142,6 +162,6 @@ def generate(model: LlamaForCausalLM, prompt_ids: jax.Array, prompt_mask: jax.Ar
       break
     token, cache, done, position = _decode_step(
         graphdef=graphdef, state=state, token=token, cache=cache, done=done, position=position,
-        rng=rng, step=jnp.asarray(step, jnp.int32), **static)
+        rng=rng, step=jnp.asarray(step, jnp.int32), params=params, **static)
     tokens.append(token)
   return jnp.concatenate([t if t.ndim == 2 else t[:, None] for t in tokens], axis=1)

@@ -1,0 +1,118 @@
+"""KV-cached generation against transformers' generate, compile-once and sampling checks."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from anlr_jax.models.generate import TRACE_COUNTS, _decode_step, _filter_logits, generate
+from anlr_jax.models.hf_io import load_hf_model
+from tests.test_models_llama import left_padded_batch, make_hf_model
+
+PROMPT_LEN = 9
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2_tied"])
+def hf_and_flax(request, tmp_path_factory):
+  hf = make_hf_model(request.param, seed=7)
+  path = tmp_path_factory.mktemp(request.param)
+  hf.save_pretrained(path)
+  model, _ = load_hf_model(path)
+  ids, mask = left_padded_batch(hf.config.vocab_size, seed=3, length=PROMPT_LEN)
+  mask[2] = 0
+  mask[2, -1] = 1  # a one-token prompt too
+  ids[2, -1] = 5
+  ids[mask == 0] = 0
+  return hf, model, ids, mask
+
+
+def hf_greedy(hf, ids, mask, n, eos=None):
+  with torch.no_grad():
+    out = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=n,
+                      min_new_tokens=n if eos is None else 0, do_sample=False, pad_token_id=0,
+                      eos_token_id=eos)
+  return out[:, ids.shape[1]:].numpy()
+
+
+def test_greedy_matches_transformers_generate(hf_and_flax):
+  hf, model, ids, mask = hf_and_flax
+  expected = hf_greedy(hf, ids, mask, 20)
+  got = np.asarray(generate(model, ids, mask, max_new_tokens=20))
+  assert got.shape == (3, 20) and got.dtype == np.int32
+  assert len(np.unique(expected)) > 5  # not a degenerate repeat
+  np.testing.assert_array_equal(got, expected)
+
+
+def test_eos_then_pad_matches_transformers(hf_and_flax):
+  hf, model, ids, mask = hf_and_flax
+  free = np.asarray(generate(model, ids, mask, max_new_tokens=20))
+  eos = int(free[0, 3])  # row 0 ends at its 4th token (maybe earlier if repeated)
+  got = np.asarray(generate(model, ids, mask, max_new_tokens=20, eos_token_id=eos,
+                            pad_token_id=0))
+  first = int(np.argmax(free[0] == eos))
+  np.testing.assert_array_equal(got[0, :first + 1], free[0, :first + 1])
+  assert (got[0, first + 1:] == 0).all()
+  expected = hf_greedy(hf, ids, mask, 20, eos=eos)
+  expected = np.pad(expected, ((0, 0), (0, 20 - expected.shape[1])))  # HF stops when all ended
+  np.testing.assert_array_equal(got, expected)
+
+
+def test_decode_step_compiles_once(hf_and_flax):
+  _, model, ids, mask = hf_and_flax
+  n = 20  # the length the other tests use, so the compiled functions are shared
+  generate(model, ids, mask, max_new_tokens=n)  # warm up this model / shape
+  traces = dict(TRACE_COUNTS)
+  cache_size = _decode_step._cache_size()
+  out = generate(model, ids, mask, max_new_tokens=n)
+  generate(model, ids, mask, max_new_tokens=n, eos_token_id=int(out[0, 1]), pad_token_id=3)
+  assert TRACE_COUNTS == traces  # 19 more decode steps per call, new eos/pad ids: no new trace
+  assert _decode_step._cache_size() == cache_size
+  # Sampling compiles once more, whatever the temperature / top_k / top_p.
+  generate(model, ids, mask, max_new_tokens=n, temperature=0.5, rng=jax.random.key(0))
+  sampled = dict(TRACE_COUNTS)
+  assert sampled["decode_step"] <= traces["decode_step"] + 1
+  generate(model, ids, mask, max_new_tokens=n, temperature=2.0, top_k=3, top_p=0.5,
+           rng=jax.random.key(1))
+  assert TRACE_COUNTS == sampled
+
+
+def test_sampling_is_reproducible_and_seed_dependent(hf_and_flax):
+  _, model, ids, mask = hf_and_flax
+  kw = dict(max_new_tokens=20, temperature=1.5, top_k=40, top_p=0.95)
+  a = generate(model, ids, mask, rng=jax.random.key(1), **kw)
+  b = generate(model, ids, mask, rng=jax.random.key(1), **kw)
+  c = generate(model, ids, mask, rng=jax.random.key(2), **kw)
+  np.testing.assert_array_equal(a, b)
+  assert (np.asarray(a) != np.asarray(c)).any()
+  greedy = generate(model, ids, mask, max_new_tokens=20)
+  top1 = generate(model, ids, mask, max_new_tokens=20, temperature=0.7, top_k=1,
+                  rng=jax.random.key(3))
+  np.testing.assert_array_equal(top1, greedy)  # top_k=1 sampling is greedy
+
+
+def test_filter_logits_against_numpy():
+  logits = jnp.log(jnp.asarray([[0.05, 0.4, 0.1, 0.3, 0.15], [0.2, 0.2, 0.2, 0.2, 0.2]]))
+  kept = np.asarray(_filter_logits(logits, None, 0.75)) > -1e30
+  # Row 0 sorted: 0.4, 0.3 (mass 0.7 < 0.75), 0.15 reaches 0.85 -> keep {1, 3, 4}.
+  np.testing.assert_array_equal(kept[0], [False, True, False, True, True])
+  kept_k = np.asarray(_filter_logits(logits, 2, None)) > -1e30
+  np.testing.assert_array_equal(kept_k[0], [False, True, False, True, False])
+  # Sampling under top_p never leaves the nucleus.
+  draws = jax.random.categorical(jax.random.key(0), _filter_logits(logits, None, 0.75)[:1],
+                                 shape=(2000,))
+  assert set(np.unique(np.asarray(draws))) == {1, 3, 4}
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=3, temperature=1.0), "rng"),
+    (dict(max_new_tokens=3, top_k=0), "top_k"),
+    (dict(max_new_tokens=3, top_p=1.5), "top_p"),
+    (dict(max_new_tokens=3, temperature=-1.0), "temperature"),
+])
+def test_bad_arguments(hf_and_flax, kwargs, match):
+  _, model, ids, mask = hf_and_flax
+  with pytest.raises(ValueError, match=match):
+    generate(model, ids, mask, **kwargs)
+  with pytest.raises(ValueError, match="prompt_mask"):
+    generate(model, ids, mask[:, 1:], max_new_tokens=2)
