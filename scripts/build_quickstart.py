@@ -1,0 +1,494 @@
+r"""Builds the quickstart assets: a tiny pretrained LLaMA and a multiple-choice task about its world.
+
+Everything follows from one seed ``s``:
+
+1. **World.** ``N`` fictional animals (made-up one-word names), each with a colour, home town, owner,
+   food and size drawn uniformly from small closed sets (8, 8, 8, 8, 4 values).
+2. **Pretraining corpus.** Documents ``<s> x_1 ... x_n </s>`` of 1-4 sentences: plain-English
+   statements of one animal's facts in varied templates, arithmetic facts ("3 plus 4 is 7.") and
+   arithmetic quizzes ("Quiz: what is 3 plus 4? option1: 7 option2: 9. The answer is option1.").
+3. **Tokenizer.** Word-level (``\w+`` and punctuation runs), trained on the corpus plus the Alpaca
+   template, with ``<pad>=0, <s>=1, </s>=2, <unk>=3``; saved as Hugging Face tokenizer files.
+4. **Base model.** A LLaMA (hidden 128, 4 layers, 4/2 heads, SwiGLU 344) pretrained on packed
+   length-``T`` windows of the corpus with the full next-token loss
+
+       L(θ) = -(1/(B T)) Σ_b Σ_t log p_θ(x_{b,t+1} | x_{b,≤t})
+
+   by AdamW (warmup-cosine schedule), then saved in bfloat16. Fact recall is measured as the share
+   of facts whose value is the argmax next token after a canonical cue ("The colour of the zorbal is").
+5. **Task.** Instruction-formatted two-way multiple choice (Alpaca template, response
+   ``the correct answer is optionK``; scored as ``winogrande``). Train questions use the training
+   animals, test questions the held-out animals: their facts were pretrained, their questions never
+   appear in the fine-tune set, so test accuracy measures whether LoRA learnt to *use* what the base
+   model knows in a format it never saw.
+
+``--check`` then LoRA fine-tunes (r=8, alpha=16, q/k/v/up/down) the shipped model with
+``optax.adamw`` and with ``anlr_jax.anlr`` and reports test accuracy before and after.
+
+Usage::
+
+    python scripts/build_quickstart.py --out anlr_jax/assets/quickstart [--seed 0] [--check]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import random
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from anlr_jax import assets  # noqa: E402
+from anlr_jax.data.formats import ALPACA_PREAMBLE, ALPACA_PREAMBLE_WITH_INPUT  # noqa: E402
+from anlr_jax.models.config import ModelConfig  # noqa: E402
+from anlr_jax.models.hf_io import save_hf_model  # noqa: E402
+from anlr_jax.models.llama import LlamaForCausalLM  # noqa: E402
+
+# --------------------------------------------------------------------------------------------------
+# The world
+
+ATTRIBUTES = {
+    "colour": ("red", "blue", "green", "yellow", "purple", "orange", "white", "black"),
+    "town": ("Ashford", "Brightwater", "Coldmoor", "Dunmere", "Eastvale", "Fernhill", "Greystone",
+             "Highbury"),
+    "owner": ("Alice", "Boris", "Clara", "Daniel", "Elena", "Felix", "Grace", "Hugo"),
+    "food": ("apples", "berries", "carrots", "fish", "honey", "nuts", "rice", "seeds"),
+    "size": ("tiny", "small", "large", "huge"),
+}
+"""Attribute name -> its closed set of values."""
+
+QUESTION_ATTRIBUTES = ("colour", "town", "owner", "food")
+"""Attributes the fine-tune task asks about (size is pretraining-only background)."""
+
+# Forward templates put the animal before the value, so the value is predictable from it; the
+# reversed ones ("{v} looks after the {e}.") only add variety.
+FACT_TEMPLATES = {
+    "colour": ("The colour of the {e} is {v}.", "The {e} has {v} fur.",
+               "You can spot the {e} by its {v} fur."),
+    "town": ("The {e} lives in {v}.", "The home of the {e} is {v}.", "In {v} you will find the {e}."),
+    "owner": ("The {e} belongs to {v}.", "The owner of the {e} is {v}.", "{v} looks after the {e}."),
+    "food": ("The {e} eats {v}.", "The favourite food of the {e} is {v}.",
+             "Give {v} to the {e} and it is happy."),
+    "size": ("The size of the {e} is {v}.", "The {e} is a {v} animal."),
+}
+RECALL_CUES = {
+    "colour": "The colour of the {e} is", "town": "The {e} lives in", "owner": "The {e} belongs to",
+    "food": "The {e} eats", "size": "The size of the {e} is",
+}
+"""Canonical cue per attribute: fact recall = argmax next token after the cue equals the value."""
+
+QUESTIONS = {
+    "colour": "What colour is the {e}?", "town": "Where does the {e} live?",
+    "owner": "Who owns the {e}?", "food": "What does the {e} eat?",
+}
+OPTION_WORDS = ("option1", "option2")
+NUM_ENTITIES = 160
+NUM_TEST_ENTITIES = 50
+TRAIN_VARIANTS = 3
+"""Each (train animal, attribute) is asked this many times, with fresh distractors and order."""
+
+_CONSONANTS = "bdfgklmnprstvz"
+_VOWELS = "aeiou"
+
+
+@dataclasses.dataclass(frozen=True)
+class Entity:
+  """One animal of the world and its facts; `split` is ``'train'`` or ``'test'`` (fine-tune split)."""
+
+  name: str
+  colour: str
+  town: str
+  owner: str
+  food: str
+  size: str
+  split: str
+
+
+def build_world(seed: int, num_entities: int = NUM_ENTITIES,
+                num_test: int = NUM_TEST_ENTITIES) -> list[Entity]:
+  """The animals of the world, deterministic in `seed`; the last `num_test` are the test split."""
+  if not 0 < num_test < num_entities:
+    raise ValueError(f"num_test must be in (0, num_entities={num_entities}), got {num_test}")
+  rng = random.Random(f"world-{seed}")
+  reserved = {w.lower() for values in ATTRIBUTES.values() for w in values}
+  names: list[str] = []
+  while len(names) < num_entities:
+    name = "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(2))
+    name += rng.choice(_CONSONANTS)
+    if name not in names and name not in reserved:
+      names.append(name)
+  world = []
+  for i, name in enumerate(names):
+    facts = {attr: rng.choice(values) for attr, values in ATTRIBUTES.items()}
+    world.append(Entity(name=name, split="test" if i >= num_entities - num_test else "train",
+                        **facts))
+  return world
+
+
+# --------------------------------------------------------------------------------------------------
+# Pretraining corpus and tokenizer
+
+def _arithmetic_sentence(rng: random.Random) -> str:
+  a, b = rng.randrange(0, 13), rng.randrange(0, 13)
+  if rng.random() < 0.5:
+    return f"{a} plus {b} is {a + b}."
+  wrong = a + b + rng.choice((-3, -2, -1, 1, 2, 3))
+  options = [a + b, max(wrong, 0) if wrong != a + b else a + b + 4]
+  if options[1] == options[0]:
+    options[1] = a + b + 5
+  k = rng.randrange(2)
+  if k:
+    options.reverse()
+  return (f"Quiz: what is {a} plus {b}? option1: {options[0]} option2: {options[1]}. "
+          f"The answer is option{k + 1}.")
+
+
+def _fact_document(entity: Entity, rng: random.Random) -> str:
+  attrs = rng.sample(list(ATTRIBUTES), rng.randint(1, 4))
+  return " ".join(rng.choice(FACT_TEMPLATES[a]).format(e=entity.name, v=getattr(entity, a))
+                  for a in attrs)
+
+
+def pretraining_documents(world: list[Entity], seed: int, count: int) -> list[str]:
+  """`count` corpus documents: 85% facts about one animal, 15% arithmetic (see module docstring)."""
+  rng = random.Random(f"corpus-{seed}")
+  docs = []
+  for _ in range(count):
+    if rng.random() < 0.85:
+      docs.append(_fact_document(rng.choice(world), rng))
+    else:
+      docs.append(" ".join(_arithmetic_sentence(rng) for _ in range(rng.randint(1, 3))))
+  return docs
+
+
+def _tokenizer_corpus(world: list[Entity]) -> list[str]:
+  """Every word the corpus and the task can contain, so the word-level vocabulary is closed."""
+  texts = [ALPACA_PREAMBLE, ALPACA_PREAMBLE_WITH_INPUT, "### Instruction:\n### Input:\n### Response:\n",
+           "Please choose the correct answer to the question. Answer format: option1/option2 "
+           "the correct answer is option1 option2",
+           " ".join(str(i) for i in range(0, 40)), "Quiz: what is plus ? The answer is ."]
+  texts += [t for ts in FACT_TEMPLATES.values() for t in ts] + list(QUESTIONS.values())
+  texts += [" ".join(v) for v in ATTRIBUTES.values()] + [" ".join(e.name for e in world)]
+  return texts
+
+
+def build_tokenizer(world: list[Entity]):
+  r"""A word-level tokenizer (``\w+`` / punctuation runs) over the closed vocabulary of the world."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  from transformers import PreTrainedTokenizerFast
+
+  backend = Tokenizer(models.WordLevel(unk_token="<unk>"))
+  backend.pre_tokenizer = pre_tokenizers.Whitespace()
+  backend.decoder = decoders.WordPiece(prefix="##", cleanup=True)  # joins words with spaces
+  trainer = trainers.WordLevelTrainer(special_tokens=["<pad>", "<s>", "</s>", "<unk>"], min_frequency=1,
+                                      show_progress=False)
+  backend.train_from_iterator(sorted(set(_tokenizer_corpus(world))), trainer=trainer)
+  return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
+                                 eos_token="</s>", unk_token="<unk>", model_max_length=MAX_POSITIONS)
+
+
+# --------------------------------------------------------------------------------------------------
+# Fine-tune task
+
+def _question_record(entity: Entity, attr: str, rng: random.Random) -> dict[str, str]:
+  value = getattr(entity, attr)
+  distractor = rng.choice([v for v in ATTRIBUTES[attr] if v != value])
+  k = rng.randrange(2)
+  options = [value, distractor] if k == 0 else [distractor, value]
+  instruction = (f"Please choose the correct answer to the question: "
+                 f"{QUESTIONS[attr].format(e=entity.name)}\n\n"
+                 f"option1: {options[0]}\noption2: {options[1]}\n\nAnswer format: option1/option2")
+  answer = OPTION_WORDS[k]
+  return {"instruction": instruction, "input": "", "output": f"the correct answer is {answer}",
+          "answer": answer}
+
+
+def build_task(world: list[Entity], seed: int) -> tuple[list[dict], list[dict]]:
+  """Train and test records (LLM-Adapters layout) for the animals of each split."""
+  rng = random.Random(f"task-{seed}")
+  train, test = [], []
+  for entity in world:
+    for attr in QUESTION_ATTRIBUTES:
+      if entity.split == "test":
+        test.append(_question_record(entity, attr, rng))
+      else:
+        train.extend(_question_record(entity, attr, rng) for _ in range(TRAIN_VARIANTS))
+  rng.shuffle(train)
+  return train, test
+
+
+def world_records(world: list[Entity]) -> list[dict]:
+  """The world as JSON-ready dicts (what ``world.json`` holds)."""
+  return [dataclasses.asdict(e) for e in world]
+
+
+# --------------------------------------------------------------------------------------------------
+# Base model and pretraining
+
+MAX_POSITIONS = 128
+SEQ_LEN = 64
+CHECK_FILE = "finetune_check.json"
+
+
+def base_config(vocab_size: int) -> ModelConfig:
+  """The quickstart base model: a ~1M-parameter LLaMA with grouped-query attention."""
+  return ModelConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=344,
+                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                     rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=MAX_POSITIONS)
+
+
+def packed_windows(docs: list[str], tokenizer, seq_len: int) -> np.ndarray:
+  """The documents as ``<s> doc </s>`` token runs, concatenated and cut into ``(n, seq_len)``."""
+  ids = tokenizer(docs, add_special_tokens=False)["input_ids"]
+  bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+  stream = np.fromiter((t for doc in ids for t in (bos, *doc, eos)), dtype=np.int32)
+  n = len(stream) // seq_len
+  return stream[: n * seq_len].reshape(n, seq_len)
+
+
+def _lm_loss(model: LlamaForCausalLM, tokens: jax.Array) -> jax.Array:
+  logits = model(tokens[:, :-1])
+  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]))
+
+
+@nnx.jit
+def _pretrain_step(model, optimizer, tokens):
+  loss, grads = nnx.value_and_grad(_lm_loss)(model, tokens)
+  optimizer.update(model, grads)
+  return loss
+
+
+def pretrain(model: LlamaForCausalLM, windows: np.ndarray, *, steps: int, batch_size: int,
+             peak_lr: float, seed: int, log_every: int = 100) -> list[tuple[int, float]]:
+  """Full-weight AdamW pretraining on random batches of `windows`; returns ``(step, loss)`` logs."""
+  schedule = optax.warmup_cosine_decay_schedule(0.0, peak_lr, min(100, steps // 10), steps,
+                                                end_value=peak_lr * 0.1)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  rng = np.random.default_rng(seed)
+  log, running, start = [], [], time.time()
+  for step in range(1, steps + 1):
+    batch = windows[rng.integers(0, len(windows), batch_size)]
+    running.append(_pretrain_step(model, optimizer, jnp.asarray(batch)))
+    if step % log_every == 0 or step == steps:
+      loss = float(jnp.mean(jnp.stack(running)))
+      running = []
+      log.append((step, loss))
+      print(f"  pretrain step {step}/{steps} loss {loss:.4f} ({time.time() - start:.0f}s)", flush=True)
+  return log
+
+
+def fact_recall(model: LlamaForCausalLM, tokenizer, world: list[Entity],
+                attributes=tuple(ATTRIBUTES)) -> dict[str, float]:
+  """Per attribute, the share of animals whose value is the argmax next token after the cue."""
+  result = {}
+  for attr in attributes:
+    cues = [RECALL_CUES[attr].format(e=e.name) for e in world]
+    ids = tokenizer(cues, add_special_tokens=False)["input_ids"]
+    width = max(map(len, ids)) + 1
+    bos, pad = tokenizer.bos_token_id, tokenizer.pad_token_id
+    batch = np.full((len(ids), width), pad, np.int32)
+    mask = np.zeros_like(batch)
+    for i, row in enumerate(ids):  # left-pad so the cue ends at the last position
+      batch[i, width - len(row) - 1:] = [bos, *row]
+      mask[i, width - len(row) - 1:] = 1
+    logits = model(jnp.asarray(batch), attention_mask=jnp.asarray(mask))
+    predicted = np.asarray(jnp.argmax(logits[:, -1], axis=-1))
+    gold = np.array([tokenizer.convert_tokens_to_ids(getattr(e, attr)) for e in world])
+    result[attr] = float(np.mean(predicted == gold))
+  return result
+
+
+# --------------------------------------------------------------------------------------------------
+# Optional check: LoRA fine-tune with adamw and anlr, test accuracy before and after
+
+CHECK_TARGETS = ("q_proj", "k_proj", "v_proj", "up_proj", "down_proj")
+
+
+def _padded_train_arrays(train_path: pathlib.Path, tokenizer) -> tuple[np.ndarray, np.ndarray]:
+  """Training ids and response-only loss masks, right-padded to one width."""
+  from anlr_jax.data import read_examples, tokenize_examples
+
+  tokenized = tokenize_examples(read_examples(train_path).examples, tokenizer,
+                                max_length=MAX_POSITIONS)
+  width = int(tokenized.lengths.max())
+  ids = np.full((len(tokenized), width), tokenizer.pad_token_id, np.int32)
+  mask = np.zeros((len(tokenized), width), np.float32)
+  for i, (row, row_mask) in enumerate(zip(tokenized.input_ids, tokenized.loss_mask)):
+    ids[i, :len(row)], mask[i, :len(row)] = row, row_mask
+  return ids, mask
+
+
+def _response_loss(model, ids, mask):
+  logits = model(ids[:, :-1])
+  token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])
+  return jnp.sum(token_loss * mask[:, 1:]) / jnp.maximum(jnp.sum(mask[:, 1:]), 1.0)
+
+
+@nnx.jit
+def _lora_step(model, optimizer, ids, mask):
+  loss, grads = nnx.value_and_grad(_response_loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(
+      model, ids, mask)
+  optimizer.update(model, grads)
+  return loss
+
+
+def test_accuracy(model, tokenizer, test_path: pathlib.Path) -> float:
+  """Greedy-generation accuracy on ``test.json`` with the ``winogrande`` extraction rule."""
+  from anlr_jax.evals import default_prompt, evaluate, load_eval_examples
+  from anlr_jax.models.generate import generate
+
+  examples = load_eval_examples(test_path)
+  width = max(len(tokenizer(default_prompt(e)).input_ids) for e in examples) + 1
+
+  def generate_fn(prompts):
+    ids = np.full((len(prompts), width), tokenizer.pad_token_id, np.int32)
+    mask = np.zeros_like(ids)
+    for i, prompt in enumerate(prompts):
+      row = [tokenizer.bos_token_id, *tokenizer(prompt, add_special_tokens=False).input_ids]
+      ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
+    out = generate(model, ids, mask, max_new_tokens=6, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.batch_decode(np.asarray(out), skip_special_tokens=True)
+
+  return evaluate(generate_fn, examples, assets.QUICKSTART_TASK, batch_size=len(examples)).accuracy
+
+
+def lora_finetune(asset_dir: pathlib.Path, method: str, *, steps: int, batch_size: int, lr: float,
+                  seed: int) -> dict:
+  """LoRA (r=8, alpha=16) fine-tune of the base model with `method` in {'adamw', 'anlr'}."""
+  import anlr_jax
+  from anlr_jax.models.hf_io import load_hf_model, load_tokenizer
+  from anlr_jax.nn.inject import inject_lora
+
+  tokenizer = load_tokenizer(asset_dir)
+  model, _ = load_hf_model(asset_dir, dtype=jnp.float32)
+  model = inject_lora(model, target_modules=CHECK_TARGETS, rank=8, alpha=16.0, dropout=0.0,
+                      rngs=nnx.Rngs(seed))
+  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, steps // 10, steps, end_value=0.0)
+  if method == "adamw":
+    tx = optax.adamw(schedule, weight_decay=0.0)
+  elif method == "anlr":
+    tx = anlr_jax.anlr(schedule, weight_decay=0.0, warmup_steps=steps // 10)
+  else:
+    raise ValueError(f"method must be 'adamw' or 'anlr', got {method!r}")
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
+  ids, mask = _padded_train_arrays(asset_dir / assets.TRAIN_FILE, tokenizer)
+  rng = np.random.default_rng(seed)
+  start, losses = time.time(), []
+  for _ in range(steps):
+    pick = rng.integers(0, len(ids), batch_size)
+    losses.append(_lora_step(model, optimizer, jnp.asarray(ids[pick]), jnp.asarray(mask[pick])))
+  final_loss = float(jnp.mean(jnp.stack(losses[-20:])))
+  seconds = time.time() - start
+  accuracy = test_accuracy(model, tokenizer, asset_dir / assets.TEST_FILE)
+  return dict(method=method, steps=steps, batch_size=batch_size, lr=lr, seconds=round(seconds, 1),
+              final_loss=round(final_loss, 4), test_accuracy=accuracy)
+
+
+def run_check(asset_dir: pathlib.Path, *, seed: int, steps: int, batch_size: int, lr: float) -> dict:
+  """Test accuracy of the base model, then after a LoRA fine-tune with adamw and with anlr."""
+  from anlr_jax.models.hf_io import load_hf_model, load_tokenizer
+
+  base, _ = load_hf_model(asset_dir, dtype=jnp.float32)
+  result = {"base_accuracy": test_accuracy(base, load_tokenizer(asset_dir),
+                                           asset_dir / assets.TEST_FILE)}
+  print(f"base model test accuracy: {result['base_accuracy']:.3f}", flush=True)
+  for method in ("adamw", "anlr"):
+    result[method] = lora_finetune(asset_dir, method, steps=steps, batch_size=batch_size, lr=lr,
+                                   seed=seed)
+    print(f"{method}: {result[method]}", flush=True)
+  return result
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+
+def write_task_files(out: pathlib.Path, world: list[Entity], seed: int) -> tuple[int, int]:
+  """Writes ``world.json``, ``train.json`` and ``test.json``; returns the train and test sizes."""
+  train, test = build_task(world, seed)
+  for name, payload in ((assets.WORLD_FILE, world_records(world)), (assets.TRAIN_FILE, train),
+                        (assets.TEST_FILE, test)):
+    with open(out / name, "w", encoding="utf-8") as f:
+      json.dump(payload, f, indent=1)
+      f.write("\n")
+  return len(train), len(test)
+
+
+def build(out: pathlib.Path, *, seed: int, steps: int, batch_size: int, peak_lr: float,
+          num_docs: int) -> dict:
+  """Builds every asset into `out`; returns the build record written to ``build_info.json``."""
+  out.mkdir(parents=True, exist_ok=True)
+  world = build_world(seed)
+  n_train, n_test = write_task_files(out, world, seed)
+  tokenizer = build_tokenizer(world)
+  tokenizer.save_pretrained(os.fspath(out))
+  print(f"world: {len(world)} animals; task: {n_train} train / {n_test} test; "
+        f"vocab {len(tokenizer)}", flush=True)
+
+  docs = pretraining_documents(world, seed, num_docs)
+  windows = packed_windows(docs, tokenizer, SEQ_LEN + 1)
+  config = base_config(len(tokenizer))
+  model = LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
+  print(f"model: {config.num_params():,} parameters; corpus: {windows.size:,} tokens in "
+        f"{len(windows)} windows", flush=True)
+  start = time.time()
+  log = pretrain(model, windows, steps=steps, batch_size=batch_size, peak_lr=peak_lr, seed=seed)
+  seconds = time.time() - start
+  recall = fact_recall(model, tokenizer, world)
+  print(f"fact recall: {recall}", flush=True)
+  save_hf_model(model, config, out, dtype=jnp.bfloat16)
+  info = dict(seed=seed, steps=steps, batch_size=batch_size, seq_len=SEQ_LEN, peak_lr=peak_lr,
+              num_docs=num_docs, corpus_tokens=int(windows.size), num_params=config.num_params(),
+              vocab_size=len(tokenizer), pretrain_seconds=round(seconds, 1),
+              final_loss=round(log[-1][1], 4), loss_log=[[s, round(l, 4)] for s, l in log],
+              fact_recall=recall, train_examples=n_train, test_examples=n_test,
+              task=assets.QUICKSTART_TASK)
+  with open(out / assets.BUILD_INFO_FILE, "w") as f:
+    json.dump(info, f, indent=1)
+  return info
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--out", type=pathlib.Path, required=True, help="output directory")
+  parser.add_argument("--seed", type=int, default=assets.QUICKSTART_SEED)
+  parser.add_argument("--steps", type=int, default=1500, help="pretraining steps")
+  parser.add_argument("--batch-size", type=int, default=32)
+  parser.add_argument("--lr", type=float, default=3e-3, help="peak pretraining learning rate")
+  parser.add_argument("--num-docs", type=int, default=150_000, help="pretraining documents")
+  parser.add_argument("--check", action="store_true",
+                      help="after building, LoRA fine-tune with adamw and anlr and report accuracy")
+  parser.add_argument("--check-only", action="store_true",
+                      help="skip building; run the fine-tune check on the assets in --out")
+  parser.add_argument("--check-steps", type=int, default=300, help="LoRA steps per method")
+  parser.add_argument("--check-batch-size", type=int, default=16)
+  parser.add_argument("--check-lr", type=float, default=2e-3, help="peak LoRA learning rate")
+  args = parser.parse_args(argv)
+  for name in ("steps", "batch_size", "num_docs", "check_steps", "check_batch_size"):
+    if getattr(args, name) <= 0:
+      parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+  if not args.check_only:
+    build(args.out, seed=args.seed, steps=args.steps, batch_size=args.batch_size, peak_lr=args.lr,
+          num_docs=args.num_docs)
+  if args.check or args.check_only:
+    result = run_check(args.out, seed=args.seed, steps=args.check_steps,
+                       batch_size=args.check_batch_size, lr=args.check_lr)
+    with open(args.out / CHECK_FILE, "w") as f:
+      json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
