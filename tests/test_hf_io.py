@@ -64,8 +64,9 @@ def test_bf16_checkpoint(tmp_path):
       hf.model.embed_tokens.weight.detach().float().numpy())
   got = forward(model, jnp.asarray(ids), jnp.asarray(mask))
   assert got.dtype == jnp.float32
-  err = _max_err(got, reference, mask)
-  assert err < 0.1 * np.abs(reference).max()
+  # Our bf16 rounding error is of the order of transformers' own bf16 error.
+  hf_bf16_err = _max_err(hf_logits(hf, ids, mask), reference, mask)
+  assert _max_err(got, reference, mask) <= 2 * hf_bf16_err
   # f32 params loaded from the bf16 file, f32 compute: exactly the upcast weights.
   model32, _ = load_hf_model(tmp_path, dtype=jnp.float32)
   assert model32.lm_head.kernel.dtype == jnp.float32
