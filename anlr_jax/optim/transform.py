@@ -135,6 +135,43 @@ def scale_by_anlr(
       An ``optax.GradientTransformationExtraArgs``; extra args are passed to ``inner``.
     """
     _validate(signal, kappa, rho, warmup_steps, alpha, beta)
+
+    def inner_update(updates, inner_state, params, count, **extra_args):
+        new_updates, new_state = inner.update(updates, inner_state, params, **extra_args)
+        # Keep the inner state's dtypes fixed step to step (float32 injected hyperparameters would
+        # otherwise promote bf16 moments, changing the state type and forcing a recompile).
+        new_state = optax.tree.cast_like(new_state, inner_state)
+        mu = optax.tree_utils.tree_get(new_state, "mu")
+        nu = optax.tree_utils.tree_get(new_state, "nu")
+        if mu is None or nu is None:
+            raise ValueError(
+                "scale_by_anlr: the inner optimizer's state has no Adam moments 'mu' and 'nu'; "
+                "wrap an Adam-family transformation such as optax.adamw"
+            )
+        m, v = jax.tree.leaves(mu), jax.tree.leaves(nu)
+        if len(m) != len(jax.tree.leaves(updates)):
+            raise ValueError(
+                f"scale_by_anlr: the inner state's 'mu' has {len(m)} leaves, the updates have "
+                f"{len(jax.tree.leaves(updates))}; the inner optimizer must keep one moment per parameter"
+            )
+
+        def direction(i):  # recomputed from the bias-corrected moments
+            dt = rank_stats.stat_dtype(m[i], v[i])
+            t = count.astype(dt)
+            m_hat = m[i].astype(dt) / (1.0 - jnp.asarray(b1, dt) ** t)
+            v_hat = v[i].astype(dt) / (1.0 - jnp.asarray(b2, dt) ** t)
+            return m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
+
+        return new_updates, new_state, direction
+
+    return _anlr_transform(
+        inner.init, inner_update, alpha=alpha, beta=beta, kappa=kappa, rho=rho,
+        warmup_steps=warmup_steps, signal=signal, lora_dims=lora_dims, seed=seed,
+    )
+
+
+def _anlr_transform(inner_init, inner_update, *, alpha, beta, kappa, rho, warmup_steps, signal, lora_dims, seed):
+    """The AnLR machinery around an inner update that also exposes the Adam direction per leaf."""
     if signal == "velocity":
         beta = 0.0
     elif signal == "snr":
@@ -142,12 +179,12 @@ def scale_by_anlr(
 
     def init_fn(params):
         modules = find_lora_modules(params, lora_dims)
+        _check_unique(modules)
         leaves = jax.tree.leaves(params)
         zeros = {m.name: _per_rank_zeros(leaves[m.a_index], m.a_feature_axis) for m in modules}
-        _check_unique(modules)
         return AnLRState(
             count=jnp.zeros([], jnp.int32),
-            inner_state=inner.init(params),
+            inner_state=inner_init(params),
             nu_bar=zeros,
             snr=dict(zeros),
             multipliers={k: jnp.ones_like(v) for k, v in zeros.items()},
@@ -157,48 +194,22 @@ def scale_by_anlr(
     def update_fn(updates, state, params=None, **extra_args):
         if params is None:
             raise ValueError(optax.NO_PARAMS_MSG)
-        inner_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-        # Keep the inner state's dtypes fixed step to step (float32 injected hyperparameters would
-        # otherwise promote bf16 moments, changing the state type and forcing a recompile).
-        inner_state = optax.tree.cast_like(inner_state, state.inner_state)
         count = optax.safe_increment(state.count)
-        modules = find_lora_modules(updates, lora_dims)
-        mu = optax.tree_utils.tree_get(inner_state, "mu")
-        nu = optax.tree_utils.tree_get(inner_state, "nu")
-        if mu is None or nu is None:
-            raise ValueError(
-                "scale_by_anlr: the inner optimizer's state has no Adam moments 'mu' and 'nu'; "
-                "wrap an Adam-family transformation such as optax.adamw"
-            )
-        grads, treedef = jax.tree.flatten(updates)
-        flat = dict(
-            p=treedef.flatten_up_to(params),
-            m=jax.tree.leaves(mu),
-            v=jax.tree.leaves(nu),
-            u=treedef.flatten_up_to(inner_updates),
+        inner_updates, inner_state, direction = inner_update(
+            updates, state.inner_state, params, count, **extra_args
         )
-        if len(flat["m"]) != len(grads):
-            raise ValueError(
-                f"scale_by_anlr: the inner state's 'mu' has {len(flat['m'])} leaves, the updates have "
-                f"{len(grads)}; the inner optimizer must keep one moment per parameter"
-            )
-        def adam_direction(i):
-            m, v = flat["m"][i], flat["v"][i]
-            dt = rank_stats.stat_dtype(m, v)
-            t = count.astype(dt)
-            m_hat = m.astype(dt) / (1.0 - jnp.asarray(b1, dt) ** t)
-            v_hat = v.astype(dt) / (1.0 - jnp.asarray(b2, dt) ** t)
-            return m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
-
-        out = list(flat["u"])
+        modules = find_lora_modules(updates, lora_dims)
+        grads, treedef = jax.tree.flatten(updates)
+        flat_params = treedef.flatten_up_to(params)
+        out = treedef.flatten_up_to(inner_updates)
         nu_bar, snr, mults, sens = {}, {}, {}, {}
         for index, mod in enumerate(modules):
             ia, ib = mod.a_index, mod.b_index
             axes = dict(a_axis=mod.a_feature_axis, b_axis=mod.b_feature_axis)
-            a, b, ga, gb = flat["p"][ia], flat["p"][ib], grads[ia], grads[ib]
+            a, b, ga, gb = flat_params[ia], flat_params[ib], grads[ia], grads[ib]
             velocity = rank_stats.rank_velocity(a, b, ga, gb, **axes)
             nu_bar[mod.name] = rho * state.nu_bar[mod.name] + (1.0 - rho) * velocity
-            snr[mod.name] = rank_stats.rank_snr(adam_direction(ia), adam_direction(ib), **axes)
+            snr[mod.name] = rank_stats.rank_snr(direction(ia), direction(ib), **axes)
             if signal == "uniform":
                 s = jnp.ones_like(velocity)
             elif signal == "random":
@@ -294,18 +305,26 @@ def anlr(
       Wang et al., *Adaptive Anisotropic Learning Rates for LoRA Fine-Tuning* (AnLR-LoRA), 2026.
     """
     _validate(signal, kappa, rho, warmup_steps, alpha, beta)
-    inner = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask)
-    return scale_by_anlr(
-        inner,
-        b1=b1,
-        b2=b2,
-        eps=eps,
-        alpha=alpha,
-        beta=beta,
-        kappa=kappa,
-        rho=rho,
-        warmup_steps=warmup_steps,
-        signal=signal,
-        lora_dims=lora_dims,
-        seed=seed,
+    # optax.adamw is chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate). Running the
+    # three pieces here exposes scale_by_adam's output, the Adam direction m_hat / (sqrt(v_hat) + eps),
+    # to the SNR, so it is computed once; the state has exactly optax.adamw's structure.
+    adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+    decay = optax.add_decayed_weights(weight_decay, mask)
+    lr = optax.scale_by_learning_rate(learning_rate)
+
+    def inner_init(params):
+        return (adam.init(params), decay.init(params), lr.init(params))
+
+    def inner_update(updates, inner_state, params, count, **extra_args):
+        del count, extra_args
+        direction, adam_state = adam.update(updates, inner_state[0], params)
+        decayed, decay_state = decay.update(direction, inner_state[1], params)
+        delta, lr_state = lr.update(decayed, inner_state[2], params)
+        new_state = optax.tree.cast_like((adam_state, decay_state, lr_state), inner_state)
+        flat_direction = jax.tree.leaves(direction)
+        return delta, new_state, lambda i: flat_direction[i]
+
+    return _anlr_transform(
+        inner_init, inner_update, alpha=alpha, beta=beta, kappa=kappa, rho=rho,
+        warmup_steps=warmup_steps, signal=signal, lora_dims=lora_dims, seed=seed,
     )
