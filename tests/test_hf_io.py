@@ -192,3 +192,20 @@ def test_load_tokenizer(tmp_path):
   build_tiny_tokenizer(tmp_path / "tok")
   tokenizer = load_tokenizer(tmp_path / "tok")
   assert tokenizer.decode(tokenizer("hello world").input_ids) == "hello world"
+
+
+def test_load_under_a_mesh_shards_params_by_logical_axes(tmp_path):
+  hf = make_hf_model("llama")
+  hf.save_pretrained(tmp_path)
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  rules = (("vocab", "tensor"), ("embed", "fsdp"), ("q_heads", "tensor"), ("kv_heads", "tensor"),
+           ("mlp", "tensor"), ("norm", None))
+  ids, mask = left_padded_batch(hf.config.vocab_size)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    model, _ = load_hf_model(tmp_path)
+    kernel = model.model.layers[0].mlp.down_proj.kernel.get_value()
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+    assert len(kernel.addressable_shards) == 8 and kernel.addressable_shards[0].data.shape == (24, 16)
+    logits = forward(model, jnp.asarray(ids), jnp.asarray(mask))
+  assert _max_err(logits, hf_logits(hf, ids, mask), mask) <= 1e-4

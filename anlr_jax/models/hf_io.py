@@ -105,6 +105,19 @@ def _is_lora_wrapper(module: Any) -> bool:
 # Loading
 
 
+def _place(value: jax.Array, sharding) -> jax.Array:
+  """Puts ``value`` where the abstract model wants it (sharded when built under a mesh)."""
+  if sharding is None:
+    return value
+  if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
+      sharding.mesh, jax.sharding.AbstractMesh):
+    mesh = jax.sharding.get_mesh()
+    if mesh is None or getattr(mesh, "empty", False):
+      return value
+    sharding = jax.sharding.NamedSharding(mesh, sharding.spec)
+  return jax.device_put(value, sharding)
+
+
 def _weight_map(path: str) -> dict[str, str]:
   """HF key -> safetensors file name, from the index when sharded or the single file."""
   index_path = os.path.join(path, INDEX_FILE)
@@ -184,10 +197,9 @@ def load_hf_model(path: str | os.PathLike, *, dtype=jnp.float32,
         if entry.transpose:
           array = array.T
         variable = getattr(_submodule(model, entry.module_path), entry.attr)
-        sharding = getattr(variable.get_value(), "sharding", None)
         value = jnp.asarray(array).astype(dtype)
         del array
-        variable.set_value(jax.device_put(value, sharding) if sharding is not None else value)
+        variable.set_value(_place(value, getattr(variable.get_value(), "sharding", None)))
   return model, config
 
 

@@ -29,7 +29,9 @@ Logical axis names carried by every parameter (``out_sharding`` metadata, read w
     norm     RMSNorm weights (d,)
 
 Variables are created unsharded unless a mesh is active (``jax.set_mesh``), in which case flax
-shards them eagerly through the logical rules in force (``nnx.logical_axis_rules``).
+shards them eagerly through the logical rules in force (``nnx.logical_axis_rules``). The forward
+pass is written for meshes with ``AxisType.Auto`` axes (XLA propagates activation shardings); it
+gives no ``out_sharding`` hints, so fully ``Explicit`` meshes are not supported.
 
 Decoding uses a :class:`KVCache` of fixed length: one ``(B, S, H_kv, D)`` key and value array per
 layer, a ``(B, S)`` slot mask and the next write index, so a jitted step keeps one shape.
