@@ -200,6 +200,10 @@ def load_hf_model(path: str | os.PathLike, *, dtype=jnp.float32,
         value = jnp.asarray(array).astype(dtype)
         del array
         variable.set_value(_place(value, getattr(variable.get_value(), "sharding", None)))
+  unfilled = [".".join(map(str, p)) for p, v in nnx.to_flat_state(nnx.state(model))
+              if isinstance(v.get_value(), jax.ShapeDtypeStruct)]
+  if unfilled:  # the key table and the model disagree: a bug, not a user error
+    raise RuntimeError(f"hf_param_table does not cover model variables {unfilled}.")
   return model, config
 
 

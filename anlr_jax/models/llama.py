@@ -72,7 +72,11 @@ def _linear(config: ModelConfig, d_in: int, d_out: int, axes: tuple[str, str], b
 
 
 class KVCache(NamedTuple):
-  """Fixed-size key/value cache: per-layer ``(B, S, H_kv, D)`` arrays, slot mask, write index."""
+  """Fixed-size key/value cache: per-layer ``(B, S, H_kv, D)`` arrays, slot mask, write index.
+
+  A call with ``T`` new tokens writes slots ``[index, index + T)``; the caller must keep
+  ``index + T <= S`` (``lax.dynamic_update_slice`` would clamp the write, not fail, under jit).
+  """
 
   keys: tuple[jax.Array, ...]
   values: tuple[jax.Array, ...]
