@@ -16,18 +16,18 @@ from anlr_jax.train.trainer import Trainer, TrainerConfig  # noqa: E402
 from tests.helpers.toy_lm import ToyBatches, make_toy_model  # noqa: E402
 
 
-def main():
+def main(argv=None):
   parser = argparse.ArgumentParser()
   parser.add_argument('--ckpt', required=True)
   parser.add_argument('--steps', type=int, required=True)
   parser.add_argument('--save-every', type=int, default=0)
   parser.add_argument('--kill-at', type=int, default=-1)
   parser.add_argument('--out')
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   cfg = TrainerConfig(steps=args.steps, global_batch=8, compute_dtype='float32', progress=False,
                       mesh_data=2, mesh_fsdp=2, mesh_tensor=2, ckpt_dir=args.ckpt,
                       save_every=args.save_every, keep=3, save_full_model=True)
-  trainer = Trainer(make_toy_model(d=64, f=256), ToyBatches(), cfg, optax.adamw(1e-2))
+  trainer = Trainer(make_toy_model(d=64, f=256, dropout=0.1), ToyBatches(), cfg, optax.adamw(1e-2))
   print(f'resumed at step {trainer.step}', flush=True)
   save = trainer.checkpointer.save
 
@@ -40,6 +40,7 @@ def main():
 
   trainer.checkpointer.save = save_then_maybe_die
   rows = trainer.run()
+  trainer.checkpointer.close()
   if args.out:
     out = {f'lora.{k}': np.asarray(v) for k, v in flatten_for_checkpoint(
         jax.device_get(trainer.state)).items()}

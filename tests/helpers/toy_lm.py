@@ -1,5 +1,7 @@
 """A tiny NNX causal LM with LoRA adapters, used only by the engine tests.
 
+Optional LoRA dropout (``dropout > 0``) puts RNG state into the model, as real LoRA layers do.
+
 h_0 = E[x];  h_{l+1} = h_l + W_down gelu(W_up h_l + c A_up B_up h_l) + c A_down B_down (...);
 logits = h_L W_head.  Base weights are `nnx.Param`, adapters `nnx.LoRAParam` (`lora_a (in, r)`,
 `lora_b (r, out)`), every leaf carries logical axis names (`vocab, embed, mlp`) in `out_sharding`.
@@ -14,8 +16,9 @@ from flax import nnx
 class LoRALinear(nnx.Module):
   """y = x W + (alpha / r) (x A) B with W frozen (`nnx.Param`) and A, B `nnx.LoRAParam`."""
 
-  def __init__(self, d_in, d_out, axes, *, rank, alpha, rngs):
+  def __init__(self, d_in, d_out, axes, *, rank, alpha, rngs, dropout=0.0):
     init = nnx.initializers.lecun_normal()
+    self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout else None
     self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out)), out_sharding=axes)
     self.lora_a = nnx.LoRAParam(init(rngs.params(), (d_in, rank)), out_sharding=(axes[0], None))
     self.lora_b = nnx.LoRAParam(
@@ -25,13 +28,15 @@ class LoRALinear(nnx.Module):
   def __call__(self, x):
     dtype = x.dtype
     y = x @ self.kernel[...].astype(dtype)
+    x = self.dropout(x) if self.dropout is not None else x
     return y + self.scale * ((x @ self.lora_a[...].astype(dtype)) @ self.lora_b[...].astype(dtype))
 
 
 class Block(nnx.Module):
-  def __init__(self, d, f, *, rank, alpha, rngs):
-    self.up = LoRALinear(d, f, ('embed', 'mlp'), rank=rank, alpha=alpha, rngs=rngs)
-    self.down = LoRALinear(f, d, ('mlp', 'embed'), rank=rank, alpha=alpha, rngs=rngs)
+  def __init__(self, d, f, *, rank, alpha, rngs, dropout=0.0):
+    kw = dict(rank=rank, alpha=alpha, rngs=rngs, dropout=dropout)
+    self.up = LoRALinear(d, f, ('embed', 'mlp'), **kw)
+    self.down = LoRALinear(f, d, ('mlp', 'embed'), **kw)
 
   def __call__(self, h):
     return h + self.down(jax.nn.gelu(self.up(h)))
@@ -44,9 +49,10 @@ class ToyCausalLM(nnx.Module):
   because every position sees only its own token.
   """
 
-  def __init__(self, vocab=32, d=16, f=32, n_layers=2, rank=4, alpha=8.0, *, rngs, dtype=jnp.float32):
+  def __init__(self, vocab=32, d=16, f=32, n_layers=2, rank=4, alpha=8.0, *, rngs,
+               dtype=jnp.float32, dropout=0.0):
     self.embed = nnx.Param(jax.random.normal(rngs.params(), (vocab, d)), out_sharding=('vocab', 'embed'))
-    self.blocks = nnx.List([Block(d, f, rank=rank, alpha=alpha, rngs=rngs) for _ in range(n_layers)])
+    self.blocks = nnx.List([Block(d, f, rank=rank, alpha=alpha, rngs=rngs, dropout=dropout) for _ in range(n_layers)])
     self.head = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d, vocab)),
                           out_sharding=('embed', 'vocab'))
     self.dtype = dtype
