@@ -1,0 +1,155 @@
+r"""The method table: what ``method: <name>`` means, in one place.
+
+A fine-tuning method is a pair (how the LoRA layers are built, how their params are updated):
+
+.. math::
+
+   y = x W_0 + c\,x A B \quad (c = \alpha_{lora}/r \text{ or } \alpha_{lora}/\sqrt r),
+   \qquad \theta_{t+1} = \theta_t + \mathrm{tx}\big(\mathrm{clip}_c(\nabla_\theta L)\big),
+
+with the layer settings (``init``, ``use_rslora``, ``use_dora``) passed to
+:func:`anlr_jax.nn.inject_lora` and ``tx`` one of ``optax.adamw`` (LoRA and its layer variants),
+:func:`anlr_jax.loraplus` (``\eta_B = \lambda \eta_A``) or :func:`anlr_jax.anlr` with a ``signal``
+(AnLR-LoRA and the paper's ablations, Tab. 6/9). Every ``tx`` runs on the trainer's schedule
+``\eta_t`` after ``clip_by_global_norm`` (when ``clip_norm`` is set).
+
+==================  =========  ======  ====  ===========================
+method              init       rsLoRA  DoRA  optimizer
+==================  =========  ======  ====  ===========================
+lora                default    no      no    adamw
+rslora              default    yes     no    adamw
+loraplus            default    no      no    loraplus (lr_ratio)
+anlr                default    no      no    anlr (signal="anlr")
+pissa / milora      pissa/...  no      no    adamw
+dora                default    no      yes   adamw
+anlr+pissa/milora   pissa/...  no      no    anlr
+anlr+dora           default    no      yes   anlr
+anlr-velocity       default    no      no    anlr (signal="velocity", beta = 0)
+anlr-snr            default    no      no    anlr (signal="snr", alpha = 0)
+random              default    no      no    anlr (signal="random")
+sensitivity         default    no      no    anlr (signal="sensitivity")
+==================  =========  ======  ====  ===========================
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import optax
+
+OPTIMIZERS = ("adamw", "loraplus", "anlr")
+"""Optimizer families a method can use."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """One row of the method table: LoRA layer settings and the optimizer that trains them."""
+
+  name: str
+  description: str
+  init: str = "default"        # LoRALinear init: 'default', 'pissa' or 'milora'
+  use_rslora: bool = False     # scale c = alpha / sqrt(r) instead of alpha / r
+  use_dora: bool = False       # DoRA magnitude/direction decomposition
+  optimizer: str = "adamw"     # one of OPTIMIZERS
+  signal: str | None = None    # anlr_jax.anlr(signal=...) for optimizer='anlr'
+
+  def lora_kwargs(self) -> dict[str, Any]:
+    """Keyword arguments for :func:`anlr_jax.nn.inject_lora` that this method fixes."""
+    return dict(init=self.init, use_rslora=self.use_rslora, use_dora=self.use_dora)
+
+  @property
+  def uses_anlr(self) -> bool:
+    return self.optimizer == "anlr"
+
+
+def _table(*methods: Method) -> dict[str, Method]:
+  return {m.name: m for m in methods}
+
+
+METHODS: dict[str, Method] = _table(
+    Method("lora", "LoRA (Hu et al., 2021) with AdamW"),
+    Method("rslora", "rank-stabilised LoRA: c = alpha / sqrt(r)", use_rslora=True),
+    Method("loraplus", "LoRA+: B factors get lr_ratio times the learning rate", optimizer="loraplus"),
+    Method("anlr", "AnLR-LoRA: per-rank-one learning rates (velocity + Adam SNR)",
+           optimizer="anlr", signal="anlr"),
+    Method("pissa", "PiSSA: adapters initialised from the top-r singular triplets", init="pissa"),
+    Method("milora", "MiLoRA: adapters initialised from the bottom-r singular triplets",
+           init="milora"),
+    Method("dora", "DoRA: weight-decomposed LoRA", use_dora=True),
+    Method("anlr+pissa", "AnLR-LoRA on PiSSA-initialised adapters", init="pissa",
+           optimizer="anlr", signal="anlr"),
+    Method("anlr+milora", "AnLR-LoRA on MiLoRA-initialised adapters", init="milora",
+           optimizer="anlr", signal="anlr"),
+    Method("anlr+dora", "AnLR-LoRA on DoRA layers", use_dora=True, optimizer="anlr",
+           signal="anlr"),
+    Method("anlr-velocity", "ablation: velocity signal only (beta = 0)", optimizer="anlr",
+           signal="velocity"),
+    Method("anlr-snr", "ablation: Adam SNR signal only (alpha = 0)", optimizer="anlr",
+           signal="snr"),
+    Method("random", "control: random log-uniform multipliers in [1/kappa, kappa]",
+           optimizer="anlr", signal="random"),
+    Method("sensitivity", "ablation: AdaLoRA's |grad * W| sensitivity as the signal",
+           optimizer="anlr", signal="sensitivity"),
+)
+"""Method name -> :class:`Method`; the one source of truth for ``method:``."""
+
+METHOD_NAMES = tuple(METHODS)
+
+
+def get_method(name: str) -> Method:
+  """The :class:`Method` called ``name``; ``ValueError`` listing the allowed names otherwise."""
+  if name not in METHODS:
+    raise ValueError(f"unknown method {name!r}; allowed methods: {', '.join(METHOD_NAMES)}")
+  return METHODS[name]
+
+
+def method_optimizer(
+    method: str | Method,
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    clip_norm: float | None = 1.0,
+    anlr_kwargs: Mapping[str, Any] | None = None,
+    lr_ratio: float = 16.0,
+    seed: int = 0,
+) -> optax.GradientTransformation:
+  r"""``clip_by_global_norm(clip_norm)`` followed by the method's optimizer on ``learning_rate``.
+
+  Args:
+    method: a name from :data:`METHODS` or a :class:`Method`.
+    learning_rate: :math:`\eta_t` (a float or an optax schedule, indexed as ``optax.adamw`` does).
+    b1, b2, eps, weight_decay: the AdamW constants, shared by every optimizer family.
+    clip_norm: global-norm clipping threshold, or None for no clipping.
+    anlr_kwargs: AnLR knobs (``alpha``, ``beta``, ``kappa``, ``rho``, ``warmup_steps``) for AnLR
+      methods; missing ones take :data:`anlr_jax.DEFAULTS`. Ignored by the other methods.
+    lr_ratio: LoRA+'s :math:`\lambda = \eta_B / \eta_A` (``loraplus`` only).
+    seed: seed of the ``random`` signal.
+
+  Returns:
+    An optax transformation over the LoRA param tree.
+  """
+  import anlr_jax  # the optimizers live at the package top level
+
+  spec = method if isinstance(method, Method) else get_method(method)
+  adam = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+  if spec.optimizer == "adamw":
+    inner = optax.adamw(learning_rate, **adam)
+  elif spec.optimizer == "loraplus":
+    inner = anlr_jax.loraplus(learning_rate, lr_ratio=lr_ratio, **adam)
+  elif spec.optimizer == "anlr":
+    knobs = dict(anlr_kwargs or {})
+    unknown = sorted(set(knobs) - set(anlr_jax.DEFAULTS))
+    if unknown:
+      raise ValueError(f"anlr_kwargs has unknown keys {unknown}; allowed: {sorted(anlr_jax.DEFAULTS)}")
+    inner = anlr_jax.anlr(learning_rate, **adam, **knobs, signal=spec.signal, seed=seed)
+  else:  # a Method built by hand with a bad optimizer
+    raise ValueError(f"method {spec.name!r} has optimizer={spec.optimizer!r}; allowed: {OPTIMIZERS}")
+  if clip_norm is None:
+    return inner
+  return optax.chain(optax.clip_by_global_norm(clip_norm), inner)
+
+
+__all__ = ["METHODS", "METHOD_NAMES", "OPTIMIZERS", "Method", "get_method", "method_optimizer"]

@@ -1,0 +1,131 @@
+"""Run config: YAML loading, dotted overrides, validation errors naming key and allowed values."""
+import dataclasses
+import pathlib
+
+import pytest
+import yaml
+
+from anlr_jax import config as cfg
+from anlr_jax.methods import METHOD_NAMES
+from anlr_jax.train import TrainerConfig
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _write(tmp_path, text, name="run.yaml"):
+  path = tmp_path / name
+  path.write_text(text)
+  return path
+
+
+def test_yaml_and_overrides_give_typed_values(tmp_path):
+  path = _write(tmp_path, """
+method: lora
+model: {path: models/x, dtype: bfloat16}
+lora: {rank: 8, alpha: 16}
+trainer: {learning_rate: 3.0e-4, epochs: 1, global_batch: 4}
+eval: {tasks: {boolq: data/boolq.json}}
+""")
+  c = cfg.load_config(path, ["lora.rank=16", "method=anlr+dora", "trainer.learning_rate=2e-4",
+                             "eval.tasks.piqa=data/piqa.json", "trainer.clip_norm=null",
+                             "lora.targets=q_proj,v_proj", "compare=[lora, anlr]", "anlr.kappa=4",
+                             "eval.include_base=true", "trainer.steps=3"])
+  assert c.method == "anlr+dora" and c.compare == ["lora", "anlr"]
+  assert c.methods() == ["lora", "anlr"]
+  assert c.lora.rank == 16 and isinstance(c.lora.rank, int)
+  assert c.lora.alpha == 16.0 and isinstance(c.lora.alpha, float)
+  assert c.lora.targets == ["q_proj", "v_proj"]
+  assert isinstance(c.trainer, TrainerConfig)
+  assert c.trainer.learning_rate == 2e-4 and c.trainer.clip_norm is None and c.trainer.steps == 3
+  assert c.trainer.global_batch == 4 and c.trainer.epochs == 1.0
+  assert c.eval.tasks == {"boolq": "data/boolq.json", "piqa": "data/piqa.json"}
+  assert c.eval.include_base is True and c.anlr.kappa == 4.0 and c.model.dtype == "bfloat16"
+
+
+def test_saved_config_round_trips(tmp_path):
+  c = cfg.load_config(None, ["lora.rank=4", "method=pissa", "trainer.steps=7", "seed=3"])
+  cfg.save_config(c, tmp_path / "config.yaml")
+  again = cfg.load_config(tmp_path / "config.yaml")
+  assert dataclasses.asdict(again) == dataclasses.asdict(c)
+  assert "seed" not in yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]
+
+
+@pytest.mark.parametrize("override, pattern", [
+    (["lora.rnk=3"], r"unknown key 'lora.rnk'; allowed keys in 'lora': rank, alpha, dropout, targets"),
+    (["bogus=1"], r"unknown key 'bogus'; allowed top-level keys: method, compare, run_dir, seed, model"),
+    (["optim.lr=1"], r"unknown section 'optim'"),
+    (["lora.rank=abc"], r"lora.rank: expected int, got 'abc'"),
+    (["lora.rank=2.5"], r"lora.rank: expected int, got '2.5'"),
+    (["trainer.learning_rate=fast"], r"trainer.learning_rate: expected float, got 'fast'"),
+    (["eval.include_base=maybe"], r"eval.include_base: expected bool"),
+    (["method=qlora"], r"method: 'qlora' is not allowed; must be one of \['lora', 'rslora'"),
+    (["compare=[lora,bad]"], r"compare: 'bad' is not allowed; must be one of \['lora'"),
+    (["model.dtype=int8"], r"model.dtype: 'int8' is not allowed; must be one of \['float32', 'bfloat16'"),
+    (["trainer.remat=yes"], r"trainer.remat: 'yes' is not allowed; must be one of \['none', 'full', 'dots'\]"),
+    (["data.format=csv"], r"data.format: 'csv' is not allowed; must be one of \['messages'"),
+    (["eval.tasks.mmlu=x.json"], r"eval.tasks: 'mmlu' is not allowed; must be one of \['boolq'"),
+    (["lora.dropout=1.0"], r"lora.dropout: 1.0 is not allowed; must be >= 0 and < 1"),
+    (["anlr.kappa=1"], r"anlr.kappa: 1.0 is not allowed; must be > 1"),
+    (["anlr.rho=1"], r"anlr.rho: 1.0 is not allowed; must be >= 0 and < 1"),
+    (["lora.rank=0"], r"lora.rank: 0 is not allowed; must be >= 1"),
+    (["trainer.global_batch=0"], r"trainer.global_batch=0 must be >= 1"),
+    (["trainer.global_batch=6", "trainer.micro_batches=4"], r"trainer.global_batch=6 is not divisible"),
+    (["trainer.seed=1"], r"trainer.seed is set by the top-level key 'seed'"),
+    (["trainer.optimizer=adamw"], r"trainer.optimizer is set by the top-level key 'method'"),
+    (["lora=3"], r"'lora' is a section; set one of its keys \(rank, alpha, dropout, targets\)"),
+    (["rank"], r"override 'rank' is not key=value"),
+])
+def test_bad_overrides_name_the_key_and_the_allowed(override, pattern):
+  with pytest.raises(cfg.ConfigError, match=pattern):
+    cfg.load_config(None, override)
+
+
+def test_errors_in_a_file_name_the_file(tmp_path):
+  path = _write(tmp_path, "lora:\n  rank: 8\n  alhpa: 16\n")
+  with pytest.raises(cfg.ConfigError, match=f"{path}: unknown key 'lora.alhpa'"):
+    cfg.load_config(path)
+  path = _write(tmp_path, "lora: {rank: 8\ntrainer: [\n", "broken.yaml")
+  with pytest.raises(cfg.ConfigError, match=f"{path}:\\d+: invalid YAML"):
+    cfg.load_config(path)
+  path = _write(tmp_path, "- a\n- b\n", "list.yaml")
+  with pytest.raises(cfg.ConfigError, match=f"{path}: expected a mapping"):
+    cfg.load_config(path)
+  path = _write(tmp_path, "lora: 8\n", "section.yaml")
+  with pytest.raises(cfg.ConfigError, match="lora: expected a mapping of keys \\(rank, alpha"):
+    cfg.load_config(path)
+  with pytest.raises(FileNotFoundError, match="config file not found: .*nope.yaml"):
+    cfg.load_config(tmp_path / "nope.yaml")
+
+
+def test_help_documents_every_key():
+  text = cfg.help_text()
+  for name, section in cfg.SECTIONS.items():
+    docs = cfg.field_docs(section)
+    for f in dataclasses.fields(section):
+      key = f"{name}.{f.name}"
+      if key in cfg.SET_ELSEWHERE:
+        assert f"  {key} " not in text
+        continue
+      line = next(l for l in text.splitlines() if l.startswith(f"  {key} ("))
+      assert docs.get(f.name) and docs[f.name] in line, key
+  for key in cfg.TOP_LEVEL:
+    assert any(l.startswith(f"  {key} (") for l in text.splitlines())
+  assert "anlr+dora" in text and "trainer.learning_rate (float, default 0.0003)" in text
+
+
+def test_paths_and_run_dir():
+  from anlr_jax import assets
+  assert cfg.resolve_path("asset://quickstart/train.json") == str(
+      pathlib.Path(assets.__file__).parent / "quickstart" / "train.json")
+  assert cfg.resolve_path("data/x.json") == "data/x.json" and cfg.resolve_path(None) is None
+  assert cfg.format_run_dir("runs/{method}-s{seed}-{timestamp}", method="anlr+dora", seed=2,
+                            timestamp="T") == "runs/anlr_dora-s2-T"
+  with pytest.raises(cfg.ConfigError, match="run_dir: .*bad placeholder"):
+    cfg.format_run_dir("runs/{name}", method="lora", seed=0)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_are_valid(path):
+  c = cfg.load_config(path)
+  assert set(c.methods()) <= set(METHOD_NAMES)
+  assert c.model.path and c.data.train
