@@ -1,0 +1,163 @@
+"""`anlr sweep`: skips finished cells, resumes after an interruption, aggregates mean ± std like NumPy,
+writes the table and plot; the default subprocess runner's command line."""
+import csv
+import json
+import os
+import stat
+import sys
+
+import chex
+import numpy as np
+import pytest
+
+from anlr_jax.analysis import aggregate, sweep_main
+from anlr_jax.analysis.sweep import SweepCell, cell_dir, grid, subprocess_runner
+
+METHODS = ('lora', 'anlr')
+LRS = (5e-5, 1e-4, 2e-4)
+SEEDS = (0, 1, 2)
+
+
+def _accuracy(method, lr, seed):
+  """A planted accuracy: anlr above lora, a peak at 1e-4, seed noise."""
+  return 0.6 + 0.1 * (method == 'anlr') - 0.05 * abs(np.log10(lr) + 4) + 0.01 * seed
+
+
+def _write_results(run_dir, cell):
+  os.makedirs(run_dir, exist_ok=True)
+  acc = _accuracy(cell.method, cell.learning_rate, cell.seed)
+  with open(os.path.join(run_dir, 'results.json'), 'w') as f:
+    json.dump({'method': cell.method, 'learning_rate': cell.learning_rate, 'seed': cell.seed,
+               'accuracy': {'boolq': acc, 'piqa': acc}, 'avg': acc}, f)
+
+
+class FakeRunner:
+  """Writes results.json at once; raises at call number ``fail_at`` (1-based) to simulate a crash."""
+
+  def __init__(self, fail_at=None):
+    self.calls = []
+    self.fail_at = fail_at
+
+  def __call__(self, cell, run_dir):
+    self.calls.append(cell)
+    if self.fail_at is not None and len(self.calls) == self.fail_at:
+      raise RuntimeError(f'simulated crash in {cell.describe()}')
+    _write_results(run_dir, cell)
+
+
+def _argv(tmp_path, *extra):
+  config = tmp_path / 'cfg.yaml'
+  config.write_text('method: lora\n')
+  return ['--config', str(config), '--methods', ','.join(METHODS), '--lrs', ','.join(map(str, LRS)),
+          '--seeds', ','.join(map(str, SEEDS)), '--out', str(tmp_path / 'sweep'), *extra]
+
+
+def _all_cells():
+  return grid(METHODS, LRS, SEEDS)
+
+
+def test_finished_cells_are_not_run_again(tmp_path):
+  out = str(tmp_path / 'sweep')
+  finished = _all_cells()[::4]
+  for cell in finished:
+    _write_results(cell_dir(out, cell), cell)
+  runner = FakeRunner()
+  assert sweep_main(_argv(tmp_path), runner=runner) == 0
+  assert set(runner.calls) == set(_all_cells()) - set(finished)
+  assert len(runner.calls) == len(_all_cells()) - len(finished)
+  again = FakeRunner()
+  assert sweep_main(_argv(tmp_path), runner=again) == 0
+  assert again.calls == []
+
+
+def test_interrupted_sweep_resumes_where_it_stopped(tmp_path, capsys):
+  crashing = FakeRunner(fail_at=5)
+  assert sweep_main(_argv(tmp_path), runner=crashing) == 1
+  assert 'simulated crash' in capsys.readouterr().err
+  cells = _all_cells()
+  out = str(tmp_path / 'sweep')
+  assert crashing.calls == cells[:5]
+  assert [os.path.exists(os.path.join(cell_dir(out, c), 'results.json')) for c in cells[:5]] == \
+      [True] * 4 + [False]
+  # the table of the finished cells is there already
+  with open(tmp_path / 'sweep' / 'results.csv') as f:
+    assert len(list(csv.DictReader(f))) == 4
+  rest = FakeRunner()
+  assert sweep_main(_argv(tmp_path), runner=rest) == 0
+  assert rest.calls == cells[4:]
+
+
+def test_aggregates_mean_and_std_and_writes_table_and_plot(tmp_path):
+  assert sweep_main(_argv(tmp_path, 'trainer.steps=3'), runner=FakeRunner()) == 0
+  out = tmp_path / 'sweep'
+  with open(out / 'summary.csv') as f:
+    table = list(csv.DictReader(f))
+  assert len(table) == len(METHODS) * len(LRS)
+  for row in table:
+    values = np.array([_accuracy(row['method'], float(row['learning_rate']), s) for s in SEEDS])
+    assert int(row['n']) == len(SEEDS)
+    chex.assert_trees_all_close(float(row['mean']), values.mean(), rtol=1e-12)
+    chex.assert_trees_all_close(float(row['std']), values.std(ddof=1), rtol=1e-12)
+  with open(out / 'results.csv') as f:
+    rows = list(csv.DictReader(f))
+  assert len(rows) == len(_all_cells()) and 'acc/boolq' in rows[0]
+  markdown = (out / 'summary.md').read_text()
+  assert '| anlr |' in markdown and '±' in markdown and '0.0001' in markdown
+  png = (out / 'accuracy_vs_lr.png').read_bytes()
+  assert png[:4] == b'\x89PNG' and len(png) > 1000
+
+
+def test_aggregate_single_seed_and_order():
+  rows = [dict(method='a', learning_rate=1e-4, seed=0, avg=0.5),
+          dict(method='b', learning_rate=1e-4, seed=0, avg=0.7),
+          dict(method='a', learning_rate=1e-4, seed=1, avg=0.6)]
+  table = aggregate(rows)
+  assert [(r['method'], r['n']) for r in table] == [('a', 2), ('b', 1)]
+  chex.assert_trees_all_close(table[0]['std'], float(np.std([0.5, 0.6], ddof=1)))
+  assert table[1]['std'] == 0.0
+
+
+def test_subprocess_runner_passes_the_cell_and_overrides(tmp_path):
+  """The default runner's command line, with a stand-in `python` that records its arguments and
+  writes results.json where run_dir= says."""
+  fake_python = tmp_path / 'fake_python'
+  fake_python.write_text(
+      f'#!{sys.executable}\n'
+      'import json, os, sys\n'
+      'args = sys.argv[1:]\n'
+      'kv = dict(a.split("=", 1) for a in args if "=" in a)\n'
+      'os.makedirs(kv["run_dir"], exist_ok=True)\n'
+      'json.dump({"argv": args, "avg": 0.5}, open(os.path.join(kv["run_dir"], "results.json"), "w"))\n')
+  fake_python.chmod(fake_python.stat().st_mode | stat.S_IEXEC)
+  cell = SweepCell('anlr', 2e-4, 1)
+  run_dir = str(tmp_path / 'cell')
+  subprocess_runner('cfg.yaml', ['trainer.steps=5'], python=str(fake_python))(cell, run_dir)
+  argv = json.load(open(os.path.join(run_dir, 'results.json')))['argv']
+  assert argv == ['-m', 'anlr_jax.cli', 'train', '--config', 'cfg.yaml', f'run_dir={run_dir}',
+                  'method=anlr', 'trainer.learning_rate=0.0002', 'seed=1', 'trainer.steps=5']
+  failing = tmp_path / 'failing_python'
+  failing.write_text('#!/bin/sh\necho boom\nexit 3\n')
+  failing.chmod(failing.stat().st_mode | stat.S_IEXEC)
+  with pytest.raises(RuntimeError, match=r'method=anlr lr=0.0002 seed=1 failed \(exit 3\).*train.log'):
+    subprocess_runner('cfg.yaml', python=str(failing))(cell, str(tmp_path / 'bad'))
+  assert 'boom' in (tmp_path / 'bad' / 'train.log').read_text()
+
+
+def test_bad_arguments_name_the_argument(tmp_path, capsys):
+  with pytest.raises(SystemExit):
+    sweep_main(_argv(tmp_path)[:4] + ['--lrs', '1e-4,abc', '--out', str(tmp_path / 's')], runner=FakeRunner())
+  assert '--lrs' in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    sweep_main(_argv(tmp_path, 'seed=3'), runner=FakeRunner())
+  assert 'seed' in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    sweep_main(['--config', str(tmp_path / 'missing.yaml'), '--methods', 'lora', '--lrs', '1e-4'],
+               runner=FakeRunner())
+  assert 'missing.yaml' in capsys.readouterr().err
+  with pytest.raises(ValueError, match='repeated'):
+    grid(['lora', 'lora'], [1e-4], [0])
+
+
+def test_runner_that_writes_nothing_is_an_error(tmp_path, capsys):
+  assert sweep_main(_argv(tmp_path), runner=lambda cell, run_dir: None) == 1
+  assert 'results.json' in capsys.readouterr().err
