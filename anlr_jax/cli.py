@@ -1,0 +1,204 @@
+"""The ``anlr`` command line: train, eval, export, generate, analyze, sweep.
+
+``anlr train`` with no arguments runs the quickstart (``configs/quickstart.yaml``, or the same
+settings built in when the package is installed without the repository's ``configs/``): LoRA and
+AnLR-LoRA on the shipped model and task, compared on the shipped test set.
+
+Examples::
+
+    anlr train                                          # the quickstart
+    anlr train --config configs/commonsense_llama2_7b.yaml method=lora seed=1
+    anlr train --help                                   # every config key, with type and default
+    anlr eval --config configs/quickstart.yaml --adapter runs/quickstart-.../anlr
+    anlr export --run runs/quickstart-.../anlr --format peft --out adapters/anlr
+    anlr generate --model models/Llama-2-7b-hf --adapter adapters/anlr --prompt "..."
+    anlr analyze ... / anlr sweep ...                   # see anlr_jax.analysis
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pathlib
+import sys
+import time
+from typing import Sequence
+
+QUICKSTART_CONFIG = "quickstart.yaml"
+
+QUICKSTART_DEFAULT = {
+    "compare": ["lora", "anlr"],
+    "run_dir": "runs/quickstart-{timestamp}",
+    "seed": 0,
+    "model": {"path": "asset://quickstart", "dtype": "float32"},
+    "lora": {"rank": 8, "alpha": 16, "dropout": 0.0,
+             "targets": ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]},
+    "anlr": {"alpha": 2.0, "beta": 1.0, "kappa": 3.0, "rho": 0.95, "warmup_steps": 30},
+    "data": {"train": "asset://quickstart/train.json", "format": "commonsense", "max_length": 128,
+             "pad_multiple": 16},
+    "trainer": {"steps": 300, "global_batch": 16, "learning_rate": 2.0e-3, "warmup_steps": 30,
+                "weight_decay": 0.0, "clip_norm": 1.0, "compute_dtype": "float32", "log_every": 10},
+    "eval": {"tasks": {"winogrande": "asset://quickstart/test.json"}, "batch_size": 50,
+             "max_new_tokens": 8, "include_base": True},
+}
+"""The quickstart's settings when ``configs/quickstart.yaml`` is not reachable (kept equal to it;
+``tests/test_quickstart.py`` checks that)."""
+
+
+class CLIError(Exception):
+  """A usage error reported as ``anlr: error: ...`` with exit status 2."""
+
+
+def quickstart_config_path() -> pathlib.Path | None:
+  """``configs/quickstart.yaml`` under the working directory or the source checkout, if present."""
+  for root in (pathlib.Path.cwd(), pathlib.Path(__file__).resolve().parents[1]):
+    path = root / "configs" / QUICKSTART_CONFIG
+    if path.is_file():
+      return path
+  return None
+
+
+def _load_run_config(path: str | None, overrides: Sequence[str]):
+  from anlr_jax.config import load_config
+  if path is not None:
+    return load_config(path, overrides)
+  found = quickstart_config_path()
+  if found is not None:
+    print(f"anlr: no --config given: running the quickstart ({found})", flush=True)
+    return load_config(found, overrides)
+  print("anlr: no --config given: running the quickstart (built-in settings)", flush=True)
+  return load_config(None, overrides, base=QUICKSTART_DEFAULT)
+
+
+# ------------------------------------------------------------------------------- subcommands
+def cmd_train(args) -> int:
+  from anlr_jax.run import train_run
+  config = _load_run_config(args.config, args.overrides)
+  start = time.perf_counter()
+  summary = train_run(config)
+  print(f"\n{summary['table']}\n", flush=True)
+  print(f"run directory: {summary['run_dir']} ({time.perf_counter() - start:.0f}s)", flush=True)
+  return 0
+
+
+def cmd_eval(args) -> int:
+  from anlr_jax.run import eval_run
+  config = _load_run_config(args.config, args.overrides)
+  result = eval_run(config, args.adapter, out_dir=args.out)
+  avg = "" if result["avg"] is None else f"; avg {100 * result['avg']:.1f}%"
+  print(f"accuracy: " + ", ".join(f"{t} {100 * a:.1f}%" for t, a in result["accuracy"].items())
+        + avg, flush=True)
+  print(f"results: {result['out_dir']}", flush=True)
+  return 0
+
+
+def cmd_export(args) -> int:
+  from anlr_jax.run import export_run
+  export_run(args.run, args.format, args.out)
+  return 0
+
+
+def cmd_generate(args) -> int:
+  from anlr_jax.run import generate_text
+  text = generate_text(args.model, args.prompt, adapter=args.adapter,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       raw=args.raw, seed=args.seed, dtype=args.dtype)
+  print(text, flush=True)
+  return 0
+
+
+def _analysis_entry(name: str):
+  try:
+    module = importlib.import_module("anlr_jax.analysis.cli")
+  except ModuleNotFoundError as err:
+    if err.name and err.name.startswith("anlr_jax.analysis"):
+      raise CLIError(f"'anlr {name.removesuffix('_main')}' needs anlr_jax.analysis.cli, which is "
+                     "not available in this installation") from None
+    raise
+  entry = getattr(module, name, None)
+  if entry is None:
+    raise CLIError(f"anlr_jax.analysis.cli has no {name}(argv)")
+  return entry
+
+
+# ------------------------------------------------------------------------------------ parser
+class _TrainHelp(argparse.RawDescriptionHelpFormatter):
+  pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+  from anlr_jax.config import help_text
+
+  parser = argparse.ArgumentParser(
+      prog="anlr", description="AnLR-LoRA fine-tuning in JAX: train, evaluate, export, generate.",
+      epilog="Run 'anlr <command> --help' for a command's options. 'anlr train' with no arguments "
+             "runs the quickstart.", formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="command", metavar="command")
+
+  overrides_help = "config overrides with dotted keys, e.g. lora.rank=16 method=anlr"
+  train = sub.add_parser(
+      "train", help="fine-tune (default: the quickstart)", formatter_class=_TrainHelp,
+      description="Fine-tune a base model with LoRA and the chosen method, then evaluate.",
+      epilog=help_text())
+  train.add_argument("--config", help="run config YAML (default: configs/quickstart.yaml)")
+  train.add_argument("overrides", nargs="*", metavar="key=value", help=overrides_help)
+  train.set_defaults(func=cmd_train)
+
+  ev = sub.add_parser("eval", help="evaluate the base model or base + adapter",
+                      formatter_class=_TrainHelp, epilog=help_text())
+  ev.add_argument("--config", help="run config YAML (model, eval sections are used)")
+  ev.add_argument("--adapter", help="a run directory (lora_final.safetensors) or a PEFT adapter dir")
+  ev.add_argument("--out", help="output directory (default: <adapter>/eval-<timestamp>)")
+  ev.add_argument("overrides", nargs="*", metavar="key=value", help=overrides_help)
+  ev.set_defaults(func=cmd_eval)
+
+  ex = sub.add_parser("export", help="export a run's adapter (PEFT) or merged model (HF)")
+  ex.add_argument("--run", required=True, help="run directory with lora_final.safetensors")
+  ex.add_argument("--format", required=True, choices=("peft", "merged"))
+  ex.add_argument("--out", required=True, help="output directory")
+  ex.set_defaults(func=cmd_export)
+
+  gen = sub.add_parser("generate", help="greedy/sampled generation from a prompt")
+  gen.add_argument("--model", required=True, help="local HF model directory")
+  gen.add_argument("--adapter", help="a run directory or a PEFT adapter directory")
+  gen.add_argument("--prompt", required=True)
+  gen.add_argument("--max-new-tokens", type=int, default=64)
+  gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+  gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+  gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+  gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the Alpaca template")
+  gen.set_defaults(func=cmd_generate)
+
+  for name in ("analyze", "sweep"):
+    p = sub.add_parser(name, help=f"see anlr_jax.analysis ('anlr {name} --help')", add_help=False)
+    p.set_defaults(func=None, entry=f"{name}_main")
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Entry point of ``anlr``; returns the exit status."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if argv and argv[0] in ("analyze", "sweep"):  # their own parsers see the raw arguments
+    try:
+      return int(_analysis_entry(f"{argv[0]}_main")(argv[1:]) or 0)
+    except CLIError as err:
+      print(f"anlr: error: {err}", file=sys.stderr)
+      return 2
+  if not argv:
+    argv = ["train"]
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  if args.command is None:
+    parser.print_help()
+    return 2
+  from anlr_jax.config import ConfigError
+  try:
+    return int(args.func(args) or 0)
+  except (CLIError, ConfigError, FileNotFoundError, KeyError, ValueError) as err:
+    message = err.args[0] if isinstance(err, KeyError) and err.args else err
+    print(f"anlr {args.command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())
