@@ -193,8 +193,9 @@ def _write_run(run_dir, *, method='lora', diag=True, lora=True, magnitudes=True,
     tensors = {}
     for name, sigma in SPECTRA.items():
       a, b = _factors_with_spectrum(rng, sigma)
-      tensors[f'{name}/lora_a'] = np.ascontiguousarray(a, np.float32)
-      tensors[f'{name}/lora_b'] = np.ascontiguousarray(b, np.float32)
+      dotted = name.replace('/', '.')  # save_lora_params writes dotted module paths
+      tensors[f'{dotted}/lora_a'] = np.ascontiguousarray(a, np.float32)
+      tensors[f'{dotted}/lora_b'] = np.ascontiguousarray(b, np.float32)
     save_file(tensors, os.path.join(run_dir, 'lora_final.safetensors'))
   with open(os.path.join(run_dir, 'results.json'), 'w') as f:
     json.dump({'method': method, 'learning_rate': 1e-4, 'seed': seed, 'accuracy': {'t': 0.5}, 'avg': 0.5}, f)

@@ -126,8 +126,11 @@ def multiplier_heatmap_figure(runs: Sequence[tuple[str, str, np.ndarray, np.ndar
   bound = max(float(np.max(np.abs(ls))) for _, _, _, ls in runs) or 1.0
   for col, (label, module, steps, log_s) in enumerate(runs):
     ax = axes[0, col]
-    image = ax.imshow(log_s.T, aspect='auto', origin='lower', cmap='RdBu_r', vmin=-bound, vmax=bound,
-                      extent=(steps[0], steps[-1], -0.5, log_s.shape[-1] - 0.5), interpolation='nearest')
+    steps = np.asarray(steps, np.float64)
+    half = np.diff(steps) / 2 if len(steps) > 1 else np.array([0.5])
+    edges = np.concatenate([[steps[0] - half[0]], steps[:-1] + half, [steps[-1] + half[-1]]])
+    image = ax.pcolormesh(edges, np.arange(log_s.shape[-1] + 1) - 0.5, log_s.T, cmap='RdBu_r',
+                          vmin=-bound, vmax=bound)
     ax.set(title=f'{label}: {module}', xlabel='step', ylabel='rank-one component k')
     ax.title.set_fontsize(8)
     fig.colorbar(image, ax=ax, label='log s_k')

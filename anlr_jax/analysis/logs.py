@@ -5,7 +5,9 @@ r"""Reads what ``anlr train`` leaves in a run directory, for :mod:`anlr_jax.anal
   of shape ``(..., r)``; optionally ``['magnitudes']['<module>']`` from
   :func:`anlr_jax.analysis.rank_magnitudes`. Leading batch axes (stacked layers) are split into separate
   modules named ``<module>[i]``.
-* ``lora_final.safetensors``: ``<module>/lora_a (..., d_in, r)`` and ``<module>/lora_b (..., r, d_out)``.
+* ``lora_final.safetensors``: ``<module>/lora_a (..., d_in, r)`` and ``<module>/lora_b (..., r, d_out)``;
+  ``<module>`` may be dotted (``model.layers.0.q_proj``): :func:`match_modules` pairs it with the
+  ``/``-joined diagnostics name.
 * ``results.json`` / ``config.yaml``: the run's label (its ``method``).
 
 Every missing input is recorded in :attr:`RunLogs.missing` as a message naming the file and how to get
@@ -82,7 +84,8 @@ def load_diagnostics(run_dir: str):
     raise FileNotFoundError(
         f'{folder}/step_*.npz not found: per-rank diagnostics are written only when training with the '
         f'AnLR optimizer and a diagnostic interval, e.g. `anlr train ... trainer.diag_every=50` '
-        f'(use the `uniform` signal of AnLR to log a plain-LoRA run).')
+        f"(plain `lora` trains with optax.adamw, which keeps no per-rank state: log a LoRA baseline "
+        f"with AnLR's signal='uniform', s_k = 1, whose updates are plain LoRA's).")
   series: dict[str, dict[str, list]] = {f: {} for f in _FIELDS + ('magnitudes',)}
   for index, (step, fname) in enumerate(files):
     path = os.path.join(folder, fname)
