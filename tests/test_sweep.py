@@ -134,7 +134,8 @@ def test_subprocess_runner_passes_the_cell_and_overrides(tmp_path):
   subprocess_runner('cfg.yaml', ['trainer.steps=5'], python=str(fake_python))(cell, run_dir)
   argv = json.load(open(os.path.join(run_dir, 'results.json')))['argv']
   assert argv == ['-m', 'anlr_jax.cli', 'train', '--config', 'cfg.yaml', f'run_dir={run_dir}',
-                  'method=anlr', 'trainer.learning_rate=0.0002', 'seed=1', 'trainer.steps=5']
+                  'method=anlr', 'trainer.learning_rate=0.0002', 'seed=1', 'compare=[]',
+                  'trainer.steps=5']
   failing = tmp_path / 'failing_python'
   failing.write_text('#!/bin/sh\necho boom\nexit 3\n')
   failing.chmod(failing.stat().st_mode | stat.S_IEXEC)
@@ -150,6 +151,9 @@ def test_bad_arguments_name_the_argument(tmp_path, capsys):
   with pytest.raises(SystemExit):
     sweep_main(_argv(tmp_path, 'seed=3'), runner=FakeRunner())
   assert 'seed' in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    sweep_main(_argv(tmp_path, 'compare=[lora]'), runner=FakeRunner())
+  assert 'compare' in capsys.readouterr().err
   with pytest.raises(SystemExit):
     sweep_main(['--config', str(tmp_path / 'missing.yaml'), '--methods', 'lora', '--lrs', '1e-4'],
                runner=FakeRunner())

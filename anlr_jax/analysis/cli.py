@@ -85,7 +85,7 @@ def sweep_main(argv: Sequence[str] | None = None, *, runner: Runner | None = Non
     key, sep, _ = item.partition('=')
     if not sep or not key:
       parser.error(f'override {item!r} is not key=value')
-    if key in ('run_dir', 'method', 'seed', 'trainer.learning_rate'):
+    if key in ('run_dir', 'method', 'seed', 'trainer.learning_rate', 'compare'):
       parser.error(f'override {item!r}: {key} is set per cell by the sweep')
   if not os.path.exists(args.config):
     parser.error(f'--config {args.config}: no such file')

@@ -3,7 +3,9 @@ r"""The numbers behind each figure and the summary table, computed from a :class
 Choices the paper leaves open, fixed here:
 
 * velocity is the logged EMA :math:`\bar\nu_k`; per-module "final" values are those of the last
-  diagnostic snapshot;
+  diagnostic snapshot. The EMA has no bias correction, but its bias factor :math:`1 - \rho^t` is common
+  to the ``r`` components of a module, so ratios, CV, normalised velocities and rank orderings are
+  unaffected;
 * Fig. 2a ordering stability: :func:`~anlr_jax.analysis.measures.ordering_stability` with the first 10%
   of snapshots as the early window;
 * Fig. 2b: components are grouped by within-module quartile of their time-mean velocity; each

@@ -63,13 +63,14 @@ def cell_dir(out: str, cell: SweepCell) -> str:
 def subprocess_runner(config: str, overrides: Sequence[str] = (), *,
                       python: str = sys.executable) -> Runner:
   """The default runner: ``python -m anlr_jax.cli train --config CONFIG run_dir=<cell dir>
-  method=<m> trainer.learning_rate=<lr> seed=<s> *overrides``, output to ``<cell dir>/train.log``."""
+  method=<m> trainer.learning_rate=<lr> seed=<s> compare=[] *overrides``, output to
+  ``<cell dir>/train.log``. ``compare=[]`` because a config's ``compare`` list would replace ``method``."""
 
   def run(cell: SweepCell, run_dir: str) -> None:
     os.makedirs(run_dir, exist_ok=True)
     command = [python, '-m', 'anlr_jax.cli', 'train', '--config', config, f'run_dir={run_dir}',
                f'method={cell.method}', f'trainer.learning_rate={cell.learning_rate!r}',
-               f'seed={cell.seed}', *overrides]
+               f'seed={cell.seed}', 'compare=[]', *overrides]
     log_path = os.path.join(run_dir, 'train.log')
     with open(log_path, 'a') as log_file:
       log_file.write('$ ' + ' '.join(command) + '\n')
