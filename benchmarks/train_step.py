@@ -1,0 +1,269 @@
+r"""Full LoRA train step, side by side: this project (AdamW, AnLR) vs PyTorch + PEFT (eager, compiled).
+
+One step = forward, backward and optimizer update of the LoRA factors on one ``B x T`` batch:
+
+    (a) jax-adamw    anlr_jax.train.make_train_step + optax.adamw, jitted, train state donated
+    (b) jax-anlr     the same step with anlr_jax.anlr(warmup_steps=0): every timed step anisotropic
+    (c) torch-eager  transformers.LlamaForCausalLM + peft.get_peft_model + torch.optim.AdamW
+    (d) torch-compile  (c) with torch.compile on the PEFT model (skipped with a reason if it fails)
+
+Every framework runs in its own subprocess (peak RSS via ``resource.getrusage`` is its own); the
+parent times them interleaved a, b, c, d, a, b, ... and reports medians, tokens/s and ratios. JAX's
+compiled step also reports XLA's ``memory_analysis()`` (arguments + outputs - aliased + temporaries).
+
+    python benchmarks/train_step.py                         # reference config (hidden 512, 8 layers)
+    python benchmarks/train_step.py --runs 21 --json out.json
+    python benchmarks/train_step.py --frameworks jax-adamw,jax-anlr --rank 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+if __package__ in (None, ""):
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import (BenchConfig, Worker, add_config_flags, config_from_args,
+                               machine_line, serve, thread_env)
+
+FRAMEWORKS = ("jax-adamw", "jax-anlr", "torch-eager", "torch-compile")
+LEARNING_RATE = 1e-4
+WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default; used by every framework
+
+
+def build_jax_step(cfg: BenchConfig, optimizer: str):
+  """``(step, info)``: a no-argument closure running one jitted train step, and memory facts."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import flax
+  import optax
+  from flax import nnx
+
+  import anlr_jax
+  from anlr_jax.models.config import ModelConfig
+  from anlr_jax.models.llama import LlamaForCausalLM
+  from anlr_jax.nn import inject_lora
+  from anlr_jax.train.step import init_train_state, make_train_step, split_model
+
+  dtype = jnp.dtype(cfg.dtype)
+  config = ModelConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+                       num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                       num_key_value_heads=cfg.heads, max_position_embeddings=max(2048, cfg.seq),
+                       dtype=dtype, param_dtype=dtype)
+  model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+  inject_lora(model, target_modules=cfg.targets, rank=cfg.rank, alpha=cfg.alpha, dropout=0.0,
+              rngs=nnx.Rngs(1))
+  graphdef, lora, frozen, extra = split_model(model)
+  if optimizer == "adamw":
+    tx = optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+  elif optimizer == "anlr":
+    tx = anlr_jax.anlr(LEARNING_RATE, weight_decay=WEIGHT_DECAY, warmup_steps=0)
+  else:
+    raise ValueError(f"optimizer={optimizer!r} must be 'adamw' or 'anlr'")
+  compute_dtype = None if dtype == jnp.float32 else dtype
+  train_step = make_train_step(graphdef, tx, compute_dtype=compute_dtype, remat=cfg.remat)
+  ids = np.random.default_rng(0).integers(0, cfg.vocab, (cfg.batch, cfg.seq), dtype=np.int32)
+  ones = np.ones_like(ids)
+  batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(ones),
+           "loss_mask": jnp.asarray(ones)}
+  state = init_train_state(lora, extra, tx)
+  jitted = jax.jit(train_step, donate_argnums=(0,))
+  t0 = time.perf_counter()
+  compiled = jitted.lower(state, frozen, batch).compile()
+  compile_s = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  xla = {k: int(getattr(mem, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
+                                           "alias_size_in_bytes", "temp_size_in_bytes")}
+  xla["peak_bytes"] = (xla["argument_size_in_bytes"] + xla["output_size_in_bytes"]
+                       - xla["alias_size_in_bytes"] + xla["temp_size_in_bytes"])
+  holder = [state]
+
+  def step():
+    new_state, metrics = compiled(holder[0], frozen, batch)
+    jax.block_until_ready((new_state, metrics))
+    holder[0] = new_state
+
+  info = dict(compile_s=compile_s, xla=xla, backend=jax.default_backend(),
+              versions=dict(jax=jax.__version__, flax=flax.__version__,
+                            optax=optax.__version__),
+              lora_params=int(sum(x.size for x in jax.tree.leaves(lora))))
+  return step, info
+
+
+def build_torch_step(cfg: BenchConfig, compile_model: bool):
+  """``(step, info)`` for transformers' LLaMA + PEFT LoRA + ``torch.optim.AdamW`` (CPU)."""
+  import peft
+  import torch
+  import transformers
+
+  torch.set_num_threads(cfg.threads)
+  torch.manual_seed(0)
+  dtype = getattr(torch, cfg.dtype)
+  hf_config = transformers.LlamaConfig(
+      vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+      num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads,
+      max_position_embeddings=max(2048, cfg.seq), rms_norm_eps=1e-6, tie_word_embeddings=False,
+      use_cache=False)
+  model = transformers.LlamaForCausalLM(hf_config).to(dtype)
+  lora_config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0,
+                                target_modules=list(cfg.targets), bias="none")
+  model = peft.get_peft_model(model, lora_config)
+  model.train()
+  params = [p for p in model.parameters() if p.requires_grad]
+  opt = torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+  forward = torch.compile(model) if compile_model else model
+  gen = torch.Generator().manual_seed(0)
+  ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=gen)
+  mask = torch.ones_like(ids)
+
+  def step():
+    loss = forward(input_ids=ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+  info = dict(threads=torch.get_num_threads(), attn=model.config._attn_implementation,
+              versions=dict(torch=torch.__version__, transformers=transformers.__version__,
+                            peft=peft.__version__),
+              lora_params=int(sum(p.numel() for p in params)))
+  return step, info
+
+
+def worker_main(name: str, cfg: BenchConfig, warmup: int):
+  builders = {
+      "jax-adamw": lambda: build_jax_step(cfg, "adamw"),
+      "jax-anlr": lambda: build_jax_step(cfg, "anlr"),
+      "torch-eager": lambda: build_torch_step(cfg, False),
+      "torch-compile": lambda: build_torch_step(cfg, True),
+  }
+  if name not in builders:
+    raise ValueError(f"--worker {name!r} must be one of {sorted(builders)}")
+  step, info = builders[name]()
+  serve(step, info, warmup)
+
+
+def start_workers(names, cfg: BenchConfig, warmup: int, script: str = __file__):
+  """Starts one worker per name, one after another (compiles never overlap); failures reported."""
+  workers, failed = {}, {}
+  for name in names:
+    with tempfile.TemporaryFile("w+") as err:
+      argv = [sys.executable, os.path.abspath(script), "--worker", name,
+              "--config-json", cfg.to_json(), "--warmup", str(warmup)]
+      try:
+        workers[name] = Worker(name, argv, env=thread_env(cfg.threads), stderr=err)
+      except RuntimeError as e:
+        err.seek(0)
+        tail = [l for l in err.read().strip().splitlines() if l.strip()][-3:]
+        failed[name] = f"{e}: {' | '.join(tail)}"
+  return workers, failed
+
+
+def run_interleaved(workers: dict, runs: int) -> None:
+  for _ in range(runs):
+    for w in workers.values():
+      w.step()
+
+
+def summarise(cfg: BenchConfig, workers: dict, failed: dict, runs: int) -> dict:
+  res = dict(config=json.loads(cfg.to_json()), machine=machine_line(),
+             date=time.strftime("%Y-%m-%d %H:%M %Z"), runs=runs, failed=failed, frameworks={})
+  for name, w in workers.items():
+    med = statistics.median(w.times_ms)
+    res["frameworks"][name] = dict(w.info, median_ms=med, tokens_per_s=cfg.tokens / (med / 1e3),
+                                   min_ms=min(w.times_ms), times_ms=w.times_ms)
+  return res
+
+
+def ratio_lines(res: dict) -> list[str]:
+  fw = res["frameworks"]
+  lines = []
+
+  def have(*names):
+    return all(n in fw for n in names)
+
+  for jax_name in ("jax-adamw", "jax-anlr"):
+    for torch_name in ("torch-eager", "torch-compile"):
+      if have(jax_name, torch_name):
+        r = fw[jax_name]["tokens_per_s"] / fw[torch_name]["tokens_per_s"]
+        lines.append(f"ratio tokens/s {jax_name} / {torch_name}: {r:.3f}")
+  if have("jax-adamw", "jax-anlr"):
+    a, b = fw["jax-adamw"], fw["jax-anlr"]
+    lines.append(f"ratio step time jax-anlr / jax-adamw: {b['median_ms'] / a['median_ms']:.3f}")
+    lines.append(f"ratio step peak RSS jax-anlr / jax-adamw: "
+                 f"{b['steady_peak_rss_mib'] / a['steady_peak_rss_mib']:.4f}")
+    lines.append(f"ratio process peak RSS jax-anlr / jax-adamw: {b['peak_rss_mib'] / a['peak_rss_mib']:.4f}")
+    lines.append(f"ratio XLA peak bytes jax-anlr / jax-adamw: "
+                 f"{b['xla']['peak_bytes'] / a['xla']['peak_bytes']:.4f}")
+  if have("torch-eager", "torch-compile"):
+    r = fw["torch-compile"]["tokens_per_s"] / fw["torch-eager"]["tokens_per_s"]
+    lines.append(f"ratio tokens/s torch-compile / torch-eager: {r:.3f}")
+  for jax_name in ("jax-adamw", "jax-anlr"):
+    if have(jax_name, "torch-eager"):
+      r = fw[jax_name]["steady_peak_rss_mib"] / fw["torch-eager"]["steady_peak_rss_mib"]
+      lines.append(f"ratio step peak RSS {jax_name} / torch-eager: {r:.3f}")
+  return lines
+
+
+def print_report(res: dict) -> None:
+  c = res["config"]
+  print(f"machine: {res['machine']}; {res['date']}; threads {c['threads']}")
+  print(f"config: LLaMA hidden {c['hidden']}, {c['layers']} layers, {c['heads']} heads, FFN {c['ffn']}, "
+        f"vocab {c['vocab']}, batch {c['batch']} x {c['seq']} tokens, LoRA r={c['rank']} on "
+        f"{','.join(c['targets'])}, {c['dtype']}; median of {res['runs']} interleaved runs")
+  print("memory: 'step RSS' = peak RSS (VmHWM) over the timed steps, reset after warmup; 'process RSS'"
+        " = ru_maxrss incl. import/compile; 'XLA' = memory_analysis args+outputs-aliased+temps (MiB)")
+  print(f"{'framework':<14} {'median ms':>10} {'min ms':>9} {'tokens/s':>9} {'step RSS':>9} "
+        f"{'process RSS':>12} {'XLA':>7} {'1st step s':>10}")
+  for name, f in res["frameworks"].items():
+    xla = f"{f['xla']['peak_bytes'] / 2**20:7.1f}" if "xla" in f else f"{'-':>7}"
+    print(f"{name:<14} {f['median_ms']:10.1f} {f['min_ms']:9.1f} {f['tokens_per_s']:9.0f} "
+          f"{f['steady_peak_rss_mib']:9.1f} {f['peak_rss_mib']:12.1f} {xla} {f['first_step_s']:10.1f}")
+  for name, why in res["failed"].items():
+    print(f"{name}: did not run ({why})")
+  for line in ratio_lines(res):
+    print(line)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  add_config_flags(ap)
+  ap.add_argument("--frameworks", default=",".join(FRAMEWORKS))
+  ap.add_argument("--runs", type=int, default=15, help="interleaved timed steps per framework")
+  ap.add_argument("--warmup", type=int, default=3, help="untimed steps per worker (incl. compile)")
+  ap.add_argument("--json", help="also write the results to this JSON file")
+  ap.add_argument("--worker", help=argparse.SUPPRESS)
+  ap.add_argument("--config-json", help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  if args.worker:
+    return worker_main(args.worker, BenchConfig.from_json(args.config_json), args.warmup)
+  cfg = config_from_args(args)
+  names = [n for n in args.frameworks.split(",") if n]
+  unknown = [n for n in names if n not in FRAMEWORKS]
+  if unknown:
+    raise ValueError(f"--frameworks has unknown names {unknown}; choose from {FRAMEWORKS}")
+  if args.runs < 1:
+    raise ValueError(f"--runs={args.runs} must be >= 1")
+  workers, failed = start_workers(names, cfg, args.warmup)
+  try:
+    run_interleaved(workers, args.runs)
+    for w in workers.values():
+      w.finish()
+  finally:
+    for w in workers.values():
+      w.kill()
+  res = summarise(cfg, workers, failed, args.runs)
+  print_report(res)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(res, f, indent=2)
+  return res
+
+
+if __name__ == "__main__":
+  main()

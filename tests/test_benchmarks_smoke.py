@@ -1,0 +1,77 @@
+"""Smoke tests: each benchmark script starts, finishes on a tiny config and prints its ratio lines.
+
+Not timed tests: no threshold on any time. What is checked is that every framework's worker ran
+its steps, that the reported quantities are consistent (tokens/s = tokens / median time, ratios
+equal the quotients of the reported figures), and that the outputs (JSON, PNG, table) are written.
+"""
+import json
+import re
+
+import pytest
+
+from benchmarks import scaling, train_step
+from benchmarks.common import BenchConfig
+
+TINY = ["--hidden", "64", "--layers", "2", "--heads", "4", "--ffn", "128", "--vocab", "256",
+        "--batch", "2", "--seq", "16", "--rank", "4"]
+
+
+def test_train_step_runs_every_framework_and_prints_ratios(tmp_path, capsys):
+  out_json = tmp_path / "train_step.json"
+  res = train_step.main(TINY + ["--frameworks", "jax-adamw,jax-anlr,torch-eager", "--runs", "2",
+                                "--warmup", "1", "--json", str(out_json)])
+  printed = capsys.readouterr().out
+  assert set(res["frameworks"]) == {"jax-adamw", "jax-anlr", "torch-eager"}, res["failed"]
+  for name, fw in res["frameworks"].items():
+    assert len(fw["times_ms"]) == 2 and all(t > 0 for t in fw["times_ms"]), name
+    assert fw["tokens_per_s"] == pytest.approx(2 * 16 / (fw["median_ms"] / 1e3)), name
+    assert fw["steady_peak_rss_mib"] > 0 and fw["peak_rss_mib"] >= fw["steady_peak_rss_mib"] - 1
+  # Same LoRA parameter count in JAX and PEFT: 2 layers x (q,k,v: 64+64, up: 64+128, down: 128+64) x 4.
+  expected = 2 * 4 * (3 * 128 + 192 + 192)
+  assert {fw["lora_params"] for fw in res["frameworks"].values()} == {expected}
+  a, b = res["frameworks"]["jax-adamw"], res["frameworks"]["jax-anlr"]
+  assert 0 < a["xla"]["peak_bytes"] and 0 < b["xla"]["peak_bytes"]
+  match = re.search(r"ratio step time jax-anlr / jax-adamw: ([0-9.]+)", printed)
+  assert match and float(match.group(1)) == pytest.approx(b["median_ms"] / a["median_ms"], abs=1e-3)
+  assert re.search(r"ratio tokens/s jax-adamw / torch-eager: [0-9.]+", printed)
+  assert json.loads(out_json.read_text())["config"]["rank"] == 4
+
+
+def test_train_step_rejects_unknown_framework():
+  with pytest.raises(ValueError, match="--frameworks"):
+    train_step.main(TINY + ["--frameworks", "jax-adamw,mxnet"])
+
+
+def test_bench_config_names_bad_field():
+  with pytest.raises(ValueError, match="BenchConfig.heads"):
+    BenchConfig(hidden=64, heads=5)
+  with pytest.raises(ValueError, match="BenchConfig.targets"):
+    BenchConfig(targets=("q_proj", "qkv"))
+
+
+def test_scaling_sweeps_and_writes_plot_and_table(tmp_path, capsys):
+  png, out_json = tmp_path / "scaling.png", tmp_path / "scaling.json"
+  rows = scaling.main(TINY + ["--ranks", "2,4", "--seqs", "16", "--widths", "64", "--runs", "2",
+                              "--warmup", "1", "--png", str(png), "--json", str(out_json)])
+  printed = capsys.readouterr().out
+  assert [r["sweep"] for r in rows] == ["rank", "rank", "seq", "hidden"]
+  assert [r["rank"] for r in rows] == [2, 4, 4, 4]
+  # The base config appears in three sweeps and is measured once.
+  assert rows[1]["adamw_ms"] == rows[2]["adamw_ms"] == rows[3]["adamw_ms"]
+  for r in rows:
+    assert r["time_ratio"] == pytest.approx(r["anlr_ms"] / r["adamw_ms"])
+    assert r["overhead_share"] == pytest.approx(1 - r["adamw_ms"] / r["anlr_ms"])
+  assert "ratio overhead share rank 2 -> 4" in printed
+  assert printed.count("\n| ") >= 4  # table rows
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert len(json.loads(out_json.read_text())["rows"]) == 4
+
+
+def test_scaling_width_config_and_bad_lists():
+  cfg = scaling.width_config(BenchConfig(), 1024)
+  assert (cfg.hidden, cfg.ffn, cfg.heads) == (1024, 2752, 16)
+  assert scaling.width_config(BenchConfig(), 512).ffn == 1376
+  with pytest.raises(ValueError, match="--widths"):
+    scaling.width_config(BenchConfig(), 100)
+  with pytest.raises(ValueError, match="--ranks"):
+    scaling.main(["--ranks", "4,x"])
