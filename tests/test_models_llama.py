@@ -15,6 +15,7 @@ from anlr_jax.models.config import ModelConfig
 from anlr_jax.models.hf_io import load_hf_model
 from anlr_jax.models.llama import LOGICAL_AXES, LlamaForCausalLM, init_cache
 
+# transformers adds rope_theta to a rope_scaling dict in place: always pass a copy.
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -31,7 +32,7 @@ def make_hf_model(kind: str, seed: int = 0):
   if kind.startswith("llama"):
     config = transformers.LlamaConfig(
         **TINY, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=None,
-        pad_token_id=0, rope_scaling=LLAMA3_ROPE if kind == "llama3" else None)
+        pad_token_id=0, rope_scaling=dict(LLAMA3_ROPE) if kind == "llama3" else None)
     model = transformers.LlamaForCausalLM(config)
   else:
     config = transformers.Qwen2Config(
@@ -100,7 +101,7 @@ def test_tiny_preset_is_a_few_hundred_k_params():
 
 
 def test_from_hf_config_reads_transformers_configs():
-  hf = transformers.LlamaConfig(**TINY, rope_scaling=LLAMA3_ROPE, rope_theta=5e5).to_dict()
+  hf = transformers.LlamaConfig(**TINY, rope_scaling=dict(LLAMA3_ROPE), rope_theta=5e5).to_dict()
   config = ModelConfig.from_hf_config(hf)
   assert (config.num_key_value_heads, config.head_dim, config.rope_theta) == (2, 8, 5e5)
   assert config.rope_scaling["rope_type"] == "llama3" and not config.attention_bias
@@ -116,7 +117,7 @@ def test_from_hf_config_reads_transformers_configs():
 
 
 def test_from_pretrained_and_round_trip_through_transformers(tmp_path):
-  config = ModelConfig.tiny(rope_scaling=LLAMA3_ROPE)
+  config = ModelConfig.tiny(rope_scaling=dict(LLAMA3_ROPE))
   (tmp_path / "config.json").write_text(json.dumps(config.to_hf_config()))
   assert ModelConfig.from_pretrained(tmp_path) == config
   hf = transformers.AutoConfig.from_pretrained(tmp_path)
