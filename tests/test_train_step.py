@@ -185,3 +185,15 @@ def test_run_writes_metrics_tensorboard_and_anlr_diagnostics(tmp_path):
   arrays = np.load(diag[-1])
   multipliers = [k for k in arrays if 'multipliers' in k]
   assert multipliers and all(np.isclose(arrays[k].mean(), 1.0, atol=1e-5) for k in multipliers)
+  # The per-rank contribution magnitudes |A_k| |B_k| of the LoRA params at that step (for analysis).
+  from anlr_jax.analysis.logs import load_run
+  logs = load_run(run_dir)
+  assert logs.magnitudes and set(logs.magnitudes) == set(logs.nu_bar)
+  lora = jax.device_get(trainer.state.lora)
+  flat = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(lora)}
+  a_keys = sorted(k for k in flat if k.endswith("['lora_a']"))
+  assert a_keys
+  for a_key in a_keys:
+    a, b = flat[a_key], flat[a_key.replace("lora_a", "lora_b")]
+    want = np.linalg.norm(a, axis=-2) * np.linalg.norm(b, axis=-1)
+    assert any(np.allclose(m[-1], want, rtol=1e-5) for m in logs.magnitudes.values())

@@ -229,7 +229,9 @@ class Trainer:
     return int(meta['step'])
 
   def _diagnostics_fn(self):
-    """``anlr_jax.diagnostics`` if the optimizer state holds an AnLR state, else None."""
+    """``(opt_state, lora) -> anlr_jax.diagnostics(opt_state)`` plus the per-rank contribution
+    magnitudes ``|A_k| |B_k|`` of the current LoRA params (for the analysis of
+    :mod:`anlr_jax.analysis`), jitted; None if the optimizer state holds no AnLR state."""
     _, diagnostics = _find_anlr()
     if diagnostics is None:
       return None
@@ -237,7 +239,12 @@ class Trainer:
       diagnostics(self.state.opt_state)
     except ValueError:  # no AnLRState in this optimizer
       return None
-    return jax.jit(diagnostics)
+    from anlr_jax.analysis.measures import rank_magnitudes  # noqa: PLC0415 (optional dependency)
+
+    def with_magnitudes(opt_state, lora):
+      return {**diagnostics(opt_state), 'magnitudes': rank_magnitudes(lora)}
+
+    return jax.jit(with_magnitudes)
 
   def updated_model(self) -> nnx.Module:
     """Writes the current LoRA params and model state back into ``model`` and returns it."""
@@ -285,7 +292,7 @@ class Trainer:
         diag_now = bool(self.config.diag_every) and step % self.config.diag_every == 0
         extra = None
         if diagnostics is not None and (log_now or diag_now):
-          diag = diagnostics(self.state.opt_state)
+          diag = diagnostics(self.state.opt_state, self.state.lora)
           extra = {'anlr': diag['mean']} if log_now else None
           if diag_now:
             writer.write_diagnostics(step, diag)
