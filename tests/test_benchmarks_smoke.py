@@ -51,7 +51,9 @@ def test_bench_config_names_bad_field():
 
 def test_scaling_sweeps_and_writes_plot_and_table(tmp_path, capsys):
   png, out_json = tmp_path / "scaling.png", tmp_path / "scaling.json"
-  rows = scaling.main(TINY + ["--ranks", "2,4", "--seqs", "16", "--widths", "64", "--runs", "2",
+  # Base at width 64 as width_config builds it (1 head, FFN 176), so every sweep meets the base.
+  base = TINY[:4] + ["--heads", "1", "--ffn", "176"] + TINY[8:]
+  rows = scaling.main(base + ["--ranks", "2,4", "--seqs", "16", "--widths", "64", "--runs", "2",
                               "--warmup", "1", "--png", str(png), "--json", str(out_json)])
   printed = capsys.readouterr().out
   assert [r["sweep"] for r in rows] == ["rank", "rank", "seq", "hidden"]
