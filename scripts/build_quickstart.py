@@ -5,8 +5,9 @@ Everything follows from one seed ``s``:
 1. **World.** ``N`` fictional animals (made-up one-word names), each with a colour, home town, owner,
    food and size drawn uniformly from small closed sets (8, 8, 8, 8, 4 values).
 2. **Pretraining corpus.** Documents ``<s> x_1 ... x_n </s>`` of 1-4 sentences: plain-English
-   statements of one animal's facts in varied templates, arithmetic facts ("3 plus 4 is 7.") and
-   arithmetic quizzes ("Quiz: what is 3 plus 4? option1: 7 option2: 9. The answer is option1.").
+   statements of one animal's facts in varied templates (85%), arithmetic facts ("3 plus 4 is 7.")
+   and arithmetic quizzes ("Quiz: what is 3 plus 4? option1: 7 option2: 9. The answer is
+   option1.", 15%).
 3. **Tokenizer.** Word-level (``\w+`` and punctuation runs), trained on the corpus plus the Alpaca
    template, with ``<pad>=0, <s>=1, </s>=2, <unk>=3``; saved as Hugging Face tokenizer files.
 4. **Base model.** A LLaMA (hidden 128, 4 layers, 4/2 heads, SwiGLU 344) pretrained on packed
@@ -98,6 +99,13 @@ NUM_ENTITIES = 160
 NUM_TEST_ENTITIES = 50
 TRAIN_VARIANTS = 3
 """Each (train animal, attribute) is asked this many times, with fresh distractors and order."""
+
+MAX_POSITIONS = 128
+"""Context length of the base model (every task prompt and answer fits in it)."""
+SEQ_LEN = 64
+"""Pretraining window length (plus one token for the shifted targets)."""
+CHECK_FILE = "finetune_check.json"
+"""Where ``--check`` writes its accuracies, next to the assets."""
 
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
@@ -237,9 +245,6 @@ def world_records(world: list[Entity]) -> list[dict]:
 # --------------------------------------------------------------------------------------------------
 # Base model and pretraining
 
-MAX_POSITIONS = 128
-SEQ_LEN = 64
-CHECK_FILE = "finetune_check.json"
 
 
 def base_config(vocab_size: int) -> ModelConfig:
