@@ -24,6 +24,8 @@ import sys
 import time
 from typing import Sequence
 
+from anlr_jax.assets import QUICKSTART_TASK
+
 QUICKSTART_CONFIG = "quickstart.yaml"
 
 QUICKSTART_DEFAULT = {
@@ -38,7 +40,7 @@ QUICKSTART_DEFAULT = {
              "pad_multiple": 16},
     "trainer": {"steps": 300, "global_batch": 16, "learning_rate": 2.0e-3, "warmup_steps": 30,
                 "weight_decay": 0.0, "clip_norm": 1.0, "compute_dtype": "float32", "log_every": 10},
-    "eval": {"tasks": {"winogrande": "asset://quickstart/test.json"}, "batch_size": 50,
+    "eval": {"tasks": {QUICKSTART_TASK: "asset://quickstart/test.json"}, "batch_size": 50,
              "max_new_tokens": 8, "include_base": True},
 }
 """The quickstart's settings when ``configs/quickstart.yaml`` is not reachable (kept equal to it;

@@ -296,8 +296,7 @@ def train_run(config: RunConfig, *, log: Log = _print, timestamp: str | None = N
   save_config(dataclasses.replace(config, run_dir=run_dir), os.path.join(run_dir, CONFIG_FILE))
   if len(methods) == 1 and not config.eval.include_base:
     results = train_method(config, methods[0], run_dir, log=log)
-    curve = results.pop("loss_curve")
-    del curve
+    results.pop("loss_curve")
     return {"run_dir": run_dir, "runs": [results], "base": None,
             "table": _table_text(None, [results])}
 

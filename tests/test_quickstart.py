@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from anlr_jax import cli
+from anlr_jax.assets import QUICKSTART_TASK
+from anlr_jax.evals import TASKS
 from anlr_jax.config import load_config, read_yaml
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -38,7 +40,7 @@ def test_short_quickstart_writes_table_results_metrics_and_plot(tmp_path, monkey
   assert [r["method"] for r in summary["runs"]] == ["lora", "anlr"]
   with open(run_dir / "accuracy.csv") as f:
     table = list(csv.reader(f))
-  assert table[0] == ["Method", "WinoGrande", "Avg."]
+  assert table[0] == ["Method", TASKS[QUICKSTART_TASK].title, "Avg."]
   assert [row[0] for row in table[1:]] == ["base", "lora", "anlr"]
   assert (run_dir / "accuracy.md").is_file() and (run_dir / "loss.png").stat().st_size > 1000
   printed = [line.split() for line in out.splitlines() if line.strip().startswith(("base ", "lora ", "anlr "))]
@@ -49,8 +51,8 @@ def test_short_quickstart_writes_table_results_metrics_and_plot(tmp_path, monkey
     sub = run_dir / method
     results = json.loads((sub / "results.json").read_text())
     assert results["method"] == method and results["seed"] == 0 and results["steps"] == steps
-    acc = results["accuracy"]["winogrande"]
-    records = [json.loads(l) for l in (sub / "eval_winogrande.jsonl").read_text().splitlines()]
+    acc = results["accuracy"][QUICKSTART_TASK]
+    records = [json.loads(l) for l in (sub / f"eval_{QUICKSTART_TASK}.jsonl").read_text().splitlines()]
     assert len(records) == 16 and acc == pytest.approx(np.mean([r["correct"] for r in records]))
     assert f"{100 * acc:.1f}" == dict((p[0], p[1]) for p in printed)[method]
     rows = [json.loads(l) for l in (sub / "metrics.jsonl").read_text().splitlines()]
