@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import pathlib
 import sys
 import time
@@ -88,7 +87,7 @@ def cmd_eval(args) -> int:
   config = _load_run_config(args.config, args.overrides)
   result = eval_run(config, args.adapter, out_dir=args.out)
   avg = "" if result["avg"] is None else f"; avg {100 * result['avg']:.1f}%"
-  print(f"accuracy: " + ", ".join(f"{t} {100 * a:.1f}%" for t, a in result["accuracy"].items())
+  print("accuracy: " + ", ".join(f"{t} {100 * a:.1f}%" for t, a in result["accuracy"].items())
         + avg, flush=True)
   print(f"results: {result['out_dir']}", flush=True)
   return 0
@@ -124,10 +123,6 @@ def _analysis_entry(name: str):
 
 
 # ------------------------------------------------------------------------------------ parser
-class _TrainHelp(argparse.RawDescriptionHelpFormatter):
-  pass
-
-
 def build_parser() -> argparse.ArgumentParser:
   from anlr_jax.config import help_text
 
@@ -139,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
   overrides_help = "config overrides with dotted keys, e.g. lora.rank=16 method=anlr"
   train = sub.add_parser(
-      "train", help="fine-tune (default: the quickstart)", formatter_class=_TrainHelp,
+      "train", help="fine-tune (default: the quickstart)", formatter_class=argparse.RawDescriptionHelpFormatter,
       description="Fine-tune a base model with LoRA and the chosen method, then evaluate.",
       epilog=help_text())
   train.add_argument("--config", help="run config YAML (default: configs/quickstart.yaml)")
@@ -147,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
   train.set_defaults(func=cmd_train)
 
   ev = sub.add_parser("eval", help="evaluate the base model or base + adapter",
-                      formatter_class=_TrainHelp, epilog=help_text())
+                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=help_text())
   ev.add_argument("--config", help="run config YAML (model, eval sections are used)")
   ev.add_argument("--adapter", help="a run directory (lora_final.safetensors) or a PEFT adapter dir")
   ev.add_argument("--out", help="output directory (default: <adapter>/eval-<timestamp>)")

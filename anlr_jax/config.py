@@ -292,13 +292,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
       if type(None) in args:
         return None
       raise bad
-    inner = [a for a in args if a is not type(None)]
-    errors = []
-    for a in inner:
+    for a in args:
+      if a is type(None):
+        continue
       try:
         return _coerce(value, a, key)
-      except ConfigError as err:
-        errors.append(err)
+      except ConfigError:
+        pass
     raise bad
   if origin is list or origin is tuple:
     if isinstance(value, str):
