@@ -207,6 +207,10 @@ def _anlr_transform(inner_init, inner_update, *, alpha, beta, kappa, rho, warmup
             ia, ib = mod.a_index, mod.b_index
             axes = dict(a_axis=mod.a_feature_axis, b_axis=mod.b_feature_axis)
             a, b, ga, gb = flat_params[ia], flat_params[ib], grads[ia], grads[ib]
+            # A value-level no-op that keeps XLA from merging the statistics' g*g with Adam's (CSE):
+            # merged, the square has two consumers, is materialised as a full-size buffer, and the
+            # per-rank reductions read it back; kept apart, each reduction fuses its own square.
+            ga, gb = jax.lax.optimization_barrier((ga, gb))
             velocity = rank_stats.rank_velocity(a, b, ga, gb, **axes)
             nu_bar[mod.name] = rho * state.nu_bar[mod.name] + (1.0 - rho) * velocity
             snr[mod.name] = rank_stats.rank_snr(direction(ia), direction(ib), **axes)
