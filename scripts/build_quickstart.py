@@ -1,4 +1,4 @@
-r"""Builds the quickstart assets: a tiny pretrained LLaMA and a multiple-choice task about its world.
+r"""Builds the quickstart assets: a tiny pretrained LLaMA and a question-answering task about its world.
 
 Everything follows from one seed ``s``:
 
@@ -17,18 +17,24 @@ Everything follows from one seed ``s``:
 
    by AdamW (warmup-cosine schedule), then saved in bfloat16. Fact recall is measured as the share
    of facts whose value is the argmax next token after a canonical cue ("The colour of the zorbal is").
-5. **Task.** Instruction-formatted two-way multiple choice (Alpaca template, response
-   ``the correct answer is optionK``; scored as ``winogrande``). Train questions use the training
+5. **Task.** Instruction-formatted short-answer questions (Alpaca template): "Please answer the
+   question: What colour is the zorbal?" -> "green", the bare attribute value, scored as
+   ``exact_match`` (chance 1/8). Each attribute is asked in a few phrasings (``QUESTION_TEMPLATES``),
+   every word of which is in the fixed tokenizer's vocabulary. Train questions use the training
    animals, test questions the held-out animals: their facts were pretrained, their questions never
    appear in the fine-tune set, so test accuracy measures whether LoRA learnt to *use* what the base
    model knows in a format it never saw.
 
 ``--check`` then LoRA fine-tunes (r=8, alpha=16, q/k/v/up/down) the shipped model with
 ``optax.adamw`` and with ``anlr_jax.anlr`` and reports test accuracy before and after.
+``--task-only`` rewrites only the task files (``world.json``, ``train.json``, ``test.json``) and the
+task section of ``build_info.json``, leaving the tokenizer and the weights alone.
 
 Usage::
 
     python scripts/build_quickstart.py --out anlr_jax/assets/quickstart [--seed 0] [--check]
+    python scripts/build_quickstart.py --out anlr_jax/assets/quickstart --task-only [--check]
+    python scripts/build_quickstart.py --out anlr_jax/assets/quickstart --check-only
 """
 from __future__ import annotations
 
@@ -90,22 +96,27 @@ RECALL_CUES = {
 }
 """Canonical cue per attribute: fact recall = argmax next token after the cue equals the value."""
 
-QUESTIONS = {
-    "colour": "What colour is the {e}?", "town": "Where does the {e} live?",
-    "owner": "Who owns the {e}?", "food": "What does the {e} eat?",
+QUESTION_TEMPLATES = {
+    "colour": ("What colour is the {e}?", "What is the colour of the {e}?",
+               "What colour is the fur of the {e}?"),
+    "town": ("Where does the {e} live?", "Where is the home of the {e}?",
+             "Where can you find the {e}?"),
+    "owner": ("Who owns the {e}?", "Who is the owner of the {e}?", "Who looks after the {e}?"),
+    "food": ("What does the {e} eat?", "What is the favourite food of the {e}?",
+             "What food does the {e} eat?"),
 }
-OPTION_WORDS = ("option1", "option2")
+"""Phrasings of the question per attribute; every word is in the shipped tokenizer's vocabulary."""
+INSTRUCTION = "Please answer the question: {q}"
+"""The instruction of every task record; the response is the bare attribute value."""
 NUM_ENTITIES = 160
 NUM_TEST_ENTITIES = 50
-TRAIN_VARIANTS = 3
-"""Each (train animal, attribute) is asked this many times, with fresh distractors and order."""
+TEST_PHRASINGS = 1
+"""Each (test animal, attribute) is asked in this many phrasings, drawn without replacement."""
 
 MAX_POSITIONS = 128
 """Context length of the base model (every task prompt and answer fits in it)."""
 SEQ_LEN = 64
 """Pretraining window length (plus one token for the shifted targets)."""
-CHECK_FILE = "finetune_check.json"
-"""Where ``--check`` writes its accuracies, next to the assets."""
 
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
@@ -181,13 +192,19 @@ def pretraining_documents(world: list[Entity], seed: int, count: int) -> list[st
   return docs
 
 
+# The shipped tokenizer was trained on these strings (the first task's questions). They stay frozen:
+# word counts decide token ids, so changing them would change the tokenizer under the shipped weights.
+_TOKENIZER_QUESTIONS = ("What colour is the {e}?", "Where does the {e} live?", "Who owns the {e}?",
+                        "What does the {e} eat?")
+
+
 def _tokenizer_corpus(world: list[Entity]) -> list[str]:
   """Every word the corpus and the task can contain, so the word-level vocabulary is closed."""
   texts = [ALPACA_PREAMBLE, ALPACA_PREAMBLE_WITH_INPUT, "### Instruction:\n### Input:\n### Response:\n",
            "Please choose the correct answer to the question. Answer format: option1/option2 "
            "the correct answer is option1 option2",
            " ".join(str(i) for i in range(0, 40)), "Quiz: what is plus ? The answer is ."]
-  texts += [t for ts in FACT_TEMPLATES.values() for t in ts] + list(QUESTIONS.values())
+  texts += [t for ts in FACT_TEMPLATES.values() for t in ts] + list(_TOKENIZER_QUESTIONS)
   texts += [" ".join(v) for v in ATTRIBUTES.values()] + [" ".join(e.name for e in world)]
   return texts
 
@@ -210,31 +227,50 @@ def build_tokenizer(world: list[Entity]):
 # --------------------------------------------------------------------------------------------------
 # Fine-tune task
 
-def _question_record(entity: Entity, attr: str, rng: random.Random) -> dict[str, str]:
+def _question_record(entity: Entity, attr: str, phrasing: int) -> dict[str, str]:
+  """One exact-match record: `attr` of `entity` asked in phrasing number `phrasing`."""
+  question = QUESTION_TEMPLATES[attr][phrasing].format(e=entity.name)
   value = getattr(entity, attr)
-  distractor = rng.choice([v for v in ATTRIBUTES[attr] if v != value])
-  k = rng.randrange(2)
-  options = [value, distractor] if k == 0 else [distractor, value]
-  instruction = (f"Please choose the correct answer to the question: "
-                 f"{QUESTIONS[attr].format(e=entity.name)}\n\n"
-                 f"option1: {options[0]}\noption2: {options[1]}\n\nAnswer format: option1/option2")
-  answer = OPTION_WORDS[k]
-  return {"instruction": instruction, "input": "", "output": f"the correct answer is {answer}",
-          "answer": answer}
+  return {"instruction": INSTRUCTION.format(q=question), "input": "", "output": value,
+          "answer": value}
 
 
 def build_task(world: list[Entity], seed: int) -> tuple[list[dict], list[dict]]:
-  """Train and test records (LLM-Adapters layout) for the animals of each split."""
+  """Train and test records (LLM-Adapters layout) for the animals of each split.
+
+  Train: every (train animal, attribute, phrasing), shuffled. Test: every (test animal, attribute)
+  in `TEST_PHRASINGS` phrasings drawn at random.
+  """
   rng = random.Random(f"task-{seed}")
   train, test = [], []
   for entity in world:
     for attr in QUESTION_ATTRIBUTES:
+      phrasings = range(len(QUESTION_TEMPLATES[attr]))
       if entity.split == "test":
-        test.append(_question_record(entity, attr, rng))
+        test.extend(_question_record(entity, attr, k)
+                    for k in sorted(rng.sample(phrasings, TEST_PHRASINGS)))
       else:
-        train.extend(_question_record(entity, attr, rng) for _ in range(TRAIN_VARIANTS))
+        train.extend(_question_record(entity, attr, k) for k in phrasings)
   rng.shuffle(train)
   return train, test
+
+
+def check_task_vocabulary(records: list[dict], tokenizer, where: str) -> None:
+  """Raises ValueError naming the first record of `where` whose prompt or answer has an unknown word
+  or whose prompt plus answer (with bos and eos) exceeds the model's context."""
+  from anlr_jax.data.formats import alpaca_prompt
+
+  for i, record in enumerate(records):
+    prompt = alpaca_prompt(record["instruction"], record["input"])
+    for part, text in (("prompt", prompt), ("output", record["output"]),
+                       ("answer", record["answer"])):
+      ids = tokenizer(text, add_special_tokens=False).input_ids
+      if tokenizer.unk_token_id in ids:
+        raise ValueError(f"{where}[{i}]: the {part} has a word outside the tokenizer's vocabulary: "
+                         f"{text!r}")
+    length = 2 + len(tokenizer(prompt + record["output"], add_special_tokens=False).input_ids)
+    if length > MAX_POSITIONS:
+      raise ValueError(f"{where}[{i}]: {length} tokens exceed the context of {MAX_POSITIONS}")
 
 
 def world_records(world: list[Entity]) -> list[dict]:
@@ -320,6 +356,11 @@ def fact_recall(model: LlamaForCausalLM, tokenizer, world: list[Entity],
 # Optional check: LoRA fine-tune with adamw and anlr, test accuracy before and after
 
 CHECK_TARGETS = ("q_proj", "k_proj", "v_proj", "up_proj", "down_proj")
+CHECK_STEPS = 300
+CHECK_BATCH_SIZE = 16
+CHECK_LR = 2e-3
+EVAL_MAX_NEW_TOKENS = 4
+"""Greedy tokens generated per test prompt: the answer is one word, then eos."""
 
 
 def _padded_train_arrays(train_path: pathlib.Path, tokenizer) -> tuple[np.ndarray, np.ndarray]:
@@ -351,7 +392,7 @@ def _lora_step(model, optimizer, ids, mask):
 
 
 def test_accuracy(model, tokenizer, test_path: pathlib.Path) -> float:
-  """Greedy-generation accuracy on ``test.json`` with the ``winogrande`` extraction rule."""
+  """Greedy-generation accuracy on ``test.json`` scored as ``assets.QUICKSTART_TASK``."""
   from anlr_jax.evals import default_prompt, evaluate, load_eval_examples
   from anlr_jax.models.generate import generate
 
@@ -364,7 +405,7 @@ def test_accuracy(model, tokenizer, test_path: pathlib.Path) -> float:
     for i, prompt in enumerate(prompts):
       row = [tokenizer.bos_token_id, *tokenizer(prompt, add_special_tokens=False).input_ids]
       ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
-    out = generate(model, ids, mask, max_new_tokens=6, eos_token_id=tokenizer.eos_token_id,
+    out = generate(model, ids, mask, max_new_tokens=EVAL_MAX_NEW_TOKENS, eos_token_id=tokenizer.eos_token_id,
                    pad_token_id=tokenizer.pad_token_id)
     return tokenizer.batch_decode(np.asarray(out), skip_special_tokens=True)
 
@@ -421,15 +462,48 @@ def run_check(asset_dir: pathlib.Path, *, seed: int, steps: int, batch_size: int
 # --------------------------------------------------------------------------------------------------
 # Writing
 
-def write_task_files(out: pathlib.Path, world: list[Entity], seed: int) -> tuple[int, int]:
-  """Writes ``world.json``, ``train.json`` and ``test.json``; returns the train and test sizes."""
+def task_info(n_train: int, n_test: int) -> dict:
+  """The task section of ``build_info.json``."""
+  return dict(task=assets.QUICKSTART_TASK, train_examples=n_train, test_examples=n_test,
+              instruction=INSTRUCTION, question_templates=QUESTION_TEMPLATES,
+              test_phrasings=TEST_PHRASINGS)
+
+
+def update_build_info(out: pathlib.Path, fields: dict) -> dict:
+  """Merges `fields` into ``out/build_info.json`` (created if missing); returns the new record."""
+  path = out / assets.BUILD_INFO_FILE
+  info = json.loads(path.read_text()) if path.is_file() else {}
+  info.update(fields)
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(info, f, indent=1)
+    f.write("\n")
+  return info
+
+
+def write_task_files(out: pathlib.Path, world: list[Entity], seed: int, tokenizer) -> dict:
+  """Writes ``world.json``, ``train.json`` and ``test.json`` after checking every record against
+  `tokenizer` (`check_task_vocabulary`); returns their `task_info`."""
   train, test = build_task(world, seed)
+  check_task_vocabulary(train, tokenizer, assets.TRAIN_FILE)
+  check_task_vocabulary(test, tokenizer, assets.TEST_FILE)
   for name, payload in ((assets.WORLD_FILE, world_records(world)), (assets.TRAIN_FILE, train),
                         (assets.TEST_FILE, test)):
     with open(out / name, "w", encoding="utf-8") as f:
       json.dump(payload, f, indent=1)
       f.write("\n")
-  return len(train), len(test)
+  return task_info(len(train), len(test))
+
+
+def build_task_only(out: pathlib.Path, *, seed: int) -> dict:
+  """Rewrites the task files in `out` for the shipped tokenizer and updates ``build_info.json``."""
+  from anlr_jax.models.hf_io import load_tokenizer
+
+  if not (out / assets.TOKENIZER_FILE).is_file():
+    raise FileNotFoundError(f"--task-only needs the built tokenizer at {out / assets.TOKENIZER_FILE}")
+  info = update_build_info(out, write_task_files(out, build_world(seed), seed, load_tokenizer(out)))
+  print(f"task {info['task']}: {info['train_examples']} train / {info['test_examples']} test",
+        flush=True)
+  return info
 
 
 def build(out: pathlib.Path, *, seed: int, steps: int, batch_size: int, peak_lr: float,
@@ -437,11 +511,11 @@ def build(out: pathlib.Path, *, seed: int, steps: int, batch_size: int, peak_lr:
   """Builds every asset into `out`; returns the build record written to ``build_info.json``."""
   out.mkdir(parents=True, exist_ok=True)
   world = build_world(seed)
-  n_train, n_test = write_task_files(out, world, seed)
   tokenizer = build_tokenizer(world)
   tokenizer.save_pretrained(os.fspath(out))
-  print(f"world: {len(world)} animals; task: {n_train} train / {n_test} test; "
-        f"vocab {len(tokenizer)}", flush=True)
+  task = write_task_files(out, world, seed, tokenizer)
+  print(f"world: {len(world)} animals; task: {task['train_examples']} train / "
+        f"{task['test_examples']} test; vocab {len(tokenizer)}", flush=True)
 
   docs = pretraining_documents(world, seed, num_docs)
   windows = packed_windows(docs, tokenizer, SEQ_LEN + 1)
@@ -459,11 +533,9 @@ def build(out: pathlib.Path, *, seed: int, steps: int, batch_size: int, peak_lr:
               num_docs=num_docs, corpus_tokens=int(windows.size), num_params=config.num_params(),
               vocab_size=len(tokenizer), pretrain_seconds=round(seconds, 1),
               final_loss=round(log[-1][1], 4), loss_log=[[s, round(l, 4)] for s, l in log],
-              fact_recall=recall, train_examples=n_train, test_examples=n_test,
-              task=assets.QUICKSTART_TASK)
-  with open(out / assets.BUILD_INFO_FILE, "w") as f:
-    json.dump(info, f, indent=1)
-  return info
+              fact_recall=recall, **task)
+  (out / assets.BUILD_INFO_FILE).unlink(missing_ok=True)  # a full build starts a fresh record
+  return update_build_info(out, info)
 
 
 def main(argv=None) -> None:
@@ -474,25 +546,32 @@ def main(argv=None) -> None:
   parser.add_argument("--batch-size", type=int, default=32)
   parser.add_argument("--lr", type=float, default=3e-3, help="peak pretraining learning rate")
   parser.add_argument("--num-docs", type=int, default=150_000, help="pretraining documents")
+  mode = parser.add_mutually_exclusive_group()
+  mode.add_argument("--task-only", action="store_true",
+                    help="rewrite only the task files and build_info's task section (keeps the "
+                         "tokenizer and weights in --out)")
+  mode.add_argument("--check-only", action="store_true",
+                    help="skip building; run the fine-tune check on the assets in --out")
   parser.add_argument("--check", action="store_true",
                       help="after building, LoRA fine-tune with adamw and anlr and report accuracy")
-  parser.add_argument("--check-only", action="store_true",
-                      help="skip building; run the fine-tune check on the assets in --out")
-  parser.add_argument("--check-steps", type=int, default=300, help="LoRA steps per method")
-  parser.add_argument("--check-batch-size", type=int, default=16)
-  parser.add_argument("--check-lr", type=float, default=2e-3, help="peak LoRA learning rate")
+  parser.add_argument("--check-steps", type=int, default=CHECK_STEPS, help="LoRA steps per method")
+  parser.add_argument("--check-batch-size", type=int, default=CHECK_BATCH_SIZE)
+  parser.add_argument("--check-lr", type=float, default=CHECK_LR, help="peak LoRA learning rate")
   args = parser.parse_args(argv)
   for name in ("steps", "batch_size", "num_docs", "check_steps", "check_batch_size"):
     if getattr(args, name) <= 0:
       parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-  if not args.check_only:
+  if args.check_lr <= 0:
+    parser.error(f"--check-lr must be positive, got {args.check_lr}")
+  if args.task_only:
+    build_task_only(args.out, seed=args.seed)
+  elif not args.check_only:
     build(args.out, seed=args.seed, steps=args.steps, batch_size=args.batch_size, peak_lr=args.lr,
           num_docs=args.num_docs)
   if args.check or args.check_only:
     result = run_check(args.out, seed=args.seed, steps=args.check_steps,
                        batch_size=args.check_batch_size, lr=args.check_lr)
-    with open(args.out / CHECK_FILE, "w") as f:
-      json.dump(result, f, indent=1)
+    update_build_info(args.out, {"lora_check": result})
 
 
 if __name__ == "__main__":

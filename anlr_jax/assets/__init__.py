@@ -2,9 +2,10 @@ r"""Assets shipped inside the package: the quickstart's base model and fine-tune
 
 ``quickstart_dir()`` holds a small pretrained LLaMA-architecture model in Hugging Face layout
 (``config.json``, ``model.safetensors``, tokenizer files), the synthetic world it was pretrained on
-(``world.json``), the multiple-choice fine-tune task in the LLM-Adapters / Commonsense170K layout
-(``train.json``, ``test.json``; scored as the ``winogrande`` task: options ``option1`` / ``option2``)
-and the numbers measured while building it (``build_info.json``). Everything is rebuilt from a seed
+(``world.json``), the short-answer fine-tune task in the LLM-Adapters / Commonsense170K layout
+(``train.json``, ``test.json``: "Please answer the question: What colour is the fokoz?" -> "green",
+scored as the ``exact_match`` task) and the numbers measured while building it
+(``build_info.json``). Everything is rebuilt from a seed
 by ``python scripts/build_quickstart.py --out anlr_jax/assets/quickstart``; see
 ``docs/quickstart_assets.md``.
 """
@@ -21,8 +22,9 @@ WORLD_FILE = "world.json"
 TRAIN_FILE = "train.json"
 TEST_FILE = "test.json"
 BUILD_INFO_FILE = "build_info.json"
-QUICKSTART_TASK = "winogrande"
-"""The `anlr_jax.evals` task that scores the quickstart test set (options ``option1``, ``option2``)."""
+QUICKSTART_TASK = "exact_match"
+"""The `anlr_jax.evals` task that scores the quickstart test set: the greedy generation must equal
+the gold attribute value (one word) after whitespace normalisation and case-folding."""
 QUICKSTART_SEED = 0
 """The seed the shipped quickstart assets were built from."""
 
