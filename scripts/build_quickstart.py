@@ -440,7 +440,8 @@ def lora_finetune(asset_dir: pathlib.Path, method: str, *, steps: int, batch_siz
   final_loss = float(jnp.mean(jnp.stack(losses[-20:])))
   seconds = time.time() - start
   accuracy = test_accuracy(model, tokenizer, asset_dir / assets.TEST_FILE)
-  return dict(method=method, steps=steps, batch_size=batch_size, lr=lr, seconds=round(seconds, 1),
+  return dict(method=method, steps=steps, batch_size=batch_size, lr=lr,
+              warmup_steps=steps // 10 if method == "anlr" else None, seconds=round(seconds, 1),
               final_loss=round(final_loss, 4), test_accuracy=accuracy)
 
 
@@ -449,7 +450,10 @@ def run_check(asset_dir: pathlib.Path, *, seed: int, steps: int, batch_size: int
   from anlr_jax.models.hf_io import load_hf_model, load_tokenizer
 
   base, _ = load_hf_model(asset_dir, dtype=jnp.float32)
-  result = {"base_accuracy": test_accuracy(base, load_tokenizer(asset_dir),
+  result = {"settings": dict(rank=8, alpha=16.0, dropout=0.0, targets=list(CHECK_TARGETS),
+                             schedule="warmup-cosine, warmup steps/10, to 0", weight_decay=0.0,
+                             eval_max_new_tokens=EVAL_MAX_NEW_TOKENS, task=assets.QUICKSTART_TASK),
+            "base_accuracy": test_accuracy(base, load_tokenizer(asset_dir),
                                            asset_dir / assets.TEST_FILE)}
   print(f"base model test accuracy: {result['base_accuracy']:.3f}", flush=True)
   for method in ("adamw", "anlr"):
