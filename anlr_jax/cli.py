@@ -38,9 +38,9 @@ QUICKSTART_DEFAULT = {
     "data": {"train": "asset://quickstart/train.json", "format": "commonsense", "max_length": 128,
              "pad_multiple": 16},
     "trainer": {"steps": 300, "global_batch": 16, "learning_rate": 2.0e-3, "warmup_steps": 30,
-                "weight_decay": 0.0, "clip_norm": 1.0, "compute_dtype": "float32", "log_every": 10},
+                "weight_decay": 0.0, "clip_norm": 1.0, "compute_dtype": "float32", "log_every": 1},
     "eval": {"tasks": {QUICKSTART_TASK: "asset://quickstart/test.json"}, "batch_size": 50,
-             "max_new_tokens": 8, "include_base": True},
+             "max_new_tokens": 6, "include_base": True},
 }
 """The quickstart's settings when ``configs/quickstart.yaml`` is not reachable (kept equal to it;
 ``tests/test_quickstart.py`` checks that)."""
