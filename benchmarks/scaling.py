@@ -7,7 +7,8 @@ interleaved; the AnLR overhead share of a step is
 
 .. math::  \mathrm{overhead} = (t_\mathrm{anlr} - t_\mathrm{adamw}) / t_\mathrm{anlr},
 
-with ``t`` the medians. Memory: XLA's ``memory_analysis`` peak of each compiled step and the peak RSS
+with ``t_anlr / t_adamw`` the median over runs of the paired quotient (AnLR's step ``i`` runs right
+after AdamW's step ``i``), which cancels the slow load drift of a shared machine. Memory: XLA's ``memory_analysis`` peak of each compiled step and the peak RSS
 over the timed steps. Writes a markdown table, a JSON file and a PNG (matplotlib, Agg).
 
     python benchmarks/scaling.py --png docs/benchmarks_scaling.png --json /tmp/scaling.json
@@ -63,10 +64,12 @@ def measure(cfg: BenchConfig, runs: int, warmup: int) -> dict:
       w.kill()
   a, b = workers["jax-adamw"], workers["jax-anlr"]
   ta, tb = statistics.median(a.times_ms), statistics.median(b.times_ms)
+  # Paired: step i of AnLR ran right after step i of AdamW, so their quotient cancels slow load drift.
+  paired = statistics.median(y / x for x, y in zip(a.times_ms, b.times_ms))
   return dict(
       hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, seq=cfg.seq, rank=cfg.rank,
       lora_params=a.info["lora_params"], adamw_ms=ta, anlr_ms=tb, time_ratio=tb / ta,
-      overhead_share=(tb - ta) / tb,
+      paired_ratio=paired, overhead_share=1.0 - 1.0 / paired,
       adamw_xla_mib=a.info["xla"]["peak_bytes"] / 2**20, anlr_xla_mib=b.info["xla"]["peak_bytes"] / 2**20,
       xla_ratio=b.info["xla"]["peak_bytes"] / a.info["xla"]["peak_bytes"],
       adamw_rss_mib=a.info["steady_peak_rss_mib"], anlr_rss_mib=b.info["steady_peak_rss_mib"],
@@ -74,12 +77,12 @@ def measure(cfg: BenchConfig, runs: int, warmup: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-  head = ("| sweep | d | seq | r | LoRA params | adamw ms | anlr ms | anlr/adamw | overhead share | "
+  head = ("| sweep | d | seq | r | LoRA params | adamw ms | anlr ms | anlr/adamw (medians) | paired | overhead share | "
           "XLA MiB adamw / anlr | step RSS MiB adamw / anlr |")
   out = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in rows:
     out.append(f"| {r['sweep']} | {r['hidden']} | {r['seq']} | {r['rank']} | {r['lora_params']/1e6:.2f} M | "
-               f"{r['adamw_ms']:.1f} | {r['anlr_ms']:.1f} | {r['time_ratio']:.3f} | "
+               f"{r['adamw_ms']:.1f} | {r['anlr_ms']:.1f} | {r['time_ratio']:.3f} | {r['paired_ratio']:.3f} | "
                f"{100 * r['overhead_share']:+.1f} % | {r['adamw_xla_mib']:.1f} / {r['anlr_xla_mib']:.1f} | "
                f"{r['adamw_rss_mib']:.0f} / {r['anlr_rss_mib']:.0f} |")
   return "\n".join(out)
@@ -143,7 +146,7 @@ def main(argv=None):
     rows.append(dict(done[key], sweep=sweep))
     r = rows[-1]
     print(f"{sweep:>6}: d={r['hidden']} seq={r['seq']} r={r['rank']}: adamw {r['adamw_ms']:.1f} ms, "
-          f"anlr {r['anlr_ms']:.1f} ms, ratio {r['time_ratio']:.3f}, overhead share "
+          f"anlr {r['anlr_ms']:.1f} ms, ratio {r['time_ratio']:.3f} (paired {r['paired_ratio']:.3f}), overhead share "
           f"{100 * r['overhead_share']:+.1f} %, XLA memory ratio {r['xla_ratio']:.4f}", flush=True)
   print(f"machine: {machine_line()}; median of {args.runs} interleaved runs per point")
   print(table(rows))

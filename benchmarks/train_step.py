@@ -195,6 +195,8 @@ def ratio_lines(res: dict) -> list[str]:
   if have("jax-adamw", "jax-anlr"):
     a, b = fw["jax-adamw"], fw["jax-anlr"]
     lines.append(f"ratio step time jax-anlr / jax-adamw: {b['median_ms'] / a['median_ms']:.3f}")
+    paired = statistics.median(y / x for x, y in zip(a["times_ms"], b["times_ms"]))
+    lines.append(f"ratio step time jax-anlr / jax-adamw, median of paired runs: {paired:.3f}")
     lines.append(f"ratio step peak RSS jax-anlr / jax-adamw: "
                  f"{b['steady_peak_rss_mib'] / a['steady_peak_rss_mib']:.4f}")
     lines.append(f"ratio process peak RSS jax-anlr / jax-adamw: {b['peak_rss_mib'] / a['peak_rss_mib']:.4f}")
