@@ -19,6 +19,8 @@ trainer's), ``loss.png``, ``lora_final.safetensors`` (Flax layout: ``<module pat
 tasks), ``accuracy.csv`` / ``accuracy.md`` and ``eval_<task>.jsonl`` (every generation). With
 ``compare`` each method gets a sub-directory ``<run_dir>/<method>`` and the top level holds the
 comparison (``summary.json``, ``accuracy.*`` with one row per method, ``loss.png`` with every curve).
+Every process trains and evaluates; only process 0 writes files (in a multi-process run give
+``run_dir`` without ``{timestamp}``, so that every process agrees on it).
 """
 from __future__ import annotations
 
@@ -174,7 +176,7 @@ def evaluate_tasks(model, tokenizer, config: RunConfig, *, out_dir: str | None =
     result = evaluate(generate_fn, examples, task, batch_size=config.eval.batch_size)
     log(f"  eval {task}: {result.correct}/{result.total} = {100 * result.accuracy:.1f}% "
         f"({time.perf_counter() - start:.1f}s)")
-    if out_dir is not None:
+    if out_dir is not None and _is_writer():
       result.save_records(os.path.join(out_dir, f"eval_{task}.jsonl"))
     results[task] = result
   return results
@@ -189,6 +191,8 @@ def accuracy_summary(results: Mapping[str, Any]) -> tuple[dict[str, float], floa
 # ------------------------------------------------------------------------------------ plots
 def plot_losses(curves: Mapping[str, tuple[list[float], list[float]]], path: str) -> None:
   """Training loss against update step, one line per label (Agg backend: no display needed)."""
+  if not _is_writer():
+    return
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -215,7 +219,14 @@ def _loss_curve(rows) -> tuple[list[float], list[float]]:
   return [r["step"] for r in rows], [r["loss"] for r in rows]
 
 
+def _is_writer() -> bool:
+  """Only process 0 writes run files (every process trains and evaluates)."""
+  return jax.process_index() == 0
+
+
 def _write_json(path: str, payload: Any) -> None:
+  if not _is_writer():
+    return
   with open(path, "w", encoding="utf-8") as f:
     json.dump(payload, f, indent=2)
     f.write("\n")
@@ -229,7 +240,8 @@ def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = _pr
 
   os.makedirs(run_dir, exist_ok=True)
   config = dataclasses.replace(config, method=method, compare=[], run_dir=run_dir)
-  save_config(config, os.path.join(run_dir, CONFIG_FILE))
+  if _is_writer():
+    save_config(config, os.path.join(run_dir, CONFIG_FILE))
   model, _, tokenizer = load_base(config)
   inject_method(model, config, method)
   train_path = _require_path(config.data.train, "data.train", kind="training file")
@@ -254,7 +266,8 @@ def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = _pr
   train_seconds = time.perf_counter() - start
   model = trainer.updated_model()
   model.eval()
-  save_lora_params(model, os.path.join(run_dir, LORA_FILE))
+  if _is_writer():
+    save_lora_params(model, os.path.join(run_dir, LORA_FILE))
   curve = _loss_curve(rows)
   plot_losses({method: curve}, os.path.join(run_dir, LOSS_PLOT))
   final = float(np.mean(curve[1][-max(1, len(curve[1]) // 10):])) if curve[1] else None
@@ -267,7 +280,7 @@ def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = _pr
              "accuracy": accuracy, "avg": avg, "steps": total, "final_loss": final,
              "train_seconds": round(train_seconds, 2),
              "eval_seconds": round(time.perf_counter() - start, 2)}
-  if evals:
+  if evals and _is_writer():
     from anlr_jax.evals import write_accuracy_table
     write_accuracy_table({method: accuracy}, os.path.join(run_dir, ACCURACY_TABLE),
                          tasks=list(accuracy))
@@ -293,7 +306,8 @@ def train_run(config: RunConfig, *, log: Log = _print, timestamp: str | None = N
   run_dir = format_run_dir(config.run_dir, method="-vs-".join(methods), seed=config.seed,
                            timestamp=timestamp)
   os.makedirs(run_dir, exist_ok=True)
-  save_config(dataclasses.replace(config, run_dir=run_dir), os.path.join(run_dir, CONFIG_FILE))
+  if _is_writer():
+    save_config(dataclasses.replace(config, run_dir=run_dir), os.path.join(run_dir, CONFIG_FILE))
   if len(methods) == 1 and not config.eval.include_base:
     results = train_method(config, methods[0], run_dir, log=log)
     results.pop("loss_curve")
@@ -311,7 +325,7 @@ def train_run(config: RunConfig, *, log: Log = _print, timestamp: str | None = N
   plot_losses(curves, os.path.join(run_dir, LOSS_PLOT))
   table = {BASE_ROW: base} if base else {}
   table.update({r["method"]: r["accuracy"] for r in runs if r["accuracy"]})
-  if table:
+  if table and _is_writer():
     from anlr_jax.evals import write_accuracy_table
     write_accuracy_table(table, os.path.join(run_dir, ACCURACY_TABLE),
                          tasks=list(config.eval.tasks))
