@@ -115,6 +115,7 @@ def method_optimizer(
     anlr_kwargs: Mapping[str, Any] | None = None,
     lr_ratio: float = 16.0,
     seed: int = 0,
+    track_rank_stats: bool = False,
 ) -> optax.GradientTransformation:
   r"""``clip_by_global_norm(clip_norm)`` followed by the method's optimizer on ``learning_rate``.
 
@@ -127,6 +128,9 @@ def method_optimizer(
       methods; missing ones take :data:`anlr_jax.DEFAULTS`. Ignored by the other methods.
     lr_ratio: LoRA+'s :math:`\lambda = \eta_B / \eta_A` (``loraplus`` only).
     seed: seed of the ``random`` signal.
+    track_rank_stats: for the AdamW methods, use ``anlr_jax.anlr(signal="uniform")`` instead of
+      ``optax.adamw``: the same updates (``s = 1``), plus per-rank velocity and SNR in the optimizer
+      state, so that a plain-LoRA run logs the diagnostics that ``anlr analyze`` draws.
 
   Returns:
     An optax transformation over the LoRA param tree.
@@ -135,7 +139,9 @@ def method_optimizer(
 
   spec = method if isinstance(method, Method) else get_method(method)
   adam = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
-  if spec.optimizer == "adamw":
+  if spec.optimizer == "adamw" and track_rank_stats:
+    inner = anlr_jax.anlr(learning_rate, **adam, signal="uniform")
+  elif spec.optimizer == "adamw":
     inner = optax.adamw(learning_rate, **adam)
   elif spec.optimizer == "loraplus":
     inner = anlr_jax.loraplus(learning_rate, lr_ratio=lr_ratio, **adam)

@@ -256,7 +256,7 @@ def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = _pr
   tx = method_optimizer(method, schedule, b1=tc.b1, b2=tc.b2, eps=tc.eps,
                         weight_decay=tc.weight_decay, clip_norm=tc.clip_norm,
                         anlr_kwargs=config.anlr.as_kwargs(), lr_ratio=config.loraplus.lr_ratio,
-                        seed=config.seed)
+                        seed=config.seed, track_rank_stats=tc.diag_every > 0)
   log(f"[{method}] {len(source.examples)} examples, {len(source)} batches/epoch of "
       f"{tc.global_batch}; {total} updates at lr {tc.learning_rate:g} -> {run_dir}")
   model.train()

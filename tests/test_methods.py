@@ -108,6 +108,13 @@ def test_lora_is_clipped_adamw():
   ref, _, _ = _run(optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1)),
                    params, grads)
   chex.assert_trees_all_close(ours, ref, atol=1e-7, rtol=1e-6)
+  # Tracked for diagnostics: the same updates, plus per-rank statistics in the state.
+  tracked, state, _ = _run(method_optimizer("lora", 1e-2, clip_norm=0.5, weight_decay=0.1,
+                                            track_rank_stats=True), params, grads)
+  chex.assert_trees_all_close(tracked, ref, atol=1e-7, rtol=1e-6)
+  d = anlr_jax.diagnostics(state)
+  assert float(d["modules"]["q"]["velocity_max_min"]) > 1.0
+  chex.assert_trees_all_close(d["modules"]["q"]["multipliers"], jnp.ones(R))
 
 
 def test_loraplus_scales_only_b():
