@@ -5,6 +5,7 @@ The optimizer API lives at the top level (``anlr_jax.anlr``, ``anlr_jax.scale_by
 pipeline are in the subpackages ``anlr_jax.nn``, ``anlr_jax.models``, ``anlr_jax.train``,
 ``anlr_jax.data`` and ``anlr_jax.evals``.
 """
+
 from anlr_jax.optim import (
     DEFAULTS,
     FLAX,

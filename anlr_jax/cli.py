@@ -14,6 +14,7 @@ Examples::
     anlr generate --model models/Llama-2-7b-hf --adapter adapters/anlr --prompt "..."
     anlr analyze ... / anlr sweep ...                   # see anlr_jax.analysis
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,15 +33,35 @@ QUICKSTART_DEFAULT = {
     "run_dir": "runs/quickstart-{timestamp}",
     "seed": 0,
     "model": {"path": "asset://quickstart", "dtype": "float32"},
-    "lora": {"rank": 8, "alpha": 16, "dropout": 0.0,
-             "targets": ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]},
+    "lora": {
+        "rank": 8,
+        "alpha": 16,
+        "dropout": 0.0,
+        "targets": ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"],
+    },
     "anlr": {"alpha": 2.0, "beta": 1.0, "kappa": 3.0, "rho": 0.95, "warmup_steps": 30},
-    "data": {"train": "asset://quickstart/train.json", "format": "commonsense", "max_length": 128,
-             "pad_multiple": 16},
-    "trainer": {"steps": 300, "global_batch": 16, "learning_rate": 2.0e-3, "warmup_steps": 30,
-                "weight_decay": 0.0, "clip_norm": 1.0, "compute_dtype": "float32", "log_every": 1},
-    "eval": {"tasks": {QUICKSTART_TASK: "asset://quickstart/test.json"}, "batch_size": 50,
-             "max_new_tokens": 6, "include_base": True},
+    "data": {
+        "train": "asset://quickstart/train.json",
+        "format": "commonsense",
+        "max_length": 128,
+        "pad_multiple": 16,
+    },
+    "trainer": {
+        "steps": 300,
+        "global_batch": 16,
+        "learning_rate": 2.0e-3,
+        "warmup_steps": 30,
+        "weight_decay": 0.0,
+        "clip_norm": 1.0,
+        "compute_dtype": "float32",
+        "log_every": 1,
+    },
+    "eval": {
+        "tasks": {QUICKSTART_TASK: "asset://quickstart/test.json"},
+        "batch_size": 50,
+        "max_new_tokens": 6,
+        "include_base": True,
+    },
 }
 """The quickstart's settings when ``configs/quickstart.yaml`` is not reachable (kept equal to it;
 ``tests/test_quickstart.py`` checks that)."""
@@ -61,6 +82,7 @@ def quickstart_config_path() -> pathlib.Path | None:
 
 def _load_run_config(path: str | None, overrides: Sequence[str]):
   from anlr_jax.config import load_config
+
   if path is not None:
     return load_config(path, overrides)
   found = quickstart_config_path()
@@ -74,6 +96,7 @@ def _load_run_config(path: str | None, overrides: Sequence[str]):
 # ------------------------------------------------------------------------------- subcommands
 def cmd_train(args) -> int:
   from anlr_jax.run import train_run
+
   config = _load_run_config(args.config, args.overrides)
   start = time.perf_counter()
   summary = train_run(config)
@@ -84,26 +107,38 @@ def cmd_train(args) -> int:
 
 def cmd_eval(args) -> int:
   from anlr_jax.run import eval_run
+
   config = _load_run_config(args.config, args.overrides)
   result = eval_run(config, args.adapter, out_dir=args.out)
   avg = "" if result["avg"] is None else f"; avg {100 * result['avg']:.1f}%"
-  print("accuracy: " + ", ".join(f"{t} {100 * a:.1f}%" for t, a in result["accuracy"].items())
-        + avg, flush=True)
+  print(
+      "accuracy: " + ", ".join(f"{t} {100 * a:.1f}%" for t, a in result["accuracy"].items()) + avg,
+      flush=True,
+  )
   print(f"results: {result['out_dir']}", flush=True)
   return 0
 
 
 def cmd_export(args) -> int:
   from anlr_jax.run import export_run
+
   export_run(args.run, args.format, args.out)
   return 0
 
 
 def cmd_generate(args) -> int:
   from anlr_jax.run import generate_text
-  text = generate_text(args.model, args.prompt, adapter=args.adapter,
-                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       raw=args.raw, seed=args.seed, dtype=args.dtype)
+
+  text = generate_text(
+      args.model,
+      args.prompt,
+      adapter=args.adapter,
+      max_new_tokens=args.max_new_tokens,
+      temperature=args.temperature,
+      raw=args.raw,
+      seed=args.seed,
+      dtype=args.dtype,
+  )
   print(text, flush=True)
   return 0
 
@@ -113,8 +148,10 @@ def _analysis_entry(name: str):
     module = importlib.import_module("anlr_jax.analysis.cli")
   except ModuleNotFoundError as err:
     if err.name and err.name.startswith("anlr_jax.analysis"):
-      raise CLIError(f"'anlr {name.removesuffix('_main')}' needs anlr_jax.analysis.cli, which is "
-                     "not available in this installation") from None
+      raise CLIError(
+          f"'anlr {name.removesuffix('_main')}' needs anlr_jax.analysis.cli, which is "
+          "not available in this installation"
+      ) from None
     raise
   entry = getattr(module, name, None)
   if entry is None:
@@ -127,24 +164,36 @@ def build_parser() -> argparse.ArgumentParser:
   from anlr_jax.config import help_text
 
   parser = argparse.ArgumentParser(
-      prog="anlr", description="AnLR-LoRA fine-tuning in JAX: train, evaluate, export, generate.",
+      prog="anlr",
+      description="AnLR-LoRA fine-tuning in JAX: train, evaluate, export, generate.",
       epilog="Run 'anlr <command> --help' for a command's options. 'anlr train' with no arguments "
-             "runs the quickstart.", formatter_class=argparse.RawDescriptionHelpFormatter)
+      "runs the quickstart.",
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   sub = parser.add_subparsers(dest="command", metavar="command")
 
   overrides_help = "config overrides with dotted keys, e.g. lora.rank=16 method=anlr"
   train = sub.add_parser(
-      "train", help="fine-tune (default: the quickstart)", formatter_class=argparse.RawDescriptionHelpFormatter,
+      "train",
+      help="fine-tune (default: the quickstart)",
+      formatter_class=argparse.RawDescriptionHelpFormatter,
       description="Fine-tune a base model with LoRA and the chosen method, then evaluate.",
-      epilog=help_text())
+      epilog=help_text(),
+  )
   train.add_argument("--config", help="run config YAML (default: configs/quickstart.yaml)")
   train.add_argument("overrides", nargs="*", metavar="key=value", help=overrides_help)
   train.set_defaults(func=cmd_train)
 
-  ev = sub.add_parser("eval", help="evaluate the base model or base + adapter",
-                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=help_text())
+  ev = sub.add_parser(
+      "eval",
+      help="evaluate the base model or base + adapter",
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog=help_text(),
+  )
   ev.add_argument("--config", help="run config YAML (model, eval sections are used)")
-  ev.add_argument("--adapter", help="a run directory (lora_final.safetensors) or a PEFT adapter dir")
+  ev.add_argument(
+      "--adapter", help="a run directory (lora_final.safetensors) or a PEFT adapter dir"
+  )
   ev.add_argument("--out", help="output directory (default: <adapter>/eval-<timestamp>)")
   ev.add_argument("overrides", nargs="*", metavar="key=value", help=overrides_help)
   ev.set_defaults(func=cmd_eval)
@@ -163,7 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
   gen.add_argument("--seed", type=int, default=0, help="sampling seed")
   gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-  gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the Alpaca template")
+  gen.add_argument(
+      "--raw", action="store_true", help="do not wrap the prompt in the Alpaca template"
+  )
   gen.set_defaults(func=cmd_generate)
 
   for name in ("analyze", "sweep"):
@@ -189,6 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.print_help()
     return 2
   from anlr_jax.config import ConfigError
+
   try:
     return int(args.func(args) or 0)
   except (CLIError, ConfigError, FileNotFoundError, KeyError, ValueError) as err:

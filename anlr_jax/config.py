@@ -23,6 +23,7 @@ Paths may start with ``asset://`` (``asset://quickstart/train.json``): the rest 
 ``anlr_jax/assets``, so the shipped quickstart config works wherever the package is installed.
 ``run_dir`` may use ``{method}``, ``{seed}`` and ``{timestamp}`` placeholders.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,30 +56,31 @@ class ConfigError(ValueError):
 class ModelSection:
   """The base model: a local Hugging Face LLaMA / Qwen2 directory."""
 
-  path: str = ""                 # local HF model directory (config.json + *.safetensors)
-  tokenizer: str | None = None   # tokenizer directory; None: the model directory
-  dtype: str = "float32"         # dtype the base weights are loaded in
+  path: str = ""  # local HF model directory (config.json + *.safetensors)
+  tokenizer: str | None = None  # tokenizer directory; None: the model directory
+  dtype: str = "float32"  # dtype the base weights are loaded in
 
 
 @dataclasses.dataclass
 class LoraSection:
   """LoRA adapter shape; init/rsLoRA/DoRA follow from `method`."""
 
-  rank: int = 32                 # LoRA rank r
-  alpha: float = 64.0            # LoRA alpha (scale c = alpha / r, or alpha / sqrt(r) for rslora)
-  dropout: float = 0.05          # dropout on the adapter input
+  rank: int = 32  # LoRA rank r
+  alpha: float = 64.0  # LoRA alpha (scale c = alpha / r, or alpha / sqrt(r) for rslora)
+  dropout: float = 0.05  # dropout on the adapter input
   targets: list[str] = dataclasses.field(
-      default_factory=lambda: list(PAPER_TARGET_MODULES))  # nnx.Linear attribute names to adapt
+      default_factory=lambda: list(PAPER_TARGET_MODULES)
+  )  # nnx.Linear attribute names to adapt
 
 
 @dataclasses.dataclass
 class AnLRSection:
   """AnLR knobs (used by the anlr* methods and the random/sensitivity ablations)."""
 
-  alpha: float = ANLR_DEFAULTS["alpha"]          # velocity exponent (paper: 2)
-  beta: float = ANLR_DEFAULTS["beta"]            # Adam-SNR exponent (paper: 1)
-  kappa: float = ANLR_DEFAULTS["kappa"]          # multipliers clamped to [1/kappa, kappa] (paper: 3)
-  rho: float = ANLR_DEFAULTS["rho"]              # EMA decay of the per-rank velocity
+  alpha: float = ANLR_DEFAULTS["alpha"]  # velocity exponent (paper: 2)
+  beta: float = ANLR_DEFAULTS["beta"]  # Adam-SNR exponent (paper: 1)
+  kappa: float = ANLR_DEFAULTS["kappa"]  # multipliers clamped to [1/kappa, kappa] (paper: 3)
+  rho: float = ANLR_DEFAULTS["rho"]  # EMA decay of the per-rank velocity
   warmup_steps: int = ANLR_DEFAULTS["warmup_steps"]  # updates with all multipliers = 1
 
   def as_kwargs(self) -> dict[str, Any]:
@@ -89,18 +91,18 @@ class AnLRSection:
 class LoraPlusSection:
   """LoRA+ setting (method loraplus)."""
 
-  lr_ratio: float = 16.0         # learning rate of B over that of A
+  lr_ratio: float = 16.0  # learning rate of B over that of A
 
 
 @dataclasses.dataclass
 class DataSection:
   """The fine-tuning data (see anlr_jax.data.formats)."""
 
-  train: str = ""                # training file (JSON list or JSONL)
-  format: str | None = None      # dataset format; None: detect from the first record
-  max_length: int = 512          # tokens per sequence at most (longer ones are cut at the end)
-  on_error: str = "raise"        # malformed record: 'raise' or 'skip'
-  pad_multiple: int = 64         # sequence length rounded up to a multiple of this
+  train: str = ""  # training file (JSON list or JSONL)
+  format: str | None = None  # dataset format; None: detect from the first record
+  max_length: int = 512  # tokens per sequence at most (longer ones are cut at the end)
+  on_error: str = "raise"  # malformed record: 'raise' or 'skip'
+  pad_multiple: int = 64  # sequence length rounded up to a multiple of this
 
 
 @dataclasses.dataclass
@@ -108,20 +110,24 @@ class EvalSection:
   """Evaluation after training: generate, extract the answer, score."""
 
   tasks: dict[str, str] = dataclasses.field(default_factory=dict)  # task name -> test file
-  batch_size: int = 16           # prompts per generation batch
-  max_new_tokens: int = 32       # generated tokens per prompt (greedy)
-  limit: int | None = None       # score only the first N examples of each task; None: all
-  include_base: bool = False     # also score the base model (without adapters) for comparison
+  batch_size: int = 16  # prompts per generation batch
+  max_new_tokens: int = 32  # generated tokens per prompt (greedy)
+  limit: int | None = None  # score only the first N examples of each task; None: all
+  include_base: bool = False  # also score the base model (without adapters) for comparison
 
 
 @dataclasses.dataclass
 class RunConfig:
   """One fine-tuning run (or, with `compare`, several runs differing only in the method)."""
 
-  method: str = "anlr"           # fine-tuning method (see anlr_jax.methods)
-  compare: list[str] = dataclasses.field(default_factory=list)  # train these methods one after another (same seed/data/steps) instead of `method`
-  run_dir: str = "runs/{method}-{timestamp}"  # output directory; {method}, {seed}, {timestamp} are filled in
-  seed: int = 0                  # seed of the adapter init, data order and dropout
+  method: str = "anlr"  # fine-tuning method (see anlr_jax.methods)
+  compare: list[str] = dataclasses.field(
+      default_factory=list
+  )  # train these methods one after another (same seed/data/steps) instead of `method`
+  run_dir: str = (
+      "runs/{method}-{timestamp}"  # output directory; {method}, {seed}, {timestamp} are filled in
+  )
+  seed: int = 0  # seed of the adapter init, data order and dropout
   model: ModelSection = dataclasses.field(default_factory=ModelSection)
   lora: LoraSection = dataclasses.field(default_factory=LoraSection)
   anlr: AnLRSection = dataclasses.field(default_factory=AnLRSection)
@@ -136,14 +142,23 @@ class RunConfig:
 
 
 SECTIONS: dict[str, type] = {
-    "model": ModelSection, "lora": LoraSection, "anlr": AnLRSection, "loraplus": LoraPlusSection,
-    "data": DataSection, "trainer": TrainerConfig, "eval": EvalSection,
+    "model": ModelSection,
+    "lora": LoraSection,
+    "anlr": AnLRSection,
+    "loraplus": LoraPlusSection,
+    "data": DataSection,
+    "trainer": TrainerConfig,
+    "eval": EvalSection,
 }
 """Section name -> its dataclass (``trainer`` is :class:`anlr_jax.train.TrainerConfig`)."""
 
 TOP_LEVEL = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name not in SECTIONS)
 
-SET_ELSEWHERE = {"trainer.run_dir": "run_dir", "trainer.seed": "seed", "trainer.optimizer": "method"}
+SET_ELSEWHERE = {
+    "trainer.run_dir": "run_dir",
+    "trainer.seed": "seed",
+    "trainer.optimizer": "method",
+}
 """TrainerConfig fields a run config sets from another key (so one fact has one key)."""
 
 
@@ -157,6 +172,7 @@ def _in_range(lo: float | None, hi: float | None, *, lo_open=False, hi_open=Fals
     if lo is not None and (v <= lo if lo_open else v < lo):
       return False
     return not (hi is not None and (v >= hi if hi_open else v > hi))
+
   lb = "" if lo is None else (f"> {lo}" if lo_open else f">= {lo}")
   ub = "" if hi is None else (f"< {hi}" if hi_open else f"<= {hi}")
   return ok, " and ".join(s for s in (lb, ub) if s) or "finite"
@@ -168,11 +184,13 @@ def _one_of(choices: Sequence[Any]):
 
 def _task_names():
   from anlr_jax.evals.extract import TASKS
+
   return tuple(TASKS)
 
 
 def _format_names():
   from anlr_jax.data.formats import FORMATS
+
   return (*FORMATS, None)
 
 
@@ -315,8 +333,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
       return {}
     if not isinstance(value, Mapping):
       raise bad
-    return {_coerce(k, args[0], f"{key} key"): _coerce(v, args[1], f"{key}.{k}")
-            for k, v in value.items()}
+    return {
+        _coerce(k, args[0], f"{key} key"): _coerce(v, args[1], f"{key}.{k}")
+        for k, v in value.items()
+    }
   if tp is bool:
     if isinstance(value, bool):
       return value
@@ -366,9 +386,11 @@ def _parse_text(text: str) -> Any:
 
 
 def _check_value(key: str, value: Any) -> None:
-  for pattern, items in ((key, [value]),
-                         (f"{key}[]", value if isinstance(value, list) else []),
-                         (f"{key}{{}}", list(value) if isinstance(value, dict) else [])):
+  for pattern, items in (
+      (key, [value]),
+      (f"{key}[]", value if isinstance(value, list) else []),
+      (f"{key}{{}}", list(value) if isinstance(value, dict) else []),
+  ):
     if pattern in CHECKS:
       ok, allowed = CHECKS[pattern]()
       for item in items:
@@ -384,10 +406,14 @@ def _build_section(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
   for name, value in raw.items():
     key = f"{prefix}{name}"
     if key in SET_ELSEWHERE:
-      raise ConfigError(f"{key} is set by the top-level key '{SET_ELSEWHERE[key]}'; set that instead")
+      raise ConfigError(
+          f"{key} is set by the top-level key '{SET_ELSEWHERE[key]}'; set that instead"
+      )
     if name not in types_:
-      raise ConfigError(f"unknown key {key!r}; allowed keys in "
-                        f"{prefix[:-1] or 'the top level'!r}: {', '.join(allowed)}")
+      raise ConfigError(
+          f"unknown key {key!r}; allowed keys in "
+          f"{prefix[:-1] or 'the top level'!r}: {', '.join(allowed)}"
+      )
     kwargs[name] = _coerce(value, types_[name], key)
     _check_value(key, kwargs[name])
   try:
@@ -406,8 +432,9 @@ def config_from_dict(raw: Mapping[str, Any] | None) -> RunConfig:
       if value is None:
         value = {}
       if not isinstance(value, Mapping):
-        raise ConfigError(f"{name}: expected a mapping of keys ({', '.join(_keys_of(name))}), "
-                          f"got {value!r}")
+        raise ConfigError(
+            f"{name}: expected a mapping of keys ({', '.join(_keys_of(name))}), " f"got {value!r}"
+        )
       sections[name] = _build_section(SECTIONS[name], value, f"{name}.")
     elif name in TOP_LEVEL:
       top[name] = value
@@ -426,8 +453,11 @@ class _TopLevel:
 
 
 def _keys_of(section: str) -> list[str]:
-  return [f.name for f in dataclasses.fields(SECTIONS[section])
-          if f"{section}.{f.name}" not in SET_ELSEWHERE]
+  return [
+      f.name
+      for f in dataclasses.fields(SECTIONS[section])
+      if f"{section}.{f.name}" not in SET_ELSEWHERE
+  ]
 
 
 def config_to_dict(config: RunConfig) -> dict[str, Any]:
@@ -453,8 +483,10 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
       node = raw.setdefault(parts[0], {}) or {}
       raw[parts[0]] = node
       if len(parts) == 1:
-        raise ConfigError(f"override {item!r}: {parts[0]!r} is a section; set one of its keys "
-                          f"({', '.join(_keys_of(parts[0]))})")
+        raise ConfigError(
+            f"override {item!r}: {parts[0]!r} is a section; set one of its keys "
+            f"({', '.join(_keys_of(parts[0]))})"
+        )
       if len(parts) == 3:  # a mapping entry, e.g. eval.tasks.boolq=path
         entry = node.setdefault(parts[1], {})
         if not isinstance(entry, dict):
@@ -467,8 +499,9 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
     elif len(parts) == 1:
       raw[key] = text
     else:
-      raise ConfigError(f"override {item!r}: unknown section {parts[0]!r}; sections: "
-                        f"{', '.join(SECTIONS)}")
+      raise ConfigError(
+          f"override {item!r}: unknown section {parts[0]!r}; sections: " f"{', '.join(SECTIONS)}"
+      )
   return raw
 
 
@@ -491,8 +524,12 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
   return raw
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = (),
-                *, base: Mapping[str, Any] | None = None) -> RunConfig:
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    base: Mapping[str, Any] | None = None,
+) -> RunConfig:
   """Reads YAML ``path`` (or ``base``, or the defaults), applies ``overrides``, validates.
 
   Raises:
@@ -530,7 +567,10 @@ def resolve_path(value: str | None) -> str | None:
     return None
   if value.startswith(ASSET_PREFIX):
     from anlr_jax import assets
-    return os.path.join(os.path.dirname(os.path.abspath(assets.__file__)), value[len(ASSET_PREFIX):])
+
+    return os.path.join(
+        os.path.dirname(os.path.abspath(assets.__file__)), value[len(ASSET_PREFIX) :]
+    )
   return os.path.expanduser(value)
 
 
@@ -540,8 +580,10 @@ def format_run_dir(template: str, *, method: str, seed: int, timestamp: str | No
   try:
     return template.format(method=method.replace("+", "_"), seed=seed, timestamp=stamp)
   except (KeyError, IndexError, ValueError) as err:
-    raise ConfigError(f"run_dir: {template!r} has a bad placeholder ({err}); allowed: "
-                      "{method}, {seed}, {timestamp}") from None
+    raise ConfigError(
+        f"run_dir: {template!r} has a bad placeholder ({err}); allowed: "
+        "{method}, {seed}, {timestamp}"
+    ) from None
 
 
 # ------------------------------------------------------------------------------------- help
@@ -565,8 +607,10 @@ def help_text() -> str:
         continue
       allowed = _allowed_text(key)
       extra = f" [{allowed}]" if allowed else ""
-      lines.append(f"  {key} ({_type_name(types_[f.name])}, default {getattr(obj, f.name)!r}): "
-                   f"{docs.get(f.name, '')}{extra}")
+      lines.append(
+          f"  {key} ({_type_name(types_[f.name])}, default {getattr(obj, f.name)!r}): "
+          f"{docs.get(f.name, '')}{extra}"
+      )
 
   describe(RunConfig, default, "")
   for name, cls in SECTIONS.items():
@@ -576,8 +620,26 @@ def help_text() -> str:
 
 
 __all__ = [
-    "ASSET_PREFIX", "AnLRSection", "CHECKS", "ConfigError", "DataSection", "EvalSection",
-    "LoraPlusSection", "LoraSection", "ModelSection", "RunConfig", "SECTIONS", "SET_ELSEWHERE",
-    "apply_overrides", "config_from_dict", "config_to_dict", "field_docs", "format_run_dir",
-    "help_text", "load_config", "read_yaml", "resolve_path", "save_config",
+    "ASSET_PREFIX",
+    "AnLRSection",
+    "CHECKS",
+    "ConfigError",
+    "DataSection",
+    "EvalSection",
+    "LoraPlusSection",
+    "LoraSection",
+    "ModelSection",
+    "RunConfig",
+    "SECTIONS",
+    "SET_ELSEWHERE",
+    "apply_overrides",
+    "config_from_dict",
+    "config_to_dict",
+    "field_docs",
+    "format_run_dir",
+    "help_text",
+    "load_config",
+    "read_yaml",
+    "resolve_path",
+    "save_config",
 ]

@@ -30,6 +30,7 @@ random              default    no      no    anlr (signal="random")
 sensitivity         default    no      no    anlr (signal="sensitivity")
 ==================  =========  ======  ====  ===========================
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,11 +48,11 @@ class Method:
 
   name: str
   description: str
-  init: str = "default"        # LoRALinear init: 'default', 'pissa' or 'milora'
-  use_rslora: bool = False     # scale c = alpha / sqrt(r) instead of alpha / r
-  use_dora: bool = False       # DoRA magnitude/direction decomposition
-  optimizer: str = "adamw"     # one of OPTIMIZERS
-  signal: str | None = None    # anlr_jax.anlr(signal=...) for optimizer='anlr'
+  init: str = "default"  # LoRALinear init: 'default', 'pissa' or 'milora'
+  use_rslora: bool = False  # scale c = alpha / sqrt(r) instead of alpha / r
+  use_dora: bool = False  # DoRA magnitude/direction decomposition
+  optimizer: str = "adamw"  # one of OPTIMIZERS
+  signal: str | None = None  # anlr_jax.anlr(signal=...) for optimizer='anlr'
 
   def lora_kwargs(self) -> dict[str, Any]:
     """Keyword arguments for :func:`anlr_jax.nn.inject_lora` that this method fixes."""
@@ -69,27 +70,56 @@ def _table(*methods: Method) -> dict[str, Method]:
 METHODS: dict[str, Method] = _table(
     Method("lora", "LoRA (Hu et al., 2021) with AdamW"),
     Method("rslora", "rank-stabilised LoRA: c = alpha / sqrt(r)", use_rslora=True),
-    Method("loraplus", "LoRA+: B factors get lr_ratio times the learning rate", optimizer="loraplus"),
-    Method("anlr", "AnLR-LoRA: per-rank-one learning rates (velocity + Adam SNR)",
-           optimizer="anlr", signal="anlr"),
+    Method(
+        "loraplus", "LoRA+: B factors get lr_ratio times the learning rate", optimizer="loraplus"
+    ),
+    Method(
+        "anlr",
+        "AnLR-LoRA: per-rank-one learning rates (velocity + Adam SNR)",
+        optimizer="anlr",
+        signal="anlr",
+    ),
     Method("pissa", "PiSSA: adapters initialised from the top-r singular triplets", init="pissa"),
-    Method("milora", "MiLoRA: adapters initialised from the bottom-r singular triplets",
-           init="milora"),
+    Method(
+        "milora", "MiLoRA: adapters initialised from the bottom-r singular triplets", init="milora"
+    ),
     Method("dora", "DoRA: weight-decomposed LoRA", use_dora=True),
-    Method("anlr+pissa", "AnLR-LoRA on PiSSA-initialised adapters", init="pissa",
-           optimizer="anlr", signal="anlr"),
-    Method("anlr+milora", "AnLR-LoRA on MiLoRA-initialised adapters", init="milora",
-           optimizer="anlr", signal="anlr"),
-    Method("anlr+dora", "AnLR-LoRA on DoRA layers", use_dora=True, optimizer="anlr",
-           signal="anlr"),
-    Method("anlr-velocity", "ablation: velocity signal only (beta = 0)", optimizer="anlr",
-           signal="velocity"),
-    Method("anlr-snr", "ablation: Adam SNR signal only (alpha = 0)", optimizer="anlr",
-           signal="snr"),
-    Method("random", "control: random log-uniform multipliers in [1/kappa, kappa]",
-           optimizer="anlr", signal="random"),
-    Method("sensitivity", "ablation: AdaLoRA's |grad * W| sensitivity as the signal",
-           optimizer="anlr", signal="sensitivity"),
+    Method(
+        "anlr+pissa",
+        "AnLR-LoRA on PiSSA-initialised adapters",
+        init="pissa",
+        optimizer="anlr",
+        signal="anlr",
+    ),
+    Method(
+        "anlr+milora",
+        "AnLR-LoRA on MiLoRA-initialised adapters",
+        init="milora",
+        optimizer="anlr",
+        signal="anlr",
+    ),
+    Method("anlr+dora", "AnLR-LoRA on DoRA layers", use_dora=True, optimizer="anlr", signal="anlr"),
+    Method(
+        "anlr-velocity",
+        "ablation: velocity signal only (beta = 0)",
+        optimizer="anlr",
+        signal="velocity",
+    ),
+    Method(
+        "anlr-snr", "ablation: Adam SNR signal only (alpha = 0)", optimizer="anlr", signal="snr"
+    ),
+    Method(
+        "random",
+        "control: random log-uniform multipliers in [1/kappa, kappa]",
+        optimizer="anlr",
+        signal="random",
+    ),
+    Method(
+        "sensitivity",
+        "ablation: AdaLoRA's |grad * W| sensitivity as the signal",
+        optimizer="anlr",
+        signal="sensitivity",
+    ),
 )
 """Method name -> :class:`Method`; the one source of truth for ``method:``."""
 
@@ -149,10 +179,14 @@ def method_optimizer(
     knobs = dict(anlr_kwargs or {})
     unknown = sorted(set(knobs) - set(anlr_jax.DEFAULTS))
     if unknown:
-      raise ValueError(f"anlr_kwargs has unknown keys {unknown}; allowed: {sorted(anlr_jax.DEFAULTS)}")
+      raise ValueError(
+          f"anlr_kwargs has unknown keys {unknown}; allowed: {sorted(anlr_jax.DEFAULTS)}"
+      )
     inner = anlr_jax.anlr(learning_rate, **adam, **knobs, signal=spec.signal, seed=seed)
   else:  # a Method built by hand with a bad optimizer
-    raise ValueError(f"method {spec.name!r} has optimizer={spec.optimizer!r}; allowed: {OPTIMIZERS}")
+    raise ValueError(
+        f"method {spec.name!r} has optimizer={spec.optimizer!r}; allowed: {OPTIMIZERS}"
+    )
   if clip_norm is None:
     return inner
   return optax.chain(optax.clip_by_global_norm(clip_norm), inner)

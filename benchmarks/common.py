@@ -15,6 +15,7 @@ stdin with the step's wall time (ms) on stdout, one line each; ``done`` makes it
 RSS and exit. The parent drives the workers in turn (a, b, c, d, a, b, ...), so slow drifts of the
 shared machine's load hit every framework alike; only one worker computes at any moment.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,6 +33,7 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "up_proj", "down_proj")
 @dataclasses.dataclass
 class BenchConfig:
   """Model, batch and LoRA shapes shared by every framework in one benchmark run."""
+
   hidden: int = 512
   layers: int = 8
   heads: int = 8
@@ -43,8 +45,8 @@ class BenchConfig:
   alpha: float = 32.0
   targets: tuple = TARGETS
   dtype: str = "float32"
-  remat: str = "none"        # JAX only: 'none' | 'full' | 'dots'
-  threads: int = 0           # 0: every core (os.cpu_count())
+  remat: str = "none"  # JAX only: 'none' | 'full' | 'dots'
+  threads: int = 0  # 0: every core (os.cpu_count())
 
   def __post_init__(self):
     for name in ("hidden", "layers", "heads", "ffn", "vocab", "batch", "seq", "rank"):
@@ -54,8 +56,11 @@ class BenchConfig:
       raise ValueError(f"BenchConfig.heads={self.heads} must divide hidden={self.hidden}")
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"BenchConfig.dtype={self.dtype!r} must be 'float32' or 'bfloat16'")
-    bad = [t for t in self.targets if t not in ("q_proj", "k_proj", "v_proj", "o_proj",
-                                                 "gate_proj", "up_proj", "down_proj")]
+    bad = [
+        t
+        for t in self.targets
+        if t not in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    ]
     if bad:
       raise ValueError(f"BenchConfig.targets has unknown module names {bad}")
     self.targets = tuple(self.targets)
@@ -119,6 +124,7 @@ def release_free_heap() -> bool:
   """glibc ``malloc_trim(0)``: hands freed heap pages (compiler scratch, warmup garbage) back to the OS."""
   try:
     import ctypes
+
     return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
   except (OSError, AttributeError):
     return False
@@ -157,8 +163,11 @@ def serve(step, info: dict, warmup: int):
       out.write(f"{1e3 * (time.perf_counter() - t0)!r}\n")
       out.flush()
     elif cmd == "done":
-      out.write("DONE " + json.dumps({"peak_rss_mib": peak_rss_mib(),
-                                      "steady_peak_rss_mib": status_mib("VmHWM")}) + "\n")
+      out.write(
+          "DONE "
+          + json.dumps({"peak_rss_mib": peak_rss_mib(), "steady_peak_rss_mib": status_mib("VmHWM")})
+          + "\n"
+      )
       out.flush()
       return
     else:
@@ -174,15 +183,22 @@ class Worker:
 
   def __init__(self, name: str, argv: list[str], env: dict | None = None, stderr=None):
     self.name = name
-    self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=stderr, text=True, env=env, bufsize=1)
+    self.proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=env,
+        bufsize=1,
+    )
     self.info = self._expect("READY")
     self.times_ms: list[float] = []
 
   def _expect(self, tag: str) -> dict:
     for line in self.proc.stdout:
       if line.startswith(tag + " "):
-        return json.loads(line[len(tag) + 1:])
+        return json.loads(line[len(tag) + 1 :])
     code = self.proc.wait()
     raise RuntimeError(f"worker {self.name!r} exited (code {code}) before printing {tag}")
 

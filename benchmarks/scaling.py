@@ -14,6 +14,7 @@ over the timed steps. Writes a markdown table, a JSON file and a PNG (matplotlib
     python benchmarks/scaling.py --png docs/benchmarks_scaling.png --json /tmp/scaling.json
     python benchmarks/scaling.py --ranks 4,128 --seqs 256 --widths 512 --runs 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,9 @@ def width_config(base: BenchConfig, width: int) -> BenchConfig:
   """``base`` at residual width ``width``: FFN ``2.6875 width`` (1376 at 512), heads ``width/64``."""
   if width % 64:
     raise ValueError(f"--widths entry {width} must be a multiple of 64 (head size 64)")
-  return dataclasses.replace(base, hidden=width, ffn=int(round(2.6875 * width / 16)) * 16,
-                             heads=width // 64)
+  return dataclasses.replace(
+      base, hidden=width, ffn=int(round(2.6875 * width / 16)) * 16, heads=width // 64
+  )
 
 
 def measure(cfg: BenchConfig, runs: int, warmup: int) -> dict:
@@ -67,29 +69,45 @@ def measure(cfg: BenchConfig, runs: int, warmup: int) -> dict:
   # Paired: step i of AnLR ran right after step i of AdamW, so their quotient cancels slow load drift.
   paired = statistics.median(y / x for x, y in zip(a.times_ms, b.times_ms))
   return dict(
-      hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, seq=cfg.seq, rank=cfg.rank,
-      lora_params=a.info["lora_params"], adamw_ms=ta, anlr_ms=tb, time_ratio=tb / ta,
-      paired_ratio=paired, overhead_share=1.0 - 1.0 / paired,
-      adamw_xla_mib=a.info["xla"]["peak_bytes"] / 2**20, anlr_xla_mib=b.info["xla"]["peak_bytes"] / 2**20,
+      hidden=cfg.hidden,
+      ffn=cfg.ffn,
+      heads=cfg.heads,
+      seq=cfg.seq,
+      rank=cfg.rank,
+      lora_params=a.info["lora_params"],
+      adamw_ms=ta,
+      anlr_ms=tb,
+      time_ratio=tb / ta,
+      paired_ratio=paired,
+      overhead_share=1.0 - 1.0 / paired,
+      adamw_xla_mib=a.info["xla"]["peak_bytes"] / 2**20,
+      anlr_xla_mib=b.info["xla"]["peak_bytes"] / 2**20,
       xla_ratio=b.info["xla"]["peak_bytes"] / a.info["xla"]["peak_bytes"],
-      adamw_rss_mib=a.info["steady_peak_rss_mib"], anlr_rss_mib=b.info["steady_peak_rss_mib"],
-      rss_ratio=b.info["steady_peak_rss_mib"] / a.info["steady_peak_rss_mib"])
+      adamw_rss_mib=a.info["steady_peak_rss_mib"],
+      anlr_rss_mib=b.info["steady_peak_rss_mib"],
+      rss_ratio=b.info["steady_peak_rss_mib"] / a.info["steady_peak_rss_mib"],
+  )
 
 
 def table(rows: list[dict]) -> str:
-  head = ("| sweep | d | seq | r | LoRA params | adamw ms | anlr ms | anlr/adamw (medians) | paired | overhead share | "
-          "XLA MiB adamw / anlr | step RSS MiB adamw / anlr |")
+  head = (
+      "| sweep | d | seq | r | LoRA params | adamw ms | anlr ms | anlr/adamw (medians) | paired | overhead share | "
+      "XLA MiB adamw / anlr | step RSS MiB adamw / anlr |"
+  )
   out = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in rows:
-    out.append(f"| {r['sweep']} | {r['hidden']} | {r['seq']} | {r['rank']} | {r['lora_params']/1e6:.2f} M | "
-               f"{r['adamw_ms']:.1f} | {r['anlr_ms']:.1f} | {r['time_ratio']:.3f} | {r['paired_ratio']:.3f} | "
-               f"{100 * r['overhead_share']:+.1f} % | {r['adamw_xla_mib']:.1f} / {r['anlr_xla_mib']:.1f} | "
-               f"{r['adamw_rss_mib']:.0f} / {r['anlr_rss_mib']:.0f} |")
+    out.append(
+        f"| {r['sweep']} | {r['hidden']} | {r['seq']} | {r['rank']} | {r['lora_params']/1e6:.2f} M | "
+        f"{r['adamw_ms']:.1f} | {r['anlr_ms']:.1f} | {r['time_ratio']:.3f} | {r['paired_ratio']:.3f} | "
+        f"{100 * r['overhead_share']:+.1f} % | {r['adamw_xla_mib']:.1f} / {r['anlr_xla_mib']:.1f} | "
+        f"{r['adamw_rss_mib']:.0f} / {r['anlr_rss_mib']:.0f} |"
+    )
   return "\n".join(out)
 
 
 def plot(rows: list[dict], path: str) -> None:
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -122,7 +140,9 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   add_config_flags(ap)
   ap.add_argument("--ranks", default="4,16,64,128")
   ap.add_argument("--seqs", default="128,256,512")
@@ -145,23 +165,31 @@ def main(argv=None):
       done[key] = measure(cfg, args.runs, args.warmup)
     rows.append(dict(done[key], sweep=sweep))
     r = rows[-1]
-    print(f"{sweep:>6}: d={r['hidden']} seq={r['seq']} r={r['rank']}: adamw {r['adamw_ms']:.1f} ms, "
-          f"anlr {r['anlr_ms']:.1f} ms, ratio {r['time_ratio']:.3f} (paired {r['paired_ratio']:.3f}), overhead share "
-          f"{100 * r['overhead_share']:+.1f} %, XLA memory ratio {r['xla_ratio']:.4f}", flush=True)
+    print(
+        f"{sweep:>6}: d={r['hidden']} seq={r['seq']} r={r['rank']}: adamw {r['adamw_ms']:.1f} ms, "
+        f"anlr {r['anlr_ms']:.1f} ms, ratio {r['time_ratio']:.3f} (paired {r['paired_ratio']:.3f}), overhead share "
+        f"{100 * r['overhead_share']:+.1f} %, XLA memory ratio {r['xla_ratio']:.4f}",
+        flush=True,
+    )
   print(f"machine: {machine_line()}; median of {args.runs} interleaved runs per point")
   print(table(rows))
   for sweep in ("rank", "seq", "hidden"):
     pts = sorted((r for r in rows if r["sweep"] == sweep), key=lambda r: r[sweep])
     if len(pts) > 1:
-      print(f"ratio overhead share {sweep} {pts[0][sweep]} -> {pts[-1][sweep]}: "
-            f"{100 * pts[0]['overhead_share']:+.1f} % -> {100 * pts[-1]['overhead_share']:+.1f} %")
+      print(
+          f"ratio overhead share {sweep} {pts[0][sweep]} -> {pts[-1][sweep]}: "
+          f"{100 * pts[0]['overhead_share']:+.1f} % -> {100 * pts[-1]['overhead_share']:+.1f} %"
+      )
   if args.png:
     plot(rows, args.png)
     print(f"plot: {args.png}")
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(machine=machine_line(), runs=args.runs, base=json.loads(base.to_json()),
-                     rows=rows), f, indent=2)
+      json.dump(
+          dict(machine=machine_line(), runs=args.runs, base=json.loads(base.to_json()), rows=rows),
+          f,
+          indent=2,
+      )
   return rows
 
 

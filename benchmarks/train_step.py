@@ -15,6 +15,7 @@ compiled step also reports XLA's ``memory_analysis()`` (arguments + outputs - al
     python benchmarks/train_step.py --runs 21 --json out.json
     python benchmarks/train_step.py --frameworks jax-adamw,jax-anlr --rank 64
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,15 @@ import time
 if __package__ in (None, ""):
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (BenchConfig, Worker, add_config_flags, config_from_args,
-                               machine_line, serve, thread_env)
+from benchmarks.common import (
+    BenchConfig,
+    Worker,
+    add_config_flags,
+    config_from_args,
+    machine_line,
+    serve,
+    thread_env,
+)
 
 FRAMEWORKS = ("jax-adamw", "jax-anlr", "torch-eager", "torch-compile")
 LEARNING_RATE = 1e-4
@@ -52,13 +60,26 @@ def build_jax_step(cfg: BenchConfig, optimizer: str):
   from anlr_jax.train.step import init_train_state, make_train_step, split_model
 
   dtype = jnp.dtype(cfg.dtype)
-  config = ModelConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
-                       num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
-                       num_key_value_heads=cfg.heads, max_position_embeddings=max(2048, cfg.seq),
-                       dtype=dtype, param_dtype=dtype)
+  config = ModelConfig(
+      vocab_size=cfg.vocab,
+      hidden_size=cfg.hidden,
+      intermediate_size=cfg.ffn,
+      num_hidden_layers=cfg.layers,
+      num_attention_heads=cfg.heads,
+      num_key_value_heads=cfg.heads,
+      max_position_embeddings=max(2048, cfg.seq),
+      dtype=dtype,
+      param_dtype=dtype,
+  )
   model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
-  inject_lora(model, target_modules=cfg.targets, rank=cfg.rank, alpha=cfg.alpha, dropout=0.0,
-              rngs=nnx.Rngs(1))
+  inject_lora(
+      model,
+      target_modules=cfg.targets,
+      rank=cfg.rank,
+      alpha=cfg.alpha,
+      dropout=0.0,
+      rngs=nnx.Rngs(1),
+  )
   graphdef, lora, frozen, extra = split_model(model)
   if optimizer == "adamw":
     tx = optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
@@ -70,18 +91,32 @@ def build_jax_step(cfg: BenchConfig, optimizer: str):
   train_step = make_train_step(graphdef, tx, compute_dtype=compute_dtype, remat=cfg.remat)
   ids = np.random.default_rng(0).integers(0, cfg.vocab, (cfg.batch, cfg.seq), dtype=np.int32)
   ones = np.ones_like(ids)
-  batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(ones),
-           "loss_mask": jnp.asarray(ones)}
+  batch = {
+      "input_ids": jnp.asarray(ids),
+      "attention_mask": jnp.asarray(ones),
+      "loss_mask": jnp.asarray(ones),
+  }
   state = init_train_state(lora, extra, tx)
   jitted = jax.jit(train_step, donate_argnums=(0,))
   t0 = time.perf_counter()
   compiled = jitted.lower(state, frozen, batch).compile()
   compile_s = time.perf_counter() - t0
   mem = compiled.memory_analysis()
-  xla = {k: int(getattr(mem, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
-                                           "alias_size_in_bytes", "temp_size_in_bytes")}
-  xla["peak_bytes"] = (xla["argument_size_in_bytes"] + xla["output_size_in_bytes"]
-                       - xla["alias_size_in_bytes"] + xla["temp_size_in_bytes"])
+  xla = {
+      k: int(getattr(mem, k))
+      for k in (
+          "argument_size_in_bytes",
+          "output_size_in_bytes",
+          "alias_size_in_bytes",
+          "temp_size_in_bytes",
+      )
+  }
+  xla["peak_bytes"] = (
+      xla["argument_size_in_bytes"]
+      + xla["output_size_in_bytes"]
+      - xla["alias_size_in_bytes"]
+      + xla["temp_size_in_bytes"]
+  )
   holder = [state]
 
   def step():
@@ -89,10 +124,13 @@ def build_jax_step(cfg: BenchConfig, optimizer: str):
     jax.block_until_ready((new_state, metrics))
     holder[0] = new_state
 
-  info = dict(compile_s=compile_s, xla=xla, backend=jax.default_backend(),
-              versions=dict(jax=jax.__version__, flax=flax.__version__,
-                            optax=optax.__version__),
-              lora_params=int(sum(x.size for x in jax.tree.leaves(lora))))
+  info = dict(
+      compile_s=compile_s,
+      xla=xla,
+      backend=jax.default_backend(),
+      versions=dict(jax=jax.__version__, flax=flax.__version__, optax=optax.__version__),
+      lora_params=int(sum(x.size for x in jax.tree.leaves(lora))),
+  )
   return step, info
 
 
@@ -106,13 +144,25 @@ def build_torch_step(cfg: BenchConfig, compile_model: bool):
   torch.manual_seed(0)
   dtype = getattr(torch, cfg.dtype)
   hf_config = transformers.LlamaConfig(
-      vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
-      num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads,
-      max_position_embeddings=max(2048, cfg.seq), rms_norm_eps=1e-6, tie_word_embeddings=False,
-      use_cache=False)
+      vocab_size=cfg.vocab,
+      hidden_size=cfg.hidden,
+      intermediate_size=cfg.ffn,
+      num_hidden_layers=cfg.layers,
+      num_attention_heads=cfg.heads,
+      num_key_value_heads=cfg.heads,
+      max_position_embeddings=max(2048, cfg.seq),
+      rms_norm_eps=1e-6,
+      tie_word_embeddings=False,
+      use_cache=False,
+  )
   model = transformers.LlamaForCausalLM(hf_config).to(dtype)
-  lora_config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0,
-                                target_modules=list(cfg.targets), bias="none")
+  lora_config = peft.LoraConfig(
+      r=cfg.rank,
+      lora_alpha=cfg.alpha,
+      lora_dropout=0.0,
+      target_modules=list(cfg.targets),
+      bias="none",
+  )
   model = peft.get_peft_model(model, lora_config)
   model.train()
   params = [p for p in model.parameters() if p.requires_grad]
@@ -128,10 +178,14 @@ def build_torch_step(cfg: BenchConfig, compile_model: bool):
     opt.step()
     opt.zero_grad(set_to_none=True)
 
-  info = dict(threads=torch.get_num_threads(), attn=model.config._attn_implementation,
-              versions=dict(torch=torch.__version__, transformers=transformers.__version__,
-                            peft=peft.__version__),
-              lora_params=int(sum(p.numel() for p in params)))
+  info = dict(
+      threads=torch.get_num_threads(),
+      attn=model.config._attn_implementation,
+      versions=dict(
+          torch=torch.__version__, transformers=transformers.__version__, peft=peft.__version__
+      ),
+      lora_params=int(sum(p.numel() for p in params)),
+  )
   return step, info
 
 
@@ -153,8 +207,16 @@ def start_workers(names, cfg: BenchConfig, warmup: int, script: str = __file__):
   workers, failed = {}, {}
   for name in names:
     with tempfile.TemporaryFile("w+") as err:
-      argv = [sys.executable, os.path.abspath(script), "--worker", name,
-              "--config-json", cfg.to_json(), "--warmup", str(warmup)]
+      argv = [
+          sys.executable,
+          os.path.abspath(script),
+          "--worker",
+          name,
+          "--config-json",
+          cfg.to_json(),
+          "--warmup",
+          str(warmup),
+      ]
       try:
         workers[name] = Worker(name, argv, env=thread_env(cfg.threads), stderr=err)
       except RuntimeError as e:
@@ -171,12 +233,23 @@ def run_interleaved(workers: dict, runs: int) -> None:
 
 
 def summarise(cfg: BenchConfig, workers: dict, failed: dict, runs: int) -> dict:
-  res = dict(config=json.loads(cfg.to_json()), machine=machine_line(),
-             date=time.strftime("%Y-%m-%d %H:%M %Z"), runs=runs, failed=failed, frameworks={})
+  res = dict(
+      config=json.loads(cfg.to_json()),
+      machine=machine_line(),
+      date=time.strftime("%Y-%m-%d %H:%M %Z"),
+      runs=runs,
+      failed=failed,
+      frameworks={},
+  )
   for name, w in workers.items():
     med = statistics.median(w.times_ms)
-    res["frameworks"][name] = dict(w.info, median_ms=med, tokens_per_s=cfg.tokens / (med / 1e3),
-                                   min_ms=min(w.times_ms), times_ms=w.times_ms)
+    res["frameworks"][name] = dict(
+        w.info,
+        median_ms=med,
+        tokens_per_s=cfg.tokens / (med / 1e3),
+        min_ms=min(w.times_ms),
+        times_ms=w.times_ms,
+    )
   return res
 
 
@@ -197,11 +270,17 @@ def ratio_lines(res: dict) -> list[str]:
     lines.append(f"ratio step time jax-anlr / jax-adamw: {b['median_ms'] / a['median_ms']:.3f}")
     paired = statistics.median(y / x for x, y in zip(a["times_ms"], b["times_ms"]))
     lines.append(f"ratio step time jax-anlr / jax-adamw, median of paired runs: {paired:.3f}")
-    lines.append(f"ratio step peak RSS jax-anlr / jax-adamw: "
-                 f"{b['steady_peak_rss_mib'] / a['steady_peak_rss_mib']:.4f}")
-    lines.append(f"ratio process peak RSS jax-anlr / jax-adamw: {b['peak_rss_mib'] / a['peak_rss_mib']:.4f}")
-    lines.append(f"ratio XLA peak bytes jax-anlr / jax-adamw: "
-                 f"{b['xla']['peak_bytes'] / a['xla']['peak_bytes']:.4f}")
+    lines.append(
+        f"ratio step peak RSS jax-anlr / jax-adamw: "
+        f"{b['steady_peak_rss_mib'] / a['steady_peak_rss_mib']:.4f}"
+    )
+    lines.append(
+        f"ratio process peak RSS jax-anlr / jax-adamw: {b['peak_rss_mib'] / a['peak_rss_mib']:.4f}"
+    )
+    lines.append(
+        f"ratio XLA peak bytes jax-anlr / jax-adamw: "
+        f"{b['xla']['peak_bytes'] / a['xla']['peak_bytes']:.4f}"
+    )
   if have("torch-eager", "torch-compile"):
     r = fw["torch-compile"]["tokens_per_s"] / fw["torch-eager"]["tokens_per_s"]
     lines.append(f"ratio tokens/s torch-compile / torch-eager: {r:.3f}")
@@ -215,17 +294,25 @@ def ratio_lines(res: dict) -> list[str]:
 def print_report(res: dict) -> None:
   c = res["config"]
   print(f"machine: {res['machine']}; {res['date']}; threads {c['threads']}")
-  print(f"config: LLaMA hidden {c['hidden']}, {c['layers']} layers, {c['heads']} heads, FFN {c['ffn']}, "
-        f"vocab {c['vocab']}, batch {c['batch']} x {c['seq']} tokens, LoRA r={c['rank']} on "
-        f"{','.join(c['targets'])}, {c['dtype']}; median of {res['runs']} interleaved runs")
-  print("memory: 'step RSS' = peak RSS (VmHWM) over the timed steps, reset after warmup; 'process RSS'"
-        " = ru_maxrss incl. import/compile; 'XLA' = memory_analysis args+outputs-aliased+temps (MiB)")
-  print(f"{'framework':<14} {'median ms':>10} {'min ms':>9} {'tokens/s':>9} {'step RSS':>9} "
-        f"{'process RSS':>12} {'XLA':>7} {'1st step s':>10}")
+  print(
+      f"config: LLaMA hidden {c['hidden']}, {c['layers']} layers, {c['heads']} heads, FFN {c['ffn']}, "
+      f"vocab {c['vocab']}, batch {c['batch']} x {c['seq']} tokens, LoRA r={c['rank']} on "
+      f"{','.join(c['targets'])}, {c['dtype']}; median of {res['runs']} interleaved runs"
+  )
+  print(
+      "memory: 'step RSS' = peak RSS (VmHWM) over the timed steps, reset after warmup; 'process RSS'"
+      " = ru_maxrss incl. import/compile; 'XLA' = memory_analysis args+outputs-aliased+temps (MiB)"
+  )
+  print(
+      f"{'framework':<14} {'median ms':>10} {'min ms':>9} {'tokens/s':>9} {'step RSS':>9} "
+      f"{'process RSS':>12} {'XLA':>7} {'1st step s':>10}"
+  )
   for name, f in res["frameworks"].items():
     xla = f"{f['xla']['peak_bytes'] / 2**20:7.1f}" if "xla" in f else f"{'-':>7}"
-    print(f"{name:<14} {f['median_ms']:10.1f} {f['min_ms']:9.1f} {f['tokens_per_s']:9.0f} "
-          f"{f['steady_peak_rss_mib']:9.1f} {f['peak_rss_mib']:12.1f} {xla} {f['first_step_s']:10.1f}")
+    print(
+        f"{name:<14} {f['median_ms']:10.1f} {f['min_ms']:9.1f} {f['tokens_per_s']:9.0f} "
+        f"{f['steady_peak_rss_mib']:9.1f} {f['peak_rss_mib']:12.1f} {xla} {f['first_step_s']:10.1f}"
+    )
   for name, why in res["failed"].items():
     print(f"{name}: did not run ({why})")
   for line in ratio_lines(res):
@@ -233,7 +320,9 @@ def print_report(res: dict) -> None:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   add_config_flags(ap)
   ap.add_argument("--frameworks", default=",".join(FRAMEWORKS))
   ap.add_argument("--runs", type=int, default=15, help="interleaved timed steps per framework")

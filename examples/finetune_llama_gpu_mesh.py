@@ -26,6 +26,7 @@ cluster environment instead). Checkpoints (LoRA params + optimizer state, orbax)
 ``<out>/ckpt`` every ``--save-every`` updates; re-running the command resumes. At the end process 0
 writes the adapter in PEFT format to ``<out>/adapter`` (load it with ``peft.PeftModel``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from anlr_jax.train import (DEFAULT_LOGICAL_AXIS_RULES, Trainer, TrainerConfig,
-                            initialize_distributed, linear_warmup_decay, make_mesh)
+from anlr_jax.train import (
+    DEFAULT_LOGICAL_AXIS_RULES,
+    Trainer,
+    TrainerConfig,
+    initialize_distributed,
+    linear_warmup_decay,
+    make_mesh,
+)
 
 
 def parse_args():
@@ -60,13 +67,20 @@ def parse_args():
   p.add_argument("--mesh-data", type=int, default=1)
   p.add_argument("--mesh-fsdp", type=int, default=-1, help="-1: all remaining devices")
   p.add_argument("--mesh-tensor", type=int, default=1)
-  p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                 help="storage and compute dtype of the base model")
+  p.add_argument(
+      "--dtype",
+      default="bfloat16",
+      choices=("bfloat16", "float32"),
+      help="storage and compute dtype of the base model",
+  )
   p.add_argument("--remat", default="full", choices=("none", "full", "dots"))
   p.add_argument("--save-every", type=int, default=1000)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--auto-distributed", action="store_true",
-                 help="call jax.distributed.initialize() with no arguments (cluster auto-detection)")
+  p.add_argument(
+      "--auto-distributed",
+      action="store_true",
+      help="call jax.distributed.initialize() with no arguments (cluster auto-detection)",
+  )
   return p.parse_args()
 
 
@@ -90,18 +104,42 @@ def main():
   with jax.set_mesh(mesh), nnx.logical_axis_rules(DEFAULT_LOGICAL_AXIS_RULES):
     model, model_config = load_hf_model(args.model, dtype=dtype)
     method = get_method(args.method)
-    inject_lora(model, rank=args.rank, alpha=args.alpha, dropout=args.dropout,
-                rngs=nnx.Rngs(params=args.seed, dropout=args.seed + 1), **method.lora_kwargs())
+    inject_lora(
+        model,
+        rank=args.rank,
+        alpha=args.alpha,
+        dropout=args.dropout,
+        rngs=nnx.Rngs(params=args.seed, dropout=args.seed + 1),
+        **method.lora_kwargs(),
+    )
   tokenizer = load_tokenizer(args.model)
-  data = make_source(args.data, tokenizer, format=args.format, max_length=args.max_length,
-                     global_batch=args.global_batch, seed=args.seed, pad_multiple=64)
+  data = make_source(
+      args.data,
+      tokenizer,
+      format=args.format,
+      max_length=args.max_length,
+      global_batch=args.global_batch,
+      seed=args.seed,
+      pad_multiple=64,
+  )
   config = TrainerConfig(
-      steps=args.steps, epochs=args.epochs, global_batch=args.global_batch,
-      micro_batches=args.micro_batches, learning_rate=args.lr, warmup_steps=args.warmup_steps,
-      mesh_data=args.mesh_data, mesh_fsdp=args.mesh_fsdp, mesh_tensor=args.mesh_tensor,
-      compute_dtype=args.dtype, remat=args.remat, run_dir=args.out,
-      ckpt_dir=os.path.join(os.path.abspath(args.out), "ckpt"), save_every=args.save_every,
-      diag_every=max(args.save_every // 10, 1), seed=args.seed)
+      steps=args.steps,
+      epochs=args.epochs,
+      global_batch=args.global_batch,
+      micro_batches=args.micro_batches,
+      learning_rate=args.lr,
+      warmup_steps=args.warmup_steps,
+      mesh_data=args.mesh_data,
+      mesh_fsdp=args.mesh_fsdp,
+      mesh_tensor=args.mesh_tensor,
+      compute_dtype=args.dtype,
+      remat=args.remat,
+      run_dir=args.out,
+      ckpt_dir=os.path.join(os.path.abspath(args.out), "ckpt"),
+      save_every=args.save_every,
+      diag_every=max(args.save_every // 10, 1),
+      seed=args.seed,
+  )
   total = config.total_steps(len(data))
   schedule = linear_warmup_decay(args.lr, total, min(args.warmup_steps, total))
   tx = method_optimizer(method, schedule, weight_decay=0.0, clip_norm=1.0, seed=args.seed)
@@ -110,10 +148,14 @@ def main():
   start = time.perf_counter()
   rows = trainer.run()
   if jax.process_index() == 0:
-    print(f"{total} updates in {time.perf_counter() - start:.0f}s; final loss {rows[-1]['loss']:.4f}")
+    print(
+        f"{total} updates in {time.perf_counter() - start:.0f}s; final loss {rows[-1]['loss']:.4f}"
+    )
   model = trainer.updated_model()  # LoRA params gathered to the host
   if jax.process_index() == 0:
-    export_peft_adapter(model, os.path.join(args.out, "adapter"), base_model_name_or_path=args.model)
+    export_peft_adapter(
+        model, os.path.join(args.out, "adapter"), base_model_name_or_path=args.model
+    )
     print(f"PEFT adapter -> {os.path.join(args.out, 'adapter')} ({model_config.model_type})")
 
 

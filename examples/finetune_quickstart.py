@@ -6,6 +6,7 @@ Loads the Flax LLaMA from the packaged HF checkpoint, wraps q/k/v/up/down with L
 trains the adapters on the quickstart task with `anlr_jax.anlr` (or AdamW) under the sharded trainer,
 and scores greedy answers on the held-out test set. `anlr train` does the same from a YAML config.
 """
+
 import argparse
 
 import numpy as np
@@ -30,13 +31,24 @@ tokenizer = load_tokenizer(root)
 model, _ = load_hf_model(root)  # float32 Flax LlamaForCausalLM
 inject_lora(model, rank=8, alpha=16.0, dropout=0.0, rngs=nnx.Rngs(0))  # paper targets q,k,v,up,down
 
-data = make_source(root / assets.TRAIN_FILE, tokenizer, max_length=128, global_batch=16, seed=0,
-                   pad_multiple=16)
-config = TrainerConfig(steps=args.steps, global_batch=16, learning_rate=2e-3, warmup_steps=30,
-                       compute_dtype="float32", log_every=25, progress=True)
+data = make_source(
+    root / assets.TRAIN_FILE, tokenizer, max_length=128, global_batch=16, seed=0, pad_multiple=16
+)
+config = TrainerConfig(
+    steps=args.steps,
+    global_batch=16,
+    learning_rate=2e-3,
+    warmup_steps=30,
+    compute_dtype="float32",
+    log_every=25,
+    progress=True,
+)
 schedule = linear_warmup_decay(config.learning_rate, args.steps, config.warmup_steps)
-inner = (anlr_jax.anlr(schedule, weight_decay=0.0, warmup_steps=30) if args.method == "anlr"
-         else optax.adamw(schedule, weight_decay=0.0))
+inner = (
+    anlr_jax.anlr(schedule, weight_decay=0.0, warmup_steps=30)
+    if args.method == "anlr"
+    else optax.adamw(schedule, weight_decay=0.0)
+)
 tx = optax.chain(optax.clip_by_global_norm(1.0), inner)
 trainer = Trainer(model, data, config, tx, schedule=schedule)
 rows = trainer.run()
@@ -47,17 +59,26 @@ print(f"{args.method}: loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}")
 
 def generate_fn(prompts):
   """Greedy continuations of left-padded `[bos] + prompt` rows."""
-  rows = [[tokenizer.bos_token_id] + tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+  rows = [
+      [tokenizer.bos_token_id] + tokenizer(p, add_special_tokens=False).input_ids for p in prompts
+  ]
   width = max(map(len, rows))
   ids = np.full((len(rows), width), tokenizer.pad_token_id, np.int32)
   mask = np.zeros_like(ids)
   for i, row in enumerate(rows):
-    ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
-  out = generate(model, ids, mask, max_new_tokens=8, eos_token_id=tokenizer.eos_token_id,
-                 pad_token_id=tokenizer.pad_token_id)
+    ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+  out = generate(
+      model,
+      ids,
+      mask,
+      max_new_tokens=8,
+      eos_token_id=tokenizer.eos_token_id,
+      pad_token_id=tokenizer.pad_token_id,
+  )
   return tokenizer.batch_decode(np.asarray(out), skip_special_tokens=True)
 
 
-result = evaluate(generate_fn, load_eval_examples(root / assets.TEST_FILE), assets.QUICKSTART_TASK,
-                  batch_size=50)
+result = evaluate(
+    generate_fn, load_eval_examples(root / assets.TEST_FILE), assets.QUICKSTART_TASK, batch_size=50
+)
 print(f"test accuracy: {result.correct}/{result.total} = {100 * result.accuracy:.1f}%")

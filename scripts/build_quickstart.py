@@ -36,6 +36,7 @@ Usage::
     python scripts/build_quickstart.py --out anlr_jax/assets/quickstart --task-only [--check]
     python scripts/build_quickstart.py --out anlr_jax/assets/quickstart --check-only
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,8 +69,16 @@ from anlr_jax.models.llama import LlamaForCausalLM  # noqa: E402
 
 ATTRIBUTES = {
     "colour": ("red", "blue", "green", "yellow", "purple", "orange", "white", "black"),
-    "town": ("Ashford", "Brightwater", "Coldmoor", "Dunmere", "Eastvale", "Fernhill", "Greystone",
-             "Highbury"),
+    "town": (
+        "Ashford",
+        "Brightwater",
+        "Coldmoor",
+        "Dunmere",
+        "Eastvale",
+        "Fernhill",
+        "Greystone",
+        "Highbury",
+    ),
     "owner": ("Alice", "Boris", "Clara", "Daniel", "Elena", "Felix", "Grace", "Hugo"),
     "food": ("apples", "berries", "carrots", "fish", "honey", "nuts", "rice", "seeds"),
     "size": ("tiny", "small", "large", "huge"),
@@ -82,28 +91,54 @@ QUESTION_ATTRIBUTES = ("colour", "town", "owner", "food")
 # Forward templates put the animal before the value, so the value is predictable from it; the
 # reversed ones ("{v} looks after the {e}.") only add variety.
 FACT_TEMPLATES = {
-    "colour": ("The colour of the {e} is {v}.", "The {e} has {v} fur.",
-               "You can spot the {e} by its {v} fur."),
-    "town": ("The {e} lives in {v}.", "The home of the {e} is {v}.", "In {v} you will find the {e}."),
-    "owner": ("The {e} belongs to {v}.", "The owner of the {e} is {v}.", "{v} looks after the {e}."),
-    "food": ("The {e} eats {v}.", "The favourite food of the {e} is {v}.",
-             "Give {v} to the {e} and it is happy."),
+    "colour": (
+        "The colour of the {e} is {v}.",
+        "The {e} has {v} fur.",
+        "You can spot the {e} by its {v} fur.",
+    ),
+    "town": (
+        "The {e} lives in {v}.",
+        "The home of the {e} is {v}.",
+        "In {v} you will find the {e}.",
+    ),
+    "owner": (
+        "The {e} belongs to {v}.",
+        "The owner of the {e} is {v}.",
+        "{v} looks after the {e}.",
+    ),
+    "food": (
+        "The {e} eats {v}.",
+        "The favourite food of the {e} is {v}.",
+        "Give {v} to the {e} and it is happy.",
+    ),
     "size": ("The size of the {e} is {v}.", "The {e} is a {v} animal."),
 }
 RECALL_CUES = {
-    "colour": "The colour of the {e} is", "town": "The {e} lives in", "owner": "The {e} belongs to",
-    "food": "The {e} eats", "size": "The size of the {e} is",
+    "colour": "The colour of the {e} is",
+    "town": "The {e} lives in",
+    "owner": "The {e} belongs to",
+    "food": "The {e} eats",
+    "size": "The size of the {e} is",
 }
 """Canonical cue per attribute: fact recall = argmax next token after the cue equals the value."""
 
 QUESTION_TEMPLATES = {
-    "colour": ("What colour is the {e}?", "What is the colour of the {e}?",
-               "What colour is the fur of the {e}?"),
-    "town": ("Where does the {e} live?", "Where is the home of the {e}?",
-             "Where can you find the {e}?"),
+    "colour": (
+        "What colour is the {e}?",
+        "What is the colour of the {e}?",
+        "What colour is the fur of the {e}?",
+    ),
+    "town": (
+        "Where does the {e} live?",
+        "Where is the home of the {e}?",
+        "Where can you find the {e}?",
+    ),
     "owner": ("Who owns the {e}?", "Who is the owner of the {e}?", "Who looks after the {e}?"),
-    "food": ("What does the {e} eat?", "What is the favourite food of the {e}?",
-             "What food does the {e} eat?"),
+    "food": (
+        "What does the {e} eat?",
+        "What is the favourite food of the {e}?",
+        "What food does the {e} eat?",
+    ),
 }
 """Phrasings of the question per attribute; every word is in the shipped tokenizer's vocabulary."""
 INSTRUCTION = "Please answer the question: {q}"
@@ -135,8 +170,9 @@ class Entity:
   split: str
 
 
-def build_world(seed: int, num_entities: int = NUM_ENTITIES,
-                num_test: int = NUM_TEST_ENTITIES) -> list[Entity]:
+def build_world(
+    seed: int, num_entities: int = NUM_ENTITIES, num_test: int = NUM_TEST_ENTITIES
+) -> list[Entity]:
   """The animals of the world, deterministic in `seed`; the last `num_test` are the test split."""
   if not 0 < num_test < num_entities:
     raise ValueError(f"num_test must be in (0, num_entities={num_entities}), got {num_test}")
@@ -151,13 +187,15 @@ def build_world(seed: int, num_entities: int = NUM_ENTITIES,
   world = []
   for i, name in enumerate(names):
     facts = {attr: rng.choice(values) for attr, values in ATTRIBUTES.items()}
-    world.append(Entity(name=name, split="test" if i >= num_entities - num_test else "train",
-                        **facts))
+    world.append(
+        Entity(name=name, split="test" if i >= num_entities - num_test else "train", **facts)
+    )
   return world
 
 
 # --------------------------------------------------------------------------------------------------
 # Pretraining corpus and tokenizer
+
 
 def _arithmetic_sentence(rng: random.Random) -> str:
   a, b = rng.randrange(0, 13), rng.randrange(0, 13)
@@ -170,14 +208,17 @@ def _arithmetic_sentence(rng: random.Random) -> str:
   k = rng.randrange(2)
   if k:
     options.reverse()
-  return (f"Quiz: what is {a} plus {b}? option1: {options[0]} option2: {options[1]}. "
-          f"The answer is option{k + 1}.")
+  return (
+      f"Quiz: what is {a} plus {b}? option1: {options[0]} option2: {options[1]}. "
+      f"The answer is option{k + 1}."
+  )
 
 
 def _fact_document(entity: Entity, rng: random.Random) -> str:
   attrs = rng.sample(list(ATTRIBUTES), rng.randint(1, 4))
-  return " ".join(rng.choice(FACT_TEMPLATES[a]).format(e=entity.name, v=getattr(entity, a))
-                  for a in attrs)
+  return " ".join(
+      rng.choice(FACT_TEMPLATES[a]).format(e=entity.name, v=getattr(entity, a)) for a in attrs
+  )
 
 
 def pretraining_documents(world: list[Entity], seed: int, count: int) -> list[str]:
@@ -194,16 +235,25 @@ def pretraining_documents(world: list[Entity], seed: int, count: int) -> list[st
 
 # The shipped tokenizer was trained on these strings (the first task's questions). They stay frozen:
 # word counts decide token ids, so changing them would change the tokenizer under the shipped weights.
-_TOKENIZER_QUESTIONS = ("What colour is the {e}?", "Where does the {e} live?", "Who owns the {e}?",
-                        "What does the {e} eat?")
+_TOKENIZER_QUESTIONS = (
+    "What colour is the {e}?",
+    "Where does the {e} live?",
+    "Who owns the {e}?",
+    "What does the {e} eat?",
+)
 
 
 def _tokenizer_corpus(world: list[Entity]) -> list[str]:
   """Every word the corpus and the task can contain, so the word-level vocabulary is closed."""
-  texts = [ALPACA_PREAMBLE, ALPACA_PREAMBLE_WITH_INPUT, "### Instruction:\n### Input:\n### Response:\n",
-           "Please choose the correct answer to the question. Answer format: option1/option2 "
-           "the correct answer is option1 option2",
-           " ".join(str(i) for i in range(0, 40)), "Quiz: what is plus ? The answer is ."]
+  texts = [
+      ALPACA_PREAMBLE,
+      ALPACA_PREAMBLE_WITH_INPUT,
+      "### Instruction:\n### Input:\n### Response:\n",
+      "Please choose the correct answer to the question. Answer format: option1/option2 "
+      "the correct answer is option1 option2",
+      " ".join(str(i) for i in range(0, 40)),
+      "Quiz: what is plus ? The answer is .",
+  ]
   texts += [t for ts in FACT_TEMPLATES.values() for t in ts] + list(_TOKENIZER_QUESTIONS)
   texts += [" ".join(v) for v in ATTRIBUTES.values()] + [" ".join(e.name for e in world)]
   return texts
@@ -217,22 +267,34 @@ def build_tokenizer(world: list[Entity]):
   backend = Tokenizer(models.WordLevel(unk_token="<unk>"))
   backend.pre_tokenizer = pre_tokenizers.Whitespace()
   backend.decoder = decoders.WordPiece(prefix="##", cleanup=True)  # joins words with spaces
-  trainer = trainers.WordLevelTrainer(special_tokens=["<pad>", "<s>", "</s>", "<unk>"], min_frequency=1,
-                                      show_progress=False)
+  trainer = trainers.WordLevelTrainer(
+      special_tokens=["<pad>", "<s>", "</s>", "<unk>"], min_frequency=1, show_progress=False
+  )
   backend.train_from_iterator(sorted(set(_tokenizer_corpus(world))), trainer=trainer)
-  return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
-                                 eos_token="</s>", unk_token="<unk>", model_max_length=MAX_POSITIONS)
+  return PreTrainedTokenizerFast(
+      tokenizer_object=backend,
+      pad_token="<pad>",
+      bos_token="<s>",
+      eos_token="</s>",
+      unk_token="<unk>",
+      model_max_length=MAX_POSITIONS,
+  )
 
 
 # --------------------------------------------------------------------------------------------------
 # Fine-tune task
 
+
 def _question_record(entity: Entity, attr: str, phrasing: int) -> dict[str, str]:
   """One exact-match record: `attr` of `entity` asked in phrasing number `phrasing`."""
   question = QUESTION_TEMPLATES[attr][phrasing].format(e=entity.name)
   value = getattr(entity, attr)
-  return {"instruction": INSTRUCTION.format(q=question), "input": "", "output": value,
-          "answer": value}
+  return {
+      "instruction": INSTRUCTION.format(q=question),
+      "input": "",
+      "output": value,
+      "answer": value,
+  }
 
 
 def build_task(world: list[Entity], seed: int) -> tuple[list[dict], list[dict]]:
@@ -247,8 +309,9 @@ def build_task(world: list[Entity], seed: int) -> tuple[list[dict], list[dict]]:
     for attr in QUESTION_ATTRIBUTES:
       phrasings = range(len(QUESTION_TEMPLATES[attr]))
       if entity.split == "test":
-        test.extend(_question_record(entity, attr, k)
-                    for k in sorted(rng.sample(phrasings, TEST_PHRASINGS)))
+        test.extend(
+            _question_record(entity, attr, k) for k in sorted(rng.sample(phrasings, TEST_PHRASINGS))
+        )
       else:
         train.extend(_question_record(entity, attr, k) for k in phrasings)
   rng.shuffle(train)
@@ -262,12 +325,16 @@ def check_task_vocabulary(records: list[dict], tokenizer, where: str) -> None:
 
   for i, record in enumerate(records):
     prompt = alpaca_prompt(record["instruction"], record["input"])
-    for part, text in (("prompt", prompt), ("output", record["output"]),
-                       ("answer", record["answer"])):
+    for part, text in (
+        ("prompt", prompt),
+        ("output", record["output"]),
+        ("answer", record["answer"]),
+    ):
       ids = tokenizer(text, add_special_tokens=False).input_ids
       if tokenizer.unk_token_id in ids:
-        raise ValueError(f"{where}[{i}]: the {part} has a word outside the tokenizer's vocabulary: "
-                         f"{text!r}")
+        raise ValueError(
+            f"{where}[{i}]: the {part} has a word outside the tokenizer's vocabulary: " f"{text!r}"
+        )
     length = 2 + len(tokenizer(prompt + record["output"], add_special_tokens=False).input_ids)
     if length > MAX_POSITIONS:
       raise ValueError(f"{where}[{i}]: {length} tokens exceed the context of {MAX_POSITIONS}")
@@ -282,12 +349,19 @@ def world_records(world: list[Entity]) -> list[dict]:
 # Base model and pretraining
 
 
-
 def base_config(vocab_size: int) -> ModelConfig:
   """The quickstart base model: a ~1M-parameter LLaMA with grouped-query attention."""
-  return ModelConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=344,
-                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                     rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=MAX_POSITIONS)
+  return ModelConfig(
+      vocab_size=vocab_size,
+      hidden_size=128,
+      intermediate_size=344,
+      num_hidden_layers=4,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      rms_norm_eps=1e-5,
+      rope_theta=10000.0,
+      max_position_embeddings=MAX_POSITIONS,
+  )
 
 
 def packed_windows(docs: list[str], tokenizer, seq_len: int) -> np.ndarray:
@@ -311,11 +385,20 @@ def _pretrain_step(model, optimizer, tokens):
   return loss
 
 
-def pretrain(model: LlamaForCausalLM, windows: np.ndarray, *, steps: int, batch_size: int,
-             peak_lr: float, seed: int, log_every: int = 100) -> list[tuple[int, float]]:
+def pretrain(
+    model: LlamaForCausalLM,
+    windows: np.ndarray,
+    *,
+    steps: int,
+    batch_size: int,
+    peak_lr: float,
+    seed: int,
+    log_every: int = 100,
+) -> list[tuple[int, float]]:
   """Full-weight AdamW pretraining on random batches of `windows`; returns ``(step, loss)`` logs."""
-  schedule = optax.warmup_cosine_decay_schedule(0.0, peak_lr, min(100, steps // 10), steps,
-                                                end_value=peak_lr * 0.1)
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, peak_lr, min(100, steps // 10), steps, end_value=peak_lr * 0.1
+  )
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   rng = np.random.default_rng(seed)
@@ -327,12 +410,15 @@ def pretrain(model: LlamaForCausalLM, windows: np.ndarray, *, steps: int, batch_
       loss = float(jnp.mean(jnp.stack(running)))
       running = []
       log.append((step, loss))
-      print(f"  pretrain step {step}/{steps} loss {loss:.4f} ({time.time() - start:.0f}s)", flush=True)
+      print(
+          f"  pretrain step {step}/{steps} loss {loss:.4f} ({time.time() - start:.0f}s)", flush=True
+      )
   return log
 
 
-def fact_recall(model: LlamaForCausalLM, tokenizer, world: list[Entity],
-                attributes=tuple(ATTRIBUTES)) -> dict[str, float]:
+def fact_recall(
+    model: LlamaForCausalLM, tokenizer, world: list[Entity], attributes=tuple(ATTRIBUTES)
+) -> dict[str, float]:
   """Per attribute, the share of animals whose value is the argmax next token after the cue."""
   result = {}
   for attr in attributes:
@@ -343,8 +429,8 @@ def fact_recall(model: LlamaForCausalLM, tokenizer, world: list[Entity],
     batch = np.full((len(ids), width), pad, np.int32)
     mask = np.zeros_like(batch)
     for i, row in enumerate(ids):  # left-pad so the cue ends at the last position
-      batch[i, width - len(row) - 1:] = [bos, *row]
-      mask[i, width - len(row) - 1:] = 1
+      batch[i, width - len(row) - 1 :] = [bos, *row]
+      mask[i, width - len(row) - 1 :] = 1
     logits = model(jnp.asarray(batch), attention_mask=jnp.asarray(mask))
     predicted = np.asarray(jnp.argmax(logits[:, -1], axis=-1))
     gold = np.array([tokenizer.convert_tokens_to_ids(getattr(e, attr)) for e in world])
@@ -367,13 +453,14 @@ def _padded_train_arrays(train_path: pathlib.Path, tokenizer) -> tuple[np.ndarra
   """Training ids and response-only loss masks, right-padded to one width."""
   from anlr_jax.data import read_examples, tokenize_examples
 
-  tokenized = tokenize_examples(read_examples(train_path).examples, tokenizer,
-                                max_length=MAX_POSITIONS)
+  tokenized = tokenize_examples(
+      read_examples(train_path).examples, tokenizer, max_length=MAX_POSITIONS
+  )
   width = int(tokenized.lengths.max())
   ids = np.full((len(tokenized), width), tokenizer.pad_token_id, np.int32)
   mask = np.zeros((len(tokenized), width), np.float32)
   for i, (row, row_mask) in enumerate(zip(tokenized.input_ids, tokenized.loss_mask)):
-    ids[i, :len(row)], mask[i, :len(row)] = row, row_mask
+    ids[i, : len(row)], mask[i, : len(row)] = row, row_mask
   return ids, mask
 
 
@@ -386,7 +473,8 @@ def _response_loss(model, ids, mask):
 @nnx.jit
 def _lora_step(model, optimizer, ids, mask):
   loss, grads = nnx.value_and_grad(_response_loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(
-      model, ids, mask)
+      model, ids, mask
+  )
   optimizer.update(model, grads)
   return loss
 
@@ -404,16 +492,23 @@ def test_accuracy(model, tokenizer, test_path: pathlib.Path) -> float:
     mask = np.zeros_like(ids)
     for i, prompt in enumerate(prompts):
       row = [tokenizer.bos_token_id, *tokenizer(prompt, add_special_tokens=False).input_ids]
-      ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
-    out = generate(model, ids, mask, max_new_tokens=EVAL_MAX_NEW_TOKENS, eos_token_id=tokenizer.eos_token_id,
-                   pad_token_id=tokenizer.pad_token_id)
+      ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+    out = generate(
+        model,
+        ids,
+        mask,
+        max_new_tokens=EVAL_MAX_NEW_TOKENS,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return tokenizer.batch_decode(np.asarray(out), skip_special_tokens=True)
 
   return evaluate(generate_fn, examples, assets.QUICKSTART_TASK, batch_size=len(examples)).accuracy
 
 
-def lora_finetune(asset_dir: pathlib.Path, method: str, *, steps: int, batch_size: int, lr: float,
-                  seed: int) -> dict:
+def lora_finetune(
+    asset_dir: pathlib.Path, method: str, *, steps: int, batch_size: int, lr: float, seed: int
+) -> dict:
   """LoRA (r=8, alpha=16) fine-tune of the base model with `method` in {'adamw', 'anlr'}."""
   import anlr_jax
   from anlr_jax.models.hf_io import load_hf_model, load_tokenizer
@@ -421,8 +516,9 @@ def lora_finetune(asset_dir: pathlib.Path, method: str, *, steps: int, batch_siz
 
   tokenizer = load_tokenizer(asset_dir)
   model, _ = load_hf_model(asset_dir, dtype=jnp.float32)
-  model = inject_lora(model, target_modules=CHECK_TARGETS, rank=8, alpha=16.0, dropout=0.0,
-                      rngs=nnx.Rngs(seed))
+  model = inject_lora(
+      model, target_modules=CHECK_TARGETS, rank=8, alpha=16.0, dropout=0.0, rngs=nnx.Rngs(seed)
+  )
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, steps // 10, steps, end_value=0.0)
   if method == "adamw":
     tx = optax.adamw(schedule, weight_decay=0.0)
@@ -440,25 +536,43 @@ def lora_finetune(asset_dir: pathlib.Path, method: str, *, steps: int, batch_siz
   final_loss = float(jnp.mean(jnp.stack(losses[-20:])))
   seconds = time.time() - start
   accuracy = test_accuracy(model, tokenizer, asset_dir / assets.TEST_FILE)
-  return dict(method=method, steps=steps, batch_size=batch_size, lr=lr,
-              warmup_steps=steps // 10 if method == "anlr" else None, seconds=round(seconds, 1),
-              final_loss=round(final_loss, 4), test_accuracy=accuracy)
+  return dict(
+      method=method,
+      steps=steps,
+      batch_size=batch_size,
+      lr=lr,
+      warmup_steps=steps // 10 if method == "anlr" else None,
+      seconds=round(seconds, 1),
+      final_loss=round(final_loss, 4),
+      test_accuracy=accuracy,
+  )
 
 
-def run_check(asset_dir: pathlib.Path, *, seed: int, steps: int, batch_size: int, lr: float) -> dict:
+def run_check(
+    asset_dir: pathlib.Path, *, seed: int, steps: int, batch_size: int, lr: float
+) -> dict:
   """Test accuracy of the base model, then after a LoRA fine-tune with adamw and with anlr."""
   from anlr_jax.models.hf_io import load_hf_model, load_tokenizer
 
   base, _ = load_hf_model(asset_dir, dtype=jnp.float32)
-  result = {"settings": dict(rank=8, alpha=16.0, dropout=0.0, targets=list(CHECK_TARGETS),
-                             schedule="warmup-cosine, warmup steps/10, to 0", weight_decay=0.0,
-                             eval_max_new_tokens=EVAL_MAX_NEW_TOKENS, task=assets.QUICKSTART_TASK),
-            "base_accuracy": test_accuracy(base, load_tokenizer(asset_dir),
-                                           asset_dir / assets.TEST_FILE)}
+  result = {
+      "settings": dict(
+          rank=8,
+          alpha=16.0,
+          dropout=0.0,
+          targets=list(CHECK_TARGETS),
+          schedule="warmup-cosine, warmup steps/10, to 0",
+          weight_decay=0.0,
+          eval_max_new_tokens=EVAL_MAX_NEW_TOKENS,
+          task=assets.QUICKSTART_TASK,
+      ),
+      "base_accuracy": test_accuracy(base, load_tokenizer(asset_dir), asset_dir / assets.TEST_FILE),
+  }
   print(f"base model test accuracy: {result['base_accuracy']:.3f}", flush=True)
   for method in ("adamw", "anlr"):
-    result[method] = lora_finetune(asset_dir, method, steps=steps, batch_size=batch_size, lr=lr,
-                                   seed=seed)
+    result[method] = lora_finetune(
+        asset_dir, method, steps=steps, batch_size=batch_size, lr=lr, seed=seed
+    )
     print(f"{method}: {result[method]}", flush=True)
   return result
 
@@ -466,11 +580,17 @@ def run_check(asset_dir: pathlib.Path, *, seed: int, steps: int, batch_size: int
 # --------------------------------------------------------------------------------------------------
 # Writing
 
+
 def task_info(n_train: int, n_test: int) -> dict:
   """The task section of ``build_info.json``."""
-  return dict(task=assets.QUICKSTART_TASK, train_examples=n_train, test_examples=n_test,
-              instruction=INSTRUCTION, question_templates=QUESTION_TEMPLATES,
-              test_phrasings=TEST_PHRASINGS)
+  return dict(
+      task=assets.QUICKSTART_TASK,
+      train_examples=n_train,
+      test_examples=n_test,
+      instruction=INSTRUCTION,
+      question_templates=QUESTION_TEMPLATES,
+      test_phrasings=TEST_PHRASINGS,
+  )
 
 
 def update_build_info(out: pathlib.Path, fields: dict) -> dict:
@@ -490,8 +610,11 @@ def write_task_files(out: pathlib.Path, world: list[Entity], seed: int, tokenize
   train, test = build_task(world, seed)
   check_task_vocabulary(train, tokenizer, assets.TRAIN_FILE)
   check_task_vocabulary(test, tokenizer, assets.TEST_FILE)
-  for name, payload in ((assets.WORLD_FILE, world_records(world)), (assets.TRAIN_FILE, train),
-                        (assets.TEST_FILE, test)):
+  for name, payload in (
+      (assets.WORLD_FILE, world_records(world)),
+      (assets.TRAIN_FILE, train),
+      (assets.TEST_FILE, test),
+  ):
     with open(out / name, "w", encoding="utf-8") as f:
       json.dump(payload, f, indent=1)
       f.write("\n")
@@ -503,41 +626,63 @@ def build_task_only(out: pathlib.Path, *, seed: int) -> dict:
   from anlr_jax.models.hf_io import load_tokenizer
 
   if not (out / assets.TOKENIZER_FILE).is_file():
-    raise FileNotFoundError(f"--task-only needs the built tokenizer at {out / assets.TOKENIZER_FILE}")
+    raise FileNotFoundError(
+        f"--task-only needs the built tokenizer at {out / assets.TOKENIZER_FILE}"
+    )
   info = update_build_info(out, write_task_files(out, build_world(seed), seed, load_tokenizer(out)))
-  print(f"task {info['task']}: {info['train_examples']} train / {info['test_examples']} test",
-        flush=True)
+  print(
+      f"task {info['task']}: {info['train_examples']} train / {info['test_examples']} test",
+      flush=True,
+  )
   return info
 
 
-def build(out: pathlib.Path, *, seed: int, steps: int, batch_size: int, peak_lr: float,
-          num_docs: int) -> dict:
+def build(
+    out: pathlib.Path, *, seed: int, steps: int, batch_size: int, peak_lr: float, num_docs: int
+) -> dict:
   """Builds every asset into `out`; returns the build record written to ``build_info.json``."""
   out.mkdir(parents=True, exist_ok=True)
   world = build_world(seed)
   tokenizer = build_tokenizer(world)
   tokenizer.save_pretrained(os.fspath(out))
   task = write_task_files(out, world, seed, tokenizer)
-  print(f"world: {len(world)} animals; task: {task['train_examples']} train / "
-        f"{task['test_examples']} test; vocab {len(tokenizer)}", flush=True)
+  print(
+      f"world: {len(world)} animals; task: {task['train_examples']} train / "
+      f"{task['test_examples']} test; vocab {len(tokenizer)}",
+      flush=True,
+  )
 
   docs = pretraining_documents(world, seed, num_docs)
   windows = packed_windows(docs, tokenizer, SEQ_LEN + 1)
   config = base_config(len(tokenizer))
   model = LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
-  print(f"model: {config.num_params():,} parameters; corpus: {windows.size:,} tokens in "
-        f"{len(windows)} windows", flush=True)
+  print(
+      f"model: {config.num_params():,} parameters; corpus: {windows.size:,} tokens in "
+      f"{len(windows)} windows",
+      flush=True,
+  )
   start = time.time()
   log = pretrain(model, windows, steps=steps, batch_size=batch_size, peak_lr=peak_lr, seed=seed)
   seconds = time.time() - start
   recall = fact_recall(model, tokenizer, world)
   print(f"fact recall: {recall}", flush=True)
   save_hf_model(model, config, out, dtype=jnp.bfloat16)
-  info = dict(seed=seed, steps=steps, batch_size=batch_size, seq_len=SEQ_LEN, peak_lr=peak_lr,
-              num_docs=num_docs, corpus_tokens=int(windows.size), num_params=config.num_params(),
-              vocab_size=len(tokenizer), pretrain_seconds=round(seconds, 1),
-              final_loss=round(log[-1][1], 4), loss_log=[[s, round(l, 4)] for s, l in log],
-              fact_recall=recall, **task)
+  info = dict(
+      seed=seed,
+      steps=steps,
+      batch_size=batch_size,
+      seq_len=SEQ_LEN,
+      peak_lr=peak_lr,
+      num_docs=num_docs,
+      corpus_tokens=int(windows.size),
+      num_params=config.num_params(),
+      vocab_size=len(tokenizer),
+      pretrain_seconds=round(seconds, 1),
+      final_loss=round(log[-1][1], 4),
+      loss_log=[[s, round(l, 4)] for s, l in log],
+      fact_recall=recall,
+      **task,
+  )
   (out / assets.BUILD_INFO_FILE).unlink(missing_ok=True)  # a full build starts a fresh record
   return update_build_info(out, info)
 
@@ -551,13 +696,22 @@ def main(argv=None) -> None:
   parser.add_argument("--lr", type=float, default=3e-3, help="peak pretraining learning rate")
   parser.add_argument("--num-docs", type=int, default=150_000, help="pretraining documents")
   mode = parser.add_mutually_exclusive_group()
-  mode.add_argument("--task-only", action="store_true",
-                    help="rewrite only the task files and build_info's task section (keeps the "
-                         "tokenizer and weights in --out)")
-  mode.add_argument("--check-only", action="store_true",
-                    help="skip building; run the fine-tune check on the assets in --out")
-  parser.add_argument("--check", action="store_true",
-                      help="after building, LoRA fine-tune with adamw and anlr and report accuracy")
+  mode.add_argument(
+      "--task-only",
+      action="store_true",
+      help="rewrite only the task files and build_info's task section (keeps the "
+      "tokenizer and weights in --out)",
+  )
+  mode.add_argument(
+      "--check-only",
+      action="store_true",
+      help="skip building; run the fine-tune check on the assets in --out",
+  )
+  parser.add_argument(
+      "--check",
+      action="store_true",
+      help="after building, LoRA fine-tune with adamw and anlr and report accuracy",
+  )
   parser.add_argument("--check-steps", type=int, default=CHECK_STEPS, help="LoRA steps per method")
   parser.add_argument("--check-batch-size", type=int, default=CHECK_BATCH_SIZE)
   parser.add_argument("--check-lr", type=float, default=CHECK_LR, help="peak LoRA learning rate")
@@ -570,11 +724,22 @@ def main(argv=None) -> None:
   if args.task_only:
     build_task_only(args.out, seed=args.seed)
   elif not args.check_only:
-    build(args.out, seed=args.seed, steps=args.steps, batch_size=args.batch_size, peak_lr=args.lr,
-          num_docs=args.num_docs)
+    build(
+        args.out,
+        seed=args.seed,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        peak_lr=args.lr,
+        num_docs=args.num_docs,
+    )
   if args.check or args.check_only:
-    result = run_check(args.out, seed=args.seed, steps=args.check_steps,
-                       batch_size=args.check_batch_size, lr=args.check_lr)
+    result = run_check(
+        args.out,
+        seed=args.seed,
+        steps=args.check_steps,
+        batch_size=args.check_batch_size,
+        lr=args.check_lr,
+    )
     update_build_info(args.out, {"lora_check": result})
 
 

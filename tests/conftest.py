@@ -2,6 +2,7 @@
 
 Every test sees the same 8-device CPU backend; unsharded tests simply run on device 0.
 """
+
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

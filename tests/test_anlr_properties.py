@@ -1,4 +1,5 @@
 """Properties of the AnLR transform: jit, wrappers, NNX, dtypes, sharding, degenerate cases, errors."""
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -12,208 +13,230 @@ import anlr_jax
 
 
 def _params(dtype=jnp.float32, seed=0):
-    k = jax.random.split(jax.random.key(seed), 6)
-    return {
-        "q": {"lora_a": jax.random.normal(k[0], (16, 4), dtype), "lora_b": 0.1 * jax.random.normal(k[1], (4, 8), dtype)},
-        "stack": {"lora_a": jax.random.normal(k[2], (8, 16, 4), dtype), "lora_b": 0.1 * jax.random.normal(k[3], (8, 4, 16), dtype)},
-        "norm": jnp.ones((8,), dtype),
-    }
+  k = jax.random.split(jax.random.key(seed), 6)
+  return {
+      "q": {
+          "lora_a": jax.random.normal(k[0], (16, 4), dtype),
+          "lora_b": 0.1 * jax.random.normal(k[1], (4, 8), dtype),
+      },
+      "stack": {
+          "lora_a": jax.random.normal(k[2], (8, 16, 4), dtype),
+          "lora_b": 0.1 * jax.random.normal(k[3], (8, 4, 16), dtype),
+      },
+      "norm": jnp.ones((8,), dtype),
+  }
 
 
 def _grads(params, step):
-    key = jax.random.fold_in(jax.random.key(42), step)
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(key, len(leaves))
-    return treedef.unflatten([jax.random.normal(kk, x.shape, x.dtype) for kk, x in zip(keys, leaves)])
+  key = jax.random.fold_in(jax.random.key(42), step)
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(key, len(leaves))
+  return treedef.unflatten([jax.random.normal(kk, x.shape, x.dtype) for kk, x in zip(keys, leaves)])
 
 
 def _run(tx, params, steps, grads_fn=_grads, jit=True):
-    state = tx.init(params)
-    update = jax.jit(tx.update) if jit else tx.update
-    for i in range(steps):
-        updates, state = update(grads_fn(params, i), state, params)
-        params = optax.apply_updates(params, updates)
-    return params, state
+  state = tx.init(params)
+  update = jax.jit(tx.update) if jit else tx.update
+  for i in range(steps):
+    updates, state = update(grads_fn(params, i), state, params)
+    params = optax.apply_updates(params, updates)
+  return params, state
 
 
 def test_compiles_once():
-    traces = []
-    tx = anlr_jax.anlr(optax.linear_schedule(1e-3, 0.0, 10), warmup_steps=1)
+  traces = []
+  tx = anlr_jax.anlr(optax.linear_schedule(1e-3, 0.0, 10), warmup_steps=1)
 
-    def update(g, s, p):
-        traces.append(1)
-        return tx.update(g, s, p)
+  def update(g, s, p):
+    traces.append(1)
+    return tx.update(g, s, p)
 
-    jitted = jax.jit(update)
-    params = _params()
-    state = tx.init(params)
-    for i in range(4):
-        u, state = jitted(_grads(params, i), state, params)
-        params = optax.apply_updates(params, u)
-    assert len(traces) == 1
-    assert jitted._cache_size() == 1
+  jitted = jax.jit(update)
+  params = _params()
+  state = tx.init(params)
+  for i in range(4):
+    u, state = jitted(_grads(params, i), state, params)
+    params = optax.apply_updates(params, u)
+  assert len(traces) == 1
+  assert jitted._cache_size() == 1
 
 
 def test_state_dtypes_and_structure_fixed_bf16():
-    params = _params(jnp.bfloat16)
-    tx = anlr_jax.anlr(1e-3, warmup_steps=1)
-    state0 = tx.init(params)
-    _, state = _run(tx, params, 3)
-    chex.assert_trees_all_equal_structs(state0, state)
-    chex.assert_trees_all_equal_dtypes(state0, state)
-    st = anlr_jax.find_anlr_state(state)
-    for tree in (st.nu_bar, st.snr, st.multipliers):
-        assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(tree))
-    assert st.multipliers["stack"].shape == (8, 4)
-    u, _ = tx.update(_grads(params, 9), state, params)
-    chex.assert_trees_all_equal_dtypes(u, params)
-    assert all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in jax.tree.leaves(u))
+  params = _params(jnp.bfloat16)
+  tx = anlr_jax.anlr(1e-3, warmup_steps=1)
+  state0 = tx.init(params)
+  _, state = _run(tx, params, 3)
+  chex.assert_trees_all_equal_structs(state0, state)
+  chex.assert_trees_all_equal_dtypes(state0, state)
+  st = anlr_jax.find_anlr_state(state)
+  for tree in (st.nu_bar, st.snr, st.multipliers):
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(tree))
+  assert st.multipliers["stack"].shape == (8, 4)
+  u, _ = tx.update(_grads(params, 9), state, params)
+  chex.assert_trees_all_equal_dtypes(u, params)
+  assert all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in jax.tree.leaves(u))
 
 
 def test_inject_hyperparams_f32_hparams_bf16_params():
-    params = _params(jnp.bfloat16)
-    tx = optax.inject_hyperparams(anlr_jax.anlr, hyperparam_dtype=jnp.float32)(
-        learning_rate=1e-3, alpha=2.0, kappa=3.0, warmup_steps=1)
-    state0 = tx.init(params)
-    assert state0.hyperparams["learning_rate"].dtype == jnp.float32
-    _, state = _run(tx, params, 3)
-    chex.assert_trees_all_equal_structs(state0, state)
-    chex.assert_trees_all_equal_dtypes(state0, state)
-    # Same trajectory as the non-injected optimizer.
-    p_ref, _ = _run(anlr_jax.anlr(1e-3, warmup_steps=1), params, 3)
-    p_inj, _ = _run(tx, params, 3)
-    chex.assert_trees_all_close(p_inj, p_ref, atol=1e-2)
-    # scale_by_anlr over an injected inner adamw (the wrapper form).
-    inner = optax.inject_hyperparams(optax.adamw, hyperparam_dtype=jnp.float32)(learning_rate=1e-3, weight_decay=1e-4)
-    p_wrap, _ = _run(anlr_jax.scale_by_anlr(inner, warmup_steps=1), params, 3)
-    chex.assert_trees_all_close(p_wrap, p_ref, atol=1e-2)
+  params = _params(jnp.bfloat16)
+  tx = optax.inject_hyperparams(anlr_jax.anlr, hyperparam_dtype=jnp.float32)(
+      learning_rate=1e-3, alpha=2.0, kappa=3.0, warmup_steps=1
+  )
+  state0 = tx.init(params)
+  assert state0.hyperparams["learning_rate"].dtype == jnp.float32
+  _, state = _run(tx, params, 3)
+  chex.assert_trees_all_equal_structs(state0, state)
+  chex.assert_trees_all_equal_dtypes(state0, state)
+  # Same trajectory as the non-injected optimizer.
+  p_ref, _ = _run(anlr_jax.anlr(1e-3, warmup_steps=1), params, 3)
+  p_inj, _ = _run(tx, params, 3)
+  chex.assert_trees_all_close(p_inj, p_ref, atol=1e-2)
+  # scale_by_anlr over an injected inner adamw (the wrapper form).
+  inner = optax.inject_hyperparams(optax.adamw, hyperparam_dtype=jnp.float32)(
+      learning_rate=1e-3, weight_decay=1e-4
+  )
+  p_wrap, _ = _run(anlr_jax.scale_by_anlr(inner, warmup_steps=1), params, 3)
+  chex.assert_trees_all_close(p_wrap, p_ref, atol=1e-2)
 
 
 def test_apply_if_finite_skips_bad_batch():
-    params = _params()
-    tx = optax.apply_if_finite(anlr_jax.anlr(1e-2, warmup_steps=0), max_consecutive_errors=5)
-    state = tx.init(params)
-    u, state = jax.jit(tx.update)(_grads(params, 0), state, params)
-    params = optax.apply_updates(params, u)
-    bad = _grads(params, 1)
-    bad["q"]["lora_a"] = bad["q"]["lora_a"].at[0, 0].set(jnp.nan)
-    u_bad, state_bad = jax.jit(tx.update)(bad, state, params)
-    new_params = optax.apply_updates(params, u_bad)
-    chex.assert_trees_all_equal(new_params, params)
-    chex.assert_trees_all_equal(anlr_jax.find_anlr_state(state_bad.inner_state), anlr_jax.find_anlr_state(state.inner_state))
-    assert int(state_bad.notfinite_count) == 1
+  params = _params()
+  tx = optax.apply_if_finite(anlr_jax.anlr(1e-2, warmup_steps=0), max_consecutive_errors=5)
+  state = tx.init(params)
+  u, state = jax.jit(tx.update)(_grads(params, 0), state, params)
+  params = optax.apply_updates(params, u)
+  bad = _grads(params, 1)
+  bad["q"]["lora_a"] = bad["q"]["lora_a"].at[0, 0].set(jnp.nan)
+  u_bad, state_bad = jax.jit(tx.update)(bad, state, params)
+  new_params = optax.apply_updates(params, u_bad)
+  chex.assert_trees_all_equal(new_params, params)
+  chex.assert_trees_all_equal(
+      anlr_jax.find_anlr_state(state_bad.inner_state), anlr_jax.find_anlr_state(state.inner_state)
+  )
+  assert int(state_bad.notfinite_count) == 1
 
 
 def test_multisteps_equals_mean_gradient():
-    params = _params()
-    tx = optax.MultiSteps(anlr_jax.anlr(1e-2, warmup_steps=1), every_k_schedule=2)
-    ref = anlr_jax.anlr(1e-2, warmup_steps=1)
-    state, ref_state = tx.init(params), ref.init(params)
-    p, p_ref = params, params
-    for step in range(3):
-        g1, g2 = _grads(p, 2 * step), _grads(p, 2 * step + 1)
-        u, state = tx.update(g1, state, p)
-        p = optax.apply_updates(p, u)
-        u, state = tx.update(g2, state, p)
-        p = optax.apply_updates(p, u)
-        u_ref, ref_state = ref.update(jax.tree.map(lambda a, b: (a + b) / 2, g1, g2), ref_state, p_ref)
-        p_ref = optax.apply_updates(p_ref, u_ref)
-    chex.assert_trees_all_close(p, p_ref, rtol=1e-5, atol=1e-6)
+  params = _params()
+  tx = optax.MultiSteps(anlr_jax.anlr(1e-2, warmup_steps=1), every_k_schedule=2)
+  ref = anlr_jax.anlr(1e-2, warmup_steps=1)
+  state, ref_state = tx.init(params), ref.init(params)
+  p, p_ref = params, params
+  for step in range(3):
+    g1, g2 = _grads(p, 2 * step), _grads(p, 2 * step + 1)
+    u, state = tx.update(g1, state, p)
+    p = optax.apply_updates(p, u)
+    u, state = tx.update(g2, state, p)
+    p = optax.apply_updates(p, u)
+    u_ref, ref_state = ref.update(jax.tree.map(lambda a, b: (a + b) / 2, g1, g2), ref_state, p_ref)
+    p_ref = optax.apply_updates(p_ref, u_ref)
+  chex.assert_trees_all_close(p, p_ref, rtol=1e-5, atol=1e-6)
 
 
 class _Net(nnx.Module):
-    def __init__(self, rngs):
-        self.q = nnx.LoRA(16, 4, 8, rngs=rngs)
-        self.up = nnx.LoRA(8, 2, 16, rngs=rngs)
 
-    def __call__(self, x):
-        return self.up(jnp.tanh(self.q(x)))
+  def __init__(self, rngs):
+    self.q = nnx.LoRA(16, 4, 8, rngs=rngs)
+    self.up = nnx.LoRA(8, 2, 16, rngs=rngs)
+
+  def __call__(self, x):
+    return self.up(jnp.tanh(self.q(x)))
 
 
 def test_nnx_optimizer_matches_pure_dict_run():
-    model = _Net(nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(1), (4, 16))
-    pure0 = nnx.state(model, nnx.LoRAParam).to_pure_dict()
-    tx = anlr_jax.anlr(1e-2, warmup_steps=1)
-    opt = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
+  model = _Net(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (4, 16))
+  pure0 = nnx.state(model, nnx.LoRAParam).to_pure_dict()
+  tx = anlr_jax.anlr(1e-2, warmup_steps=1)
+  opt = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
 
-    @nnx.jit
-    def step(model, opt, x):
-        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2), argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
-        opt.update(model, grads)
-        return loss
+  @nnx.jit
+  def step(model, opt, x):
+    loss, grads = nnx.value_and_grad(
+        lambda m: jnp.mean(m(x) ** 2), argnums=nnx.DiffState(0, nnx.LoRAParam)
+    )(model)
+    opt.update(model, grads)
+    return loss
 
-    ref_state = tx.init(pure0)
-    p_ref = pure0
+  ref_state = tx.init(pure0)
+  p_ref = pure0
 
-    def ref_loss(p):
-        m = _Net(nnx.Rngs(0))
-        nnx.update(m, p)
-        return jnp.mean(m(x) ** 2)
+  def ref_loss(p):
+    m = _Net(nnx.Rngs(0))
+    nnx.update(m, p)
+    return jnp.mean(m(x) ** 2)
 
-    for _ in range(4):
-        g_ref = jax.grad(ref_loss)(p_ref)
-        u, ref_state = tx.update(g_ref, ref_state, p_ref)
-        p_ref = optax.apply_updates(p_ref, u)
-        step(model, opt, x)
-    chex.assert_trees_all_close(nnx.state(model, nnx.LoRAParam).to_pure_dict(), p_ref, rtol=1e-5, atol=1e-7)
-    diag = anlr_jax.diagnostics(opt.opt_state)
-    assert set(diag["modules"]) == {"q", "up"}
-    assert int(diag["count"]) == 4
-    np.testing.assert_allclose(np.asarray(diag["modules"]["q"]["multipliers"]).mean(), 1.0, rtol=1e-6)
+  for _ in range(4):
+    g_ref = jax.grad(ref_loss)(p_ref)
+    u, ref_state = tx.update(g_ref, ref_state, p_ref)
+    p_ref = optax.apply_updates(p_ref, u)
+    step(model, opt, x)
+  chex.assert_trees_all_close(
+      nnx.state(model, nnx.LoRAParam).to_pure_dict(), p_ref, rtol=1e-5, atol=1e-7
+  )
+  diag = anlr_jax.diagnostics(opt.opt_state)
+  assert set(diag["modules"]) == {"q", "up"}
+  assert int(diag["count"]) == 4
+  np.testing.assert_allclose(np.asarray(diag["modules"]["q"]["multipliers"]).mean(), 1.0, rtol=1e-6)
 
 
 def test_sharded_state_types_and_results_match_unsharded():
-    assert jax.device_count() == 8
-    mesh = jax.make_mesh((8,), ("x",))
-    params = _params()
-    spec = {"q": {"lora_a": P("x", None), "lora_b": P(None, "x")},
-            "stack": {"lora_a": P("x", None, None), "lora_b": P("x", None, None)}, "norm": P("x")}
-    tx = anlr_jax.anlr(1e-2, warmup_steps=1)
-    kind = lambda tree: [(x.dtype, x.shape, x.sharding) for x in jax.tree.leaves(tree)]
-    with jax.set_mesh(mesh):
-        sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, spec)
-        state0 = tx.init(sharded)
-        update = jax.jit(tx.update)
-        p, state = sharded, state0
-        for i in range(3):
-            u, state = update(_grads(params, i), state, p)
-            p = optax.apply_updates(p, u)
-            assert kind(state) == kind(state0)
-            assert jax.tree.structure(state) == jax.tree.structure(state0)
-        assert update._cache_size() == 1
-    assert anlr_jax.find_anlr_state(state).nu_bar["stack"].sharding.spec == P("x", None)
-    p_ref, _ = _run(tx, params, 3)
-    chex.assert_trees_all_close(p, p_ref, rtol=1e-5, atol=1e-7)
+  assert jax.device_count() == 8
+  mesh = jax.make_mesh((8,), ("x",))
+  params = _params()
+  spec = {
+      "q": {"lora_a": P("x", None), "lora_b": P(None, "x")},
+      "stack": {"lora_a": P("x", None, None), "lora_b": P("x", None, None)},
+      "norm": P("x"),
+  }
+  tx = anlr_jax.anlr(1e-2, warmup_steps=1)
+  kind = lambda tree: [(x.dtype, x.shape, x.sharding) for x in jax.tree.leaves(tree)]
+  with jax.set_mesh(mesh):
+    sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, spec)
+    state0 = tx.init(sharded)
+    update = jax.jit(tx.update)
+    p, state = sharded, state0
+    for i in range(3):
+      u, state = update(_grads(params, i), state, p)
+      p = optax.apply_updates(p, u)
+      assert kind(state) == kind(state0)
+      assert jax.tree.structure(state) == jax.tree.structure(state0)
+    assert update._cache_size() == 1
+  assert anlr_jax.find_anlr_state(state).nu_bar["stack"].sharding.spec == P("x", None)
+  p_ref, _ = _run(tx, params, 3)
+  chex.assert_trees_all_close(p, p_ref, rtol=1e-5, atol=1e-7)
 
 
 def test_degenerate_cases_are_finite():
-    params = {
-        "zero_grad": {"lora_a": jnp.ones((6, 4)), "lora_b": jnp.ones((4, 5))},
-        "dead_rank": {"lora_a": jnp.ones((6, 4)).at[:, 1].set(0.0), "lora_b": jnp.ones((4, 5)).at[1].set(0.0)},
-        "rank_one": {"lora_a": jnp.ones((6, 1)), "lora_b": jnp.ones((1, 5))},
-        "b_zero_init": {"lora_a": jnp.ones((6, 4)), "lora_b": jnp.zeros((4, 5))},
-    }
-    tx = anlr_jax.anlr(1e-2, warmup_steps=0)
-    state = tx.init(params)
+  params = {
+      "zero_grad": {"lora_a": jnp.ones((6, 4)), "lora_b": jnp.ones((4, 5))},
+      "dead_rank": {
+          "lora_a": jnp.ones((6, 4)).at[:, 1].set(0.0),
+          "lora_b": jnp.ones((4, 5)).at[1].set(0.0),
+      },
+      "rank_one": {"lora_a": jnp.ones((6, 1)), "lora_b": jnp.ones((1, 5))},
+      "b_zero_init": {"lora_a": jnp.ones((6, 4)), "lora_b": jnp.zeros((4, 5))},
+  }
+  tx = anlr_jax.anlr(1e-2, warmup_steps=0)
+  state = tx.init(params)
 
-    def grads(p, i):
-        g = _grads(p, i)
-        g["zero_grad"] = jax.tree.map(jnp.zeros_like, g["zero_grad"])
-        g["dead_rank"]["lora_a"] = g["dead_rank"]["lora_a"].at[:, 1].set(0.0)
-        g["dead_rank"]["lora_b"] = g["dead_rank"]["lora_b"].at[1].set(0.0)
-        return g
+  def grads(p, i):
+    g = _grads(p, i)
+    g["zero_grad"] = jax.tree.map(jnp.zeros_like, g["zero_grad"])
+    g["dead_rank"]["lora_a"] = g["dead_rank"]["lora_a"].at[:, 1].set(0.0)
+    g["dead_rank"]["lora_b"] = g["dead_rank"]["lora_b"].at[1].set(0.0)
+    return g
 
-    for i in range(3):
-        u, state = tx.update(grads(params, i), state, params)
-        assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(u))
-        s = anlr_jax.find_anlr_state(state).multipliers
-        assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(s))
-        chex.assert_trees_all_close(s["zero_grad"], jnp.ones(4))
-        chex.assert_trees_all_close(s["rank_one"], jnp.ones(1))
-        # the dead component is clamped (velocity 0 -> boost kappa, SNR 0 -> damp): finite, mean 1
-        np.testing.assert_allclose(float(jnp.mean(s["dead_rank"])), 1.0, rtol=1e-6)
-        params = optax.apply_updates(params, u)
+  for i in range(3):
+    u, state = tx.update(grads(params, i), state, params)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(u))
+    s = anlr_jax.find_anlr_state(state).multipliers
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(s))
+    chex.assert_trees_all_close(s["zero_grad"], jnp.ones(4))
+    chex.assert_trees_all_close(s["rank_one"], jnp.ones(1))
+    # the dead component is clamped (velocity 0 -> boost kappa, SNR 0 -> damp): finite, mean 1
+    np.testing.assert_allclose(float(jnp.mean(s["dead_rank"])), 1.0, rtol=1e-6)
+    params = optax.apply_updates(params, u)
 
 
 @pytest.mark.parametrize(
@@ -228,16 +251,16 @@ def test_degenerate_cases_are_finite():
     ],
 )
 def test_bad_arguments(kwargs, word):
-    with pytest.raises(ValueError, match=word):
-        anlr_jax.anlr(1e-3, **kwargs)
-    with pytest.raises(ValueError, match=word):
-        anlr_jax.scale_by_anlr(optax.adamw(1e-3), **kwargs)
+  with pytest.raises(ValueError, match=word):
+    anlr_jax.anlr(1e-3, **kwargs)
+  with pytest.raises(ValueError, match=word):
+    anlr_jax.scale_by_anlr(optax.adamw(1e-3), **kwargs)
 
 
 def test_rank_mismatch_names_module():
-    params = {"layers": {"0": {"q_proj": {"lora_a": jnp.ones((6, 4)), "lora_b": jnp.ones((3, 5))}}}}
-    with pytest.raises(ValueError, match="layers/0/q_proj"):
-        anlr_jax.anlr(1e-3).init(params)
-    orphan = {"layers": {"k_proj": {"lora_a": jnp.ones((6, 4))}}}
-    with pytest.raises(ValueError, match="layers/k_proj"):
-        anlr_jax.anlr(1e-3).init(orphan)
+  params = {"layers": {"0": {"q_proj": {"lora_a": jnp.ones((6, 4)), "lora_b": jnp.ones((3, 5))}}}}
+  with pytest.raises(ValueError, match="layers/0/q_proj"):
+    anlr_jax.anlr(1e-3).init(params)
+  orphan = {"layers": {"k_proj": {"lora_a": jnp.ones((6, 4))}}}
+  with pytest.raises(ValueError, match="layers/k_proj"):
+    anlr_jax.anlr(1e-3).init(orphan)

@@ -1,4 +1,5 @@
 """AnLR against independent references: NumPy from the equations, optax.adamw, Proposition 2."""
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -15,159 +16,187 @@ ANLR = dict(alpha=2.0, beta=1.0, kappa=3.0, rho=0.8)
 
 
 def _schedule(count):
-    return 1e-2 * (1.0 - count / 60.0)
+  return 1e-2 * (1.0 - count / 60.0)
 
 
 def _params(rng, dtype=np.float64):
-    shapes = {
-        "attn/q": ((6, 4), (4, 5)),
-        "mlp/up": ((3, 5, 3), (3, 3, 7)),  # stacked (3 layers), rank 3
-        "mlp/down": ((7, 8), (8, 2)),  # r = 8 > d_out: still well defined
+  shapes = {
+      "attn/q": ((6, 4), (4, 5)),
+      "mlp/up": ((3, 5, 3), (3, 3, 7)),  # stacked (3 layers), rank 3
+      "mlp/down": ((7, 8), (8, 2)),  # r = 8 > d_out: still well defined
+  }
+  params = {}
+  for name, (sa, sb) in shapes.items():
+    group, leaf = name.split("/")
+    params.setdefault(group, {})[leaf] = {
+        "lora_a": rng.normal(size=sa).astype(dtype),
+        "lora_b": (0.3 * rng.normal(size=sb)).astype(dtype),
     }
-    params = {}
-    for name, (sa, sb) in shapes.items():
-        group, leaf = name.split("/")
-        params.setdefault(group, {})[leaf] = {
-            "lora_a": rng.normal(size=sa).astype(dtype),
-            "lora_b": (0.3 * rng.normal(size=sb)).astype(dtype),
-        }
-    params["bias"] = rng.normal(size=(5,)).astype(dtype)
-    return params
+  params["bias"] = rng.normal(size=(5,)).astype(dtype)
+  return params
 
 
 def _flat(tree):
-    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+  return {
+      jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+  }
 
 
 def _grads(rng, params, scale_by_rank=True):
-    def g(path, x):
-        out = rng.normal(size=x.shape)
-        if scale_by_rank and x.ndim >= 2:  # make ranks move at different speeds
-            r = x.shape[-1] if jax.tree_util.keystr(path).endswith("'lora_a']") else x.shape[-2]
-            w = np.linspace(0.2, 2.0, r)
-            out = out * (w if out.shape[-1] == r else w[:, None])
-        return out
+  def g(path, x):
+    out = rng.normal(size=x.shape)
+    if scale_by_rank and x.ndim >= 2:  # make ranks move at different speeds
+      r = x.shape[-1] if jax.tree_util.keystr(path).endswith("'lora_a']") else x.shape[-2]
+      w = np.linspace(0.2, 2.0, r)
+      out = out * (w if out.shape[-1] == r else w[:, None])
+    return out
 
-    return jax.tree_util.tree_map_with_path(g, params)
+  return jax.tree_util.tree_map_with_path(g, params)
 
 
 def test_trajectory_matches_numpy_reference():
-    """25 steps (warmup 4, weight decay, a schedule, 3 modules incl. stacked, one plain leaf)."""
-    rng = np.random.default_rng(0)
-    with jax.enable_x64(True):
-        params = _params(rng)
-        tx = anlr_jax.anlr(_schedule, **HP, **ANLR, warmup_steps=4)
-        state = tx.init(params)
-        update = jax.jit(tx.update)
-        flat0 = _flat(params)
-        modules = {
-            f"{group}/{leaf}": (f"['{group}']['{leaf}']['lora_a']", f"['{group}']['{leaf}']['lora_b']")
-            for group in ("attn", "mlp") for leaf in params[group]
-        }
-        ref = numpy_anlr.NumpyAnLR(
-            flat0, modules, lr=_schedule, b1=HP["b1"], b2=HP["b2"], eps=HP["eps"], wd=HP["weight_decay"],
-            alpha=ANLR["alpha"], beta=ANLR["beta"], kappa=ANLR["kappa"], rho=ANLR["rho"], warmup=4,
-        )
-        ref_params = flat0
-        anisotropic_steps = 0
-        for _ in range(25):
-            grads = _grads(rng, params)
-            updates, state = update(grads, state, params)
-            params = optax.apply_updates(params, updates)
-            ref_params = ref.step(ref_params, _flat(grads))
-            got = _flat(params)
-            for key in got:
-                np.testing.assert_allclose(got[key], ref_params[key], rtol=1e-6, atol=1e-12, err_msg=key)
-            s = anlr_jax.find_anlr_state(state).multipliers
-            if ref.t > 4:
-                anisotropic_steps += 1
-                assert any(float(np.ptp(np.asarray(v))) > 1e-3 for v in s.values())
-            for name in modules:
-                np.testing.assert_allclose(np.asarray(s[name]), ref.last_s[name], rtol=1e-9)
-        assert anisotropic_steps == 21
+  """25 steps (warmup 4, weight decay, a schedule, 3 modules incl. stacked, one plain leaf)."""
+  rng = np.random.default_rng(0)
+  with jax.enable_x64(True):
+    params = _params(rng)
+    tx = anlr_jax.anlr(_schedule, **HP, **ANLR, warmup_steps=4)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    flat0 = _flat(params)
+    modules = {
+        f"{group}/{leaf}": (f"['{group}']['{leaf}']['lora_a']", f"['{group}']['{leaf}']['lora_b']")
+        for group in ("attn", "mlp")
+        for leaf in params[group]
+    }
+    ref = numpy_anlr.NumpyAnLR(
+        flat0,
+        modules,
+        lr=_schedule,
+        b1=HP["b1"],
+        b2=HP["b2"],
+        eps=HP["eps"],
+        wd=HP["weight_decay"],
+        alpha=ANLR["alpha"],
+        beta=ANLR["beta"],
+        kappa=ANLR["kappa"],
+        rho=ANLR["rho"],
+        warmup=4,
+    )
+    ref_params = flat0
+    anisotropic_steps = 0
+    for _ in range(25):
+      grads = _grads(rng, params)
+      updates, state = update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+      ref_params = ref.step(ref_params, _flat(grads))
+      got = _flat(params)
+      for key in got:
+        np.testing.assert_allclose(got[key], ref_params[key], rtol=1e-6, atol=1e-12, err_msg=key)
+      s = anlr_jax.find_anlr_state(state).multipliers
+      if ref.t > 4:
+        anisotropic_steps += 1
+        assert any(float(np.ptp(np.asarray(v))) > 1e-3 for v in s.values())
+      for name in modules:
+        np.testing.assert_allclose(np.asarray(s[name]), ref.last_s[name], rtol=1e-9)
+    assert anisotropic_steps == 21
 
 
 @pytest.mark.parametrize("signal,warmup", [("uniform", 0), ("anlr", 30)])
 def test_equals_adamw_when_isotropic(signal, warmup):
-    """With signal='uniform', or during warmup, AnLR is optax.adamw (same arguments)."""
-    rng = np.random.default_rng(1)
-    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), _params(rng))
-    sched = optax.linear_schedule(1e-2, 1e-3, 20)
-    tx = anlr_jax.anlr(sched, **HP, **ANLR, signal=signal, warmup_steps=warmup)
-    ref = optax.adamw(sched, **HP)
-    s, s_ref = tx.init(params), ref.init(params)
-    p, p_ref = params, params
-    for _ in range(12):
-        g = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), _grads(rng, params))
-        u, s = jax.jit(tx.update)(g, s, p)
-        u_ref, s_ref = jax.jit(ref.update)(g, s_ref, p_ref)
-        chex.assert_trees_all_close(u, u_ref, rtol=1e-6, atol=1e-9)
-        p, p_ref = optax.apply_updates(p, u), optax.apply_updates(p_ref, u_ref)
-    chex.assert_trees_all_close(p, p_ref, rtol=1e-6)
+  """With signal='uniform', or during warmup, AnLR is optax.adamw (same arguments)."""
+  rng = np.random.default_rng(1)
+  params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), _params(rng))
+  sched = optax.linear_schedule(1e-2, 1e-3, 20)
+  tx = anlr_jax.anlr(sched, **HP, **ANLR, signal=signal, warmup_steps=warmup)
+  ref = optax.adamw(sched, **HP)
+  s, s_ref = tx.init(params), ref.init(params)
+  p, p_ref = params, params
+  for _ in range(12):
+    g = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), _grads(rng, params))
+    u, s = jax.jit(tx.update)(g, s, p)
+    u_ref, s_ref = jax.jit(ref.update)(g, s_ref, p_ref)
+    chex.assert_trees_all_close(u, u_ref, rtol=1e-6, atol=1e-9)
+    p, p_ref = optax.apply_updates(p, u), optax.apply_updates(p_ref, u_ref)
+  chex.assert_trees_all_close(p, p_ref, rtol=1e-6)
 
 
 def test_proposition_2_post_step_scaling_equals_per_component_lr():
-    """s_k * (AdamW delta) == AdamW with learning rate s_k * eta_t per component, built explicitly."""
-    rng = np.random.default_rng(2)
-    with jax.enable_x64(True):
-        params = _params(rng)
-        eta = 3e-3
-        tx = anlr_jax.anlr(eta, **HP, **ANLR, warmup_steps=0)
-        state = tx.init(params)
-        adam = optax.chain(optax.scale_by_adam(b1=HP["b1"], b2=HP["b2"], eps=HP["eps"]),
-                           optax.add_decayed_weights(HP["weight_decay"]))
-        adam_state = adam.init(params)
-        for _ in range(6):
-            grads = _grads(rng, params)
-            updates, state = tx.update(grads, state, params)
-            direction, adam_state = adam.update(grads, adam_state, params)
-            s = anlr_jax.find_anlr_state(state).multipliers
-            # Per-parameter learning rate: s_k * eta on component k, eta elsewhere.
-            lr = jax.tree.map(lambda x: np.full(x.shape, eta), params)
-            for group in ("attn", "mlp"):
-                for leaf in params[group]:
-                    sk = np.asarray(s[f"{group}/{leaf}"])
-                    lr[group][leaf]["lora_a"] = eta * np.broadcast_to(sk[..., None, :], params[group][leaf]["lora_a"].shape)
-                    lr[group][leaf]["lora_b"] = eta * np.broadcast_to(sk[..., :, None], params[group][leaf]["lora_b"].shape)
-            explicit = jax.tree.map(lambda l, d: -l * d, lr, direction)
-            chex.assert_trees_all_close(updates, explicit, rtol=1e-10, atol=1e-14)
-            params = optax.apply_updates(params, updates)
+  """s_k * (AdamW delta) == AdamW with learning rate s_k * eta_t per component, built explicitly."""
+  rng = np.random.default_rng(2)
+  with jax.enable_x64(True):
+    params = _params(rng)
+    eta = 3e-3
+    tx = anlr_jax.anlr(eta, **HP, **ANLR, warmup_steps=0)
+    state = tx.init(params)
+    adam = optax.chain(
+        optax.scale_by_adam(b1=HP["b1"], b2=HP["b2"], eps=HP["eps"]),
+        optax.add_decayed_weights(HP["weight_decay"]),
+    )
+    adam_state = adam.init(params)
+    for _ in range(6):
+      grads = _grads(rng, params)
+      updates, state = tx.update(grads, state, params)
+      direction, adam_state = adam.update(grads, adam_state, params)
+      s = anlr_jax.find_anlr_state(state).multipliers
+      # Per-parameter learning rate: s_k * eta on component k, eta elsewhere.
+      lr = jax.tree.map(lambda x: np.full(x.shape, eta), params)
+      for group in ("attn", "mlp"):
+        for leaf in params[group]:
+          sk = np.asarray(s[f"{group}/{leaf}"])
+          lr[group][leaf]["lora_a"] = eta * np.broadcast_to(
+              sk[..., None, :], params[group][leaf]["lora_a"].shape
+          )
+          lr[group][leaf]["lora_b"] = eta * np.broadcast_to(
+              sk[..., :, None], params[group][leaf]["lora_b"].shape
+          )
+      explicit = jax.tree.map(lambda l, d: -l * d, lr, direction)
+      chex.assert_trees_all_close(updates, explicit, rtol=1e-10, atol=1e-14)
+      params = optax.apply_updates(params, updates)
 
 
 def test_mean_one_and_clamp():
-    rng = np.random.default_rng(3)
-    nu = jnp.asarray(rng.exponential(size=(4, 16)) ** 3, jnp.float32)
-    snr = jnp.asarray(rng.exponential(size=(4, 16)), jnp.float32)
-    kappa = 3.0
-    s = rank_stats.module_multipliers(nu, snr, alpha=2.0, beta=1.0, kappa=kappa)
-    chex.assert_trees_all_close(jnp.mean(s, -1), jnp.ones(4), rtol=1e-6)
-    # Before normalisation every s_k lies in [1/kappa, kappa], so the spread is at most kappa^2 ...
-    spread = jnp.max(s, -1) / jnp.min(s, -1)
-    assert float(jnp.max(spread)) <= kappa**2 * (1 + 1e-5)
-    # ... and with such extreme signals the clamp is active (spread reaches kappa^2 exactly).
-    np.testing.assert_allclose(np.asarray(spread), kappa**2, rtol=1e-5)
-    # Recover the pre-normalisation values: they are the clipped log-score.
-    nu_t, snr_t = nu / nu.mean(-1, keepdims=True), snr / snr.mean(-1, keepdims=True)
-    raw = jnp.exp(jnp.clip(-2.0 * jnp.log(nu_t) + jnp.log(snr_t), -jnp.log(kappa), jnp.log(kappa)))
-    chex.assert_trees_all_close(s, raw / raw.mean(-1, keepdims=True), rtol=1e-5)
+  rng = np.random.default_rng(3)
+  nu = jnp.asarray(rng.exponential(size=(4, 16)) ** 3, jnp.float32)
+  snr = jnp.asarray(rng.exponential(size=(4, 16)), jnp.float32)
+  kappa = 3.0
+  s = rank_stats.module_multipliers(nu, snr, alpha=2.0, beta=1.0, kappa=kappa)
+  chex.assert_trees_all_close(jnp.mean(s, -1), jnp.ones(4), rtol=1e-6)
+  # Before normalisation every s_k lies in [1/kappa, kappa], so the spread is at most kappa^2 ...
+  spread = jnp.max(s, -1) / jnp.min(s, -1)
+  assert float(jnp.max(spread)) <= kappa**2 * (1 + 1e-5)
+  # ... and with such extreme signals the clamp is active (spread reaches kappa^2 exactly).
+  np.testing.assert_allclose(np.asarray(spread), kappa**2, rtol=1e-5)
+  # Recover the pre-normalisation values: they are the clipped log-score.
+  nu_t, snr_t = nu / nu.mean(-1, keepdims=True), snr / snr.mean(-1, keepdims=True)
+  raw = jnp.exp(jnp.clip(-2.0 * jnp.log(nu_t) + jnp.log(snr_t), -jnp.log(kappa), jnp.log(kappa)))
+  chex.assert_trees_all_close(s, raw / raw.mean(-1, keepdims=True), rtol=1e-5)
 
 
 def test_peft_layout_equals_flax_layout():
-    """The PEFT layout (A (r, in), B (out, r)) gives the transposed updates of the Flax layout."""
-    rng = np.random.default_rng(4)
-    a, b = rng.normal(size=(6, 4)), 0.3 * rng.normal(size=(4, 5))
-    flax_p = {"m": {"lora_a": jnp.asarray(a, jnp.float32), "lora_b": jnp.asarray(b, jnp.float32)}}
-    peft_p = {"m": {"lora_A": {"weight": flax_p["m"]["lora_a"].T}, "lora_B": {"weight": flax_p["m"]["lora_b"].T}}}
-    tx_f = anlr_jax.anlr(1e-2, warmup_steps=0)
-    tx_p = anlr_jax.anlr(1e-2, warmup_steps=0, lora_dims=anlr_jax.PEFT)
-    sf, sp = tx_f.init(flax_p), tx_p.init(peft_p)
-    for _ in range(5):
-        g = {"m": {"lora_a": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32),
-                   "lora_b": jnp.asarray(rng.normal(size=(4, 5)), jnp.float32)}}
-        gp = {"m": {"lora_A": {"weight": g["m"]["lora_a"].T}, "lora_B": {"weight": g["m"]["lora_b"].T}}}
-        uf, sf = tx_f.update(g, sf, flax_p)
-        up, sp = tx_p.update(gp, sp, peft_p)
-        chex.assert_trees_all_close(up["m"]["lora_A"]["weight"], uf["m"]["lora_a"].T, rtol=1e-6)
-        chex.assert_trees_all_close(up["m"]["lora_B"]["weight"], uf["m"]["lora_b"].T, rtol=1e-6)
-        flax_p, peft_p = optax.apply_updates(flax_p, uf), optax.apply_updates(peft_p, up)
-    assert float(jnp.ptp(anlr_jax.find_anlr_state(sp).multipliers["m"])) > 1e-3
+  """The PEFT layout (A (r, in), B (out, r)) gives the transposed updates of the Flax layout."""
+  rng = np.random.default_rng(4)
+  a, b = rng.normal(size=(6, 4)), 0.3 * rng.normal(size=(4, 5))
+  flax_p = {"m": {"lora_a": jnp.asarray(a, jnp.float32), "lora_b": jnp.asarray(b, jnp.float32)}}
+  peft_p = {
+      "m": {
+          "lora_A": {"weight": flax_p["m"]["lora_a"].T},
+          "lora_B": {"weight": flax_p["m"]["lora_b"].T},
+      }
+  }
+  tx_f = anlr_jax.anlr(1e-2, warmup_steps=0)
+  tx_p = anlr_jax.anlr(1e-2, warmup_steps=0, lora_dims=anlr_jax.PEFT)
+  sf, sp = tx_f.init(flax_p), tx_p.init(peft_p)
+  for _ in range(5):
+    g = {
+        "m": {
+            "lora_a": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32),
+            "lora_b": jnp.asarray(rng.normal(size=(4, 5)), jnp.float32),
+        }
+    }
+    gp = {"m": {"lora_A": {"weight": g["m"]["lora_a"].T}, "lora_B": {"weight": g["m"]["lora_b"].T}}}
+    uf, sf = tx_f.update(g, sf, flax_p)
+    up, sp = tx_p.update(gp, sp, peft_p)
+    chex.assert_trees_all_close(up["m"]["lora_A"]["weight"], uf["m"]["lora_a"].T, rtol=1e-6)
+    chex.assert_trees_all_close(up["m"]["lora_B"]["weight"], uf["m"]["lora_b"].T, rtol=1e-6)
+    flax_p, peft_p = optax.apply_updates(flax_p, uf), optax.apply_updates(peft_p, up)
+  assert float(jnp.ptp(anlr_jax.find_anlr_state(sp).multipliers["m"])) > 1e-3

@@ -4,6 +4,7 @@ Not timed tests: no threshold on any time. What is checked is that every framewo
 its steps, that the reported quantities are consistent (tokens/s = tokens / median time, ratios
 equal the quotients of the reported figures), and that the outputs (JSON, PNG, table) are written.
 """
+
 import json
 import re
 
@@ -12,14 +13,41 @@ import pytest
 from benchmarks import scaling, train_step
 from benchmarks.common import BenchConfig
 
-TINY = ["--hidden", "64", "--layers", "2", "--heads", "4", "--ffn", "128", "--vocab", "256",
-        "--batch", "2", "--seq", "16", "--rank", "4"]
+TINY = [
+    "--hidden",
+    "64",
+    "--layers",
+    "2",
+    "--heads",
+    "4",
+    "--ffn",
+    "128",
+    "--vocab",
+    "256",
+    "--batch",
+    "2",
+    "--seq",
+    "16",
+    "--rank",
+    "4",
+]
 
 
 def test_train_step_runs_every_framework_and_prints_ratios(tmp_path, capsys):
   out_json = tmp_path / "train_step.json"
-  res = train_step.main(TINY + ["--frameworks", "jax-adamw,jax-anlr,torch-eager", "--runs", "2",
-                                "--warmup", "1", "--json", str(out_json)])
+  res = train_step.main(
+      TINY
+      + [
+          "--frameworks",
+          "jax-adamw,jax-anlr,torch-eager",
+          "--runs",
+          "2",
+          "--warmup",
+          "1",
+          "--json",
+          str(out_json),
+      ]
+  )
   printed = capsys.readouterr().out
   assert set(res["frameworks"]) == {"jax-adamw", "jax-anlr", "torch-eager"}, res["failed"]
   for name, fw in res["frameworks"].items():
@@ -53,8 +81,25 @@ def test_scaling_sweeps_and_writes_plot_and_table(tmp_path, capsys):
   png, out_json = tmp_path / "scaling.png", tmp_path / "scaling.json"
   # Base at width 64 as width_config builds it (1 head, FFN 176), so every sweep meets the base.
   base = TINY[:4] + ["--heads", "1", "--ffn", "176"] + TINY[8:]
-  rows = scaling.main(base + ["--ranks", "2,4", "--seqs", "16", "--widths", "64", "--runs", "2",
-                              "--warmup", "1", "--png", str(png), "--json", str(out_json)])
+  rows = scaling.main(
+      base
+      + [
+          "--ranks",
+          "2,4",
+          "--seqs",
+          "16",
+          "--widths",
+          "64",
+          "--runs",
+          "2",
+          "--warmup",
+          "1",
+          "--png",
+          str(png),
+          "--json",
+          str(out_json),
+      ]
+  )
   printed = capsys.readouterr().out
   assert [r["sweep"] for r in rows] == ["rank", "rank", "seq", "hidden"]
   assert [r["rank"] for r in rows] == [2, 4, 4, 4]

@@ -1,5 +1,6 @@
 """Orbax checkpoints: bit-exact resume (toy LM with LoRA dropout RNG + AnLR state on a 2x2x2 mesh),
 keep-last-K, full-model option, and a process SIGKILLed while saving."""
+
 import os
 import signal
 import subprocess
@@ -21,8 +22,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _trainer(ckpt_dir, steps=4, **overrides):
   tx = optax.chain(optax.clip_by_global_norm(1.0), anlr_jax.anlr(1e-2, warmup_steps=1))
-  cfg = dict(steps=steps, global_batch=8, compute_dtype='float32', progress=False, mesh_data=2,
-             mesh_fsdp=2, mesh_tensor=2, ckpt_dir=str(ckpt_dir), save_every=0, keep=2)
+  cfg = dict(
+      steps=steps,
+      global_batch=8,
+      compute_dtype='float32',
+      progress=False,
+      mesh_data=2,
+      mesh_fsdp=2,
+      mesh_tensor=2,
+      ckpt_dir=str(ckpt_dir),
+      save_every=0,
+      keep=2,
+  )
   cfg.update(overrides)
   return Trainer(make_toy_model(dropout=0.1), ToyBatches(), TrainerConfig(**cfg), tx)
 
@@ -53,8 +64,17 @@ def test_resume_is_bit_exact(tmp_path):
 
 
 def _toy_trainer(ckpt_dir, steps, **overrides):
-  cfg = dict(steps=steps, global_batch=8, compute_dtype='float32', progress=False, mesh_data=2,
-             mesh_fsdp=2, mesh_tensor=2, ckpt_dir=str(ckpt_dir), keep=2)
+  cfg = dict(
+      steps=steps,
+      global_batch=8,
+      compute_dtype='float32',
+      progress=False,
+      mesh_data=2,
+      mesh_fsdp=2,
+      mesh_tensor=2,
+      ckpt_dir=str(ckpt_dir),
+      keep=2,
+  )
   cfg.update(overrides)
   return Trainer(make_toy_model(dropout=0.1), ToyBatches(), TrainerConfig(**cfg), optax.adamw(1e-2))
 
@@ -77,10 +97,17 @@ def test_restore_without_checkpoint_names_directory(tmp_path):
 def _run_helper(args, timeout=240, in_process=False):
   if in_process:  # same code path and device count as the subprocesses (8 fake CPU devices)
     from tests.helpers import ckpt_run
+
     return ckpt_run.main(args)
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu')
-  return subprocess.run([sys.executable, '-m', 'tests.helpers.ckpt_run', *args], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(
+      [sys.executable, '-m', 'tests.helpers.ckpt_run', *args],
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+  )
 
 
 def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
@@ -95,12 +122,31 @@ def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
   manager.close()
 
   # resume in a new process to the end; it must match a straight run bit for bit
-  resumed = _run_helper(['--ckpt', str(ckpt), '--steps', '6', '--save-every', '2',
-                         '--out', str(tmp_path / 'resumed.npz')])
+  resumed = _run_helper(
+      [
+          '--ckpt',
+          str(ckpt),
+          '--steps',
+          '6',
+          '--save-every',
+          '2',
+          '--out',
+          str(tmp_path / 'resumed.npz'),
+      ]
+  )
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert 'resumed at step 2' in resumed.stdout
-  straight = _run_helper(['--ckpt', str(tmp_path / 'straight'), '--steps', '6',
-                          '--out', str(tmp_path / 'straight.npz')], in_process=True)
+  straight = _run_helper(
+      [
+          '--ckpt',
+          str(tmp_path / 'straight'),
+          '--steps',
+          '6',
+          '--out',
+          str(tmp_path / 'straight.npz'),
+      ],
+      in_process=True,
+  )
   a, b = np.load(tmp_path / 'resumed.npz'), np.load(tmp_path / 'straight.npz')
   assert sorted(k for k in a if k.startswith('loss.')) == ['loss.3', 'loss.4', 'loss.5', 'loss.6']
   assert set(a) <= set(b)

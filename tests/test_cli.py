@@ -1,4 +1,5 @@
 """The `anlr` CLI end to end on a tiny random HF LLaMA: train -> eval -> export -> PEFT on torch."""
+
 import json
 import pathlib
 
@@ -23,30 +24,55 @@ def _tiny_setup(root: pathlib.Path, *, n_train=48, n_test=8):
   tokenizer = build_tiny_tokenizer(root / "model")
   torch.manual_seed(0)
   hf_config = transformers.LlamaConfig(
-      vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-      rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+      vocab_size=len(tokenizer),
+      hidden_size=32,
+      intermediate_size=64,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      max_position_embeddings=256,
+      rms_norm_eps=1e-5,
+      pad_token_id=0,
+      bos_token_id=1,
+      eos_token_id=2,
+  )
   transformers.LlamaForCausalLM(hf_config).save_pretrained(root / "model")
   rng = np.random.default_rng(0)
   records = []
   for i in range(n_train + n_test):
     answer = ANSWERS[int(rng.integers(2))]
-    records.append({"instruction": f"{i} + {i}? option1: true option2: false",
-                    "input": "", "output": f"the correct answer is {answer}", "answer": answer})
+    records.append(
+        {
+            "instruction": f"{i} + {i}? option1: true option2: false",
+            "input": "",
+            "output": f"the correct answer is {answer}",
+            "answer": answer,
+        }
+    )
   with open(root / "train.jsonl", "w") as f:
     for record in records[:n_train]:
       f.write(json.dumps(record) + "\n")
   (root / "test.json").write_text(json.dumps(records[n_train:]))
   config = {
-      "method": "anlr", "run_dir": str(root / "runs" / "{method}-{timestamp}"), "seed": 0,
+      "method": "anlr",
+      "run_dir": str(root / "runs" / "{method}-{timestamp}"),
+      "seed": 0,
       "model": {"path": str(root / "model")},
       "lora": {"rank": 4, "alpha": 8, "dropout": 0.0},
       "anlr": {"warmup_steps": 1},
       "data": {"train": str(root / "train.jsonl"), "max_length": 128, "pad_multiple": 32},
-      "trainer": {"steps": 4, "global_batch": 8, "learning_rate": 5e-3, "compute_dtype": "float32",
-                  "progress": False},
-      "eval": {"tasks": {"winogrande": str(root / "test.json")}, "batch_size": 8,
-               "max_new_tokens": 6},
+      "trainer": {
+          "steps": 4,
+          "global_batch": 8,
+          "learning_rate": 5e-3,
+          "compute_dtype": "float32",
+          "progress": False,
+      },
+      "eval": {
+          "tasks": {"winogrande": str(root / "test.json")},
+          "batch_size": 8,
+          "max_new_tokens": 6,
+      },
   }
   (root / "tiny.yaml").write_text(yaml.safe_dump(config))
   return root / "tiny.yaml"
@@ -65,7 +91,9 @@ def test_train_writes_the_run_directory(trained):
   root, _, run_dir = trained
   assert run_dir.name.startswith("anlr_dora-")
   results = json.loads((run_dir / "results.json").read_text())
-  assert results["method"] == "anlr+dora" and results["learning_rate"] == 5e-3 and results["seed"] == 0
+  assert (
+      results["method"] == "anlr+dora" and results["learning_rate"] == 5e-3 and results["seed"] == 0
+  )
   acc = results["accuracy"]["winogrande"]
   assert 0.0 <= acc <= 1.0 and results["avg"] == pytest.approx(acc)
   records = [json.loads(l) for l in (run_dir / "eval_winogrande.jsonl").read_text().splitlines()]
@@ -88,13 +116,19 @@ def test_train_writes_the_run_directory(trained):
 def test_eval_reproduces_the_training_accuracy(trained, tmp_path):
   _, config, run_dir = trained
   out = tmp_path / "eval"
-  assert cli.main(["eval", "--config", str(config), "--adapter", str(run_dir),
-                   "--out", str(out)]) == 0
+  assert (
+      cli.main(["eval", "--config", str(config), "--adapter", str(run_dir), "--out", str(out)]) == 0
+  )
   ev = json.loads((out / "results.json").read_text())
   tr = json.loads((run_dir / "results.json").read_text())
   assert ev["accuracy"] == tr["accuracy"]
-  gen_eval = [json.loads(l)["generation"] for l in (out / "eval_winogrande.jsonl").read_text().splitlines()]
-  gen_train = [json.loads(l)["generation"] for l in (run_dir / "eval_winogrande.jsonl").read_text().splitlines()]
+  gen_eval = [
+      json.loads(l)["generation"] for l in (out / "eval_winogrande.jsonl").read_text().splitlines()
+  ]
+  gen_train = [
+      json.loads(l)["generation"]
+      for l in (run_dir / "eval_winogrande.jsonl").read_text().splitlines()
+  ]
   assert gen_eval == gen_train
 
 
@@ -122,7 +156,9 @@ def test_export_peft_matches_torch_peft_logits(trained, tmp_path):
   assert np.abs(torch_logits - base_logits).max() > 1e-4  # the trained adapter changes the output
 
   merged = tmp_path / "merged"
-  assert cli.main(["export", "--run", str(run_dir), "--format", "merged", "--out", str(merged)]) == 0
+  assert (
+      cli.main(["export", "--run", str(run_dir), "--format", "merged", "--out", str(merged)]) == 0
+  )
   hf_merged = transformers.LlamaForCausalLM.from_pretrained(merged).eval()
   with torch.no_grad():
     merged_logits = hf_merged(input_ids=torch.tensor(ids)).logits.numpy()
@@ -135,25 +171,47 @@ def test_generate_prints_the_adapters_answer(trained, capsys):
   record = json.loads((run_dir / "eval_winogrande.jsonl").read_text().splitlines()[0])
   instruction = record["prompt"].split("### Instruction:\n", 1)[1].split("\n\n### Response:", 1)[0]
   capsys.readouterr()
-  assert cli.main(["generate", "--model", str(trained[0] / "model"), "--adapter", str(run_dir),
-                   "--prompt", instruction, "--max-new-tokens", "6"]) == 0
+  assert (
+      cli.main(
+          [
+              "generate",
+              "--model",
+              str(trained[0] / "model"),
+              "--adapter",
+              str(run_dir),
+              "--prompt",
+              instruction,
+              "--max-new-tokens",
+              "6",
+          ]
+      )
+      == 0
+  )
   assert capsys.readouterr().out.strip() == record["generation"].strip()
 
 
 def test_cli_errors_name_the_problem(trained, tmp_path, capsys):
   root, config, run_dir = trained
   cases = [
-      (["train", "--config", str(config), "lora.rnk=3"], "unknown key 'lora.rnk'; allowed keys in 'lora'"),
+      (
+          ["train", "--config", str(config), "lora.rnk=3"],
+          "unknown key 'lora.rnk'; allowed keys in 'lora'",
+      ),
       (["train", "--config", str(config), "method=qlora"], "method: 'qlora' is not allowed"),
       (["train", "--config", str(tmp_path / "none.yaml")], "config file not found"),
-      (["train", "--config", str(config), f"data.train={tmp_path / 'x.json'}"],
-       "data.train: .*x.json does not exist"),
+      (
+          ["train", "--config", str(config), f"data.train={tmp_path / 'x.json'}"],
+          "data.train: .*x.json does not exist",
+      ),
       (["train", "--config", str(config), "model.path="], "model.path is not set"),
       (["eval", "--config", str(config), "--adapter", str(tmp_path)], "neither a run directory"),
-      (["export", "--run", str(tmp_path), "--format", "peft", "--out", str(tmp_path / "o")],
-       "not a run directory"),
+      (
+          ["export", "--run", str(tmp_path), "--format", "peft", "--out", str(tmp_path / "o")],
+          "not a run directory",
+      ),
   ]
   import re
+
   for argv, pattern in cases:
     assert cli.main(argv) == 2, argv
     assert re.search(pattern, capsys.readouterr().err), (argv, pattern)
@@ -161,6 +219,7 @@ def test_cli_errors_name_the_problem(trained, tmp_path, capsys):
 
 def test_train_help_lists_every_key(capsys):
   from anlr_jax.config import help_text
+
   with pytest.raises(SystemExit) as exit_info:
     cli.main(["train", "--help"])
   assert exit_info.value.code == 0
@@ -175,6 +234,7 @@ def test_train_help_lists_every_key(capsys):
 def test_analysis_subcommands_dispatch(monkeypatch):
   import sys
   import types
+
   calls = []
   fake = types.ModuleType("anlr_jax.analysis.cli")
   fake.analyze_main = lambda argv: calls.append(("analyze", argv)) or 0

@@ -1,4 +1,5 @@
 """Run config: YAML loading, dotted overrides, validation errors naming key and allowed values."""
+
 import dataclasses
 import pathlib
 
@@ -19,17 +20,31 @@ def _write(tmp_path, text, name="run.yaml"):
 
 
 def test_yaml_and_overrides_give_typed_values(tmp_path):
-  path = _write(tmp_path, """
+  path = _write(
+      tmp_path,
+      """
 method: lora
 model: {path: models/x, dtype: bfloat16}
 lora: {rank: 8, alpha: 16}
 trainer: {learning_rate: 3.0e-4, epochs: 1, global_batch: 4}
 eval: {tasks: {boolq: data/boolq.json}}
-""")
-  c = cfg.load_config(path, ["lora.rank=16", "method=anlr+dora", "trainer.learning_rate=2e-4",
-                             "eval.tasks.piqa=data/piqa.json", "trainer.clip_norm=null",
-                             "lora.targets=q_proj,v_proj", "compare=[lora, anlr]", "anlr.kappa=4",
-                             "eval.include_base=true", "trainer.steps=3"])
+""",
+  )
+  c = cfg.load_config(
+      path,
+      [
+          "lora.rank=16",
+          "method=anlr+dora",
+          "trainer.learning_rate=2e-4",
+          "eval.tasks.piqa=data/piqa.json",
+          "trainer.clip_norm=null",
+          "lora.targets=q_proj,v_proj",
+          "compare=[lora, anlr]",
+          "anlr.kappa=4",
+          "eval.include_base=true",
+          "trainer.steps=3",
+      ],
+  )
   assert c.method == "anlr+dora" and c.compare == ["lora", "anlr"]
   assert c.methods() == ["lora", "anlr"]
   assert c.lora.rank == 16 and isinstance(c.lora.rank, int)
@@ -50,31 +65,52 @@ def test_saved_config_round_trips(tmp_path):
   assert "seed" not in yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]
 
 
-@pytest.mark.parametrize("override, pattern", [
-    (["lora.rnk=3"], r"unknown key 'lora.rnk'; allowed keys in 'lora': rank, alpha, dropout, targets"),
-    (["bogus=1"], r"unknown key 'bogus'; allowed top-level keys: method, compare, run_dir, seed, model"),
-    (["optim.lr=1"], r"unknown section 'optim'"),
-    (["lora.rank=abc"], r"lora.rank: expected int, got 'abc'"),
-    (["lora.rank=2.5"], r"lora.rank: expected int, got '2.5'"),
-    (["trainer.learning_rate=fast"], r"trainer.learning_rate: expected float, got 'fast'"),
-    (["eval.include_base=maybe"], r"eval.include_base: expected bool"),
-    (["method=qlora"], r"method: 'qlora' is not allowed; must be one of \['lora', 'rslora'"),
-    (["compare=[lora,bad]"], r"compare: 'bad' is not allowed; must be one of \['lora'"),
-    (["model.dtype=int8"], r"model.dtype: 'int8' is not allowed; must be one of \['float32', 'bfloat16'"),
-    (["trainer.remat=yes"], r"trainer.remat: 'yes' is not allowed; must be one of \['none', 'full', 'dots'\]"),
-    (["data.format=csv"], r"data.format: 'csv' is not allowed; must be one of \['messages'"),
-    (["eval.tasks.mmlu=x.json"], r"eval.tasks: 'mmlu' is not allowed; must be one of \['boolq'"),
-    (["lora.dropout=1.0"], r"lora.dropout: 1.0 is not allowed; must be >= 0 and < 1"),
-    (["anlr.kappa=1"], r"anlr.kappa: 1.0 is not allowed; must be > 1"),
-    (["anlr.rho=1"], r"anlr.rho: 1.0 is not allowed; must be >= 0 and < 1"),
-    (["lora.rank=0"], r"lora.rank: 0 is not allowed; must be >= 1"),
-    (["trainer.global_batch=0"], r"trainer.global_batch=0 must be >= 1"),
-    (["trainer.global_batch=6", "trainer.micro_batches=4"], r"trainer.global_batch=6 is not divisible"),
-    (["trainer.seed=1"], r"trainer.seed is set by the top-level key 'seed'"),
-    (["trainer.optimizer=adamw"], r"trainer.optimizer is set by the top-level key 'method'"),
-    (["lora=3"], r"'lora' is a section; set one of its keys \(rank, alpha, dropout, targets\)"),
-    (["rank"], r"override 'rank' is not key=value"),
-])
+@pytest.mark.parametrize(
+    "override, pattern",
+    [
+        (
+            ["lora.rnk=3"],
+            r"unknown key 'lora.rnk'; allowed keys in 'lora': rank, alpha, dropout, targets",
+        ),
+        (
+            ["bogus=1"],
+            r"unknown key 'bogus'; allowed top-level keys: method, compare, run_dir, seed, model",
+        ),
+        (["optim.lr=1"], r"unknown section 'optim'"),
+        (["lora.rank=abc"], r"lora.rank: expected int, got 'abc'"),
+        (["lora.rank=2.5"], r"lora.rank: expected int, got '2.5'"),
+        (["trainer.learning_rate=fast"], r"trainer.learning_rate: expected float, got 'fast'"),
+        (["eval.include_base=maybe"], r"eval.include_base: expected bool"),
+        (["method=qlora"], r"method: 'qlora' is not allowed; must be one of \['lora', 'rslora'"),
+        (["compare=[lora,bad]"], r"compare: 'bad' is not allowed; must be one of \['lora'"),
+        (
+            ["model.dtype=int8"],
+            r"model.dtype: 'int8' is not allowed; must be one of \['float32', 'bfloat16'",
+        ),
+        (
+            ["trainer.remat=yes"],
+            r"trainer.remat: 'yes' is not allowed; must be one of \['none', 'full', 'dots'\]",
+        ),
+        (["data.format=csv"], r"data.format: 'csv' is not allowed; must be one of \['messages'"),
+        (
+            ["eval.tasks.mmlu=x.json"],
+            r"eval.tasks: 'mmlu' is not allowed; must be one of \['boolq'",
+        ),
+        (["lora.dropout=1.0"], r"lora.dropout: 1.0 is not allowed; must be >= 0 and < 1"),
+        (["anlr.kappa=1"], r"anlr.kappa: 1.0 is not allowed; must be > 1"),
+        (["anlr.rho=1"], r"anlr.rho: 1.0 is not allowed; must be >= 0 and < 1"),
+        (["lora.rank=0"], r"lora.rank: 0 is not allowed; must be >= 1"),
+        (["trainer.global_batch=0"], r"trainer.global_batch=0 must be >= 1"),
+        (
+            ["trainer.global_batch=6", "trainer.micro_batches=4"],
+            r"trainer.global_batch=6 is not divisible",
+        ),
+        (["trainer.seed=1"], r"trainer.seed is set by the top-level key 'seed'"),
+        (["trainer.optimizer=adamw"], r"trainer.optimizer is set by the top-level key 'method'"),
+        (["lora=3"], r"'lora' is a section; set one of its keys \(rank, alpha, dropout, targets\)"),
+        (["rank"], r"override 'rank' is not key=value"),
+    ],
+)
 def test_bad_overrides_name_the_key_and_the_allowed(override, pattern):
   with pytest.raises(cfg.ConfigError, match=pattern):
     cfg.load_config(None, override)
@@ -115,11 +151,17 @@ def test_help_documents_every_key():
 
 def test_paths_and_run_dir():
   from anlr_jax import assets
+
   assert cfg.resolve_path("asset://quickstart/train.json") == str(
-      pathlib.Path(assets.__file__).parent / "quickstart" / "train.json")
+      pathlib.Path(assets.__file__).parent / "quickstart" / "train.json"
+  )
   assert cfg.resolve_path("data/x.json") == "data/x.json" and cfg.resolve_path(None) is None
-  assert cfg.format_run_dir("runs/{method}-s{seed}-{timestamp}", method="anlr+dora", seed=2,
-                            timestamp="T") == "runs/anlr_dora-s2-T"
+  assert (
+      cfg.format_run_dir(
+          "runs/{method}-s{seed}-{timestamp}", method="anlr+dora", seed=2, timestamp="T"
+      )
+      == "runs/anlr_dora-s2-T"
+  )
   with pytest.raises(cfg.ConfigError, match="run_dir: .*bad placeholder"):
     cfg.format_run_dir("runs/{name}", method="lora", seed=0)
 
@@ -142,6 +184,11 @@ def test_paper_settings_app_b():
   assert len(cs.eval.tasks) == 8 and (cs.anlr.alpha, cs.anlr.beta, cs.anlr.kappa) == (2.0, 1.0, 3.0)
   for name in ("math", "code", "dialogue"):
     c = cfg.load_config(REPO / "configs" / f"{name}_llama2_7b.yaml")
-    assert (c.lora.rank, c.lora.alpha, c.trainer.learning_rate, c.trainer.epochs) == (8, 16.0, 3e-4, 3.0)
+    assert (c.lora.rank, c.lora.alpha, c.trainer.learning_rate, c.trainer.epochs) == (
+        8,
+        16.0,
+        3e-4,
+        3.0,
+    )
   note = (REPO / "configs" / "visual_llava1_5_7b.yaml").read_text()
   assert "rank: 128" in note and "alpha: 256" in note and "2.0e-4" in note

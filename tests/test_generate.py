@@ -1,4 +1,5 @@
 """KV-cached generation against transformers' generate, compile-once and sampling checks."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,10 +29,16 @@ def hf_and_flax(request, tmp_path_factory):
 
 def hf_greedy(hf, ids, mask, n, eos=None):
   with torch.no_grad():
-    out = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=n,
-                      min_new_tokens=n if eos is None else 0, do_sample=False, pad_token_id=0,
-                      eos_token_id=eos)
-  return out[:, ids.shape[1]:].numpy()
+    out = hf.generate(
+        torch.tensor(ids),
+        attention_mask=torch.tensor(mask),
+        max_new_tokens=n,
+        min_new_tokens=n if eos is None else 0,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=eos,
+    )
+  return out[:, ids.shape[1] :].numpy()
 
 
 def test_greedy_matches_transformers_generate(hf_and_flax):
@@ -47,11 +54,10 @@ def test_eos_then_pad_matches_transformers(hf_and_flax):
   hf, model, ids, mask = hf_and_flax
   free = np.asarray(generate(model, ids, mask, max_new_tokens=20))
   eos = int(free[0, 3])  # row 0 ends at its 4th token (maybe earlier if repeated)
-  got = np.asarray(generate(model, ids, mask, max_new_tokens=20, eos_token_id=eos,
-                            pad_token_id=0))
+  got = np.asarray(generate(model, ids, mask, max_new_tokens=20, eos_token_id=eos, pad_token_id=0))
   first = int(np.argmax(free[0] == eos))
-  np.testing.assert_array_equal(got[0, :first + 1], free[0, :first + 1])
-  assert (got[0, first + 1:] == 0).all()
+  np.testing.assert_array_equal(got[0, : first + 1], free[0, : first + 1])
+  assert (got[0, first + 1 :] == 0).all()
   expected = hf_greedy(hf, ids, mask, 20, eos=eos)
   expected = np.pad(expected, ((0, 0), (0, 20 - expected.shape[1])))  # HF stops when all ended
   np.testing.assert_array_equal(got, expected)
@@ -71,8 +77,9 @@ def test_decode_step_compiles_once(hf_and_flax):
   generate(model, ids, mask, max_new_tokens=n, temperature=0.5, rng=jax.random.key(0))
   sampled = dict(TRACE_COUNTS)
   assert sampled["decode_step"] <= traces["decode_step"] + 1
-  generate(model, ids, mask, max_new_tokens=n, temperature=2.0, top_k=3, top_p=0.5,
-           rng=jax.random.key(1))
+  generate(
+      model, ids, mask, max_new_tokens=n, temperature=2.0, top_k=3, top_p=0.5, rng=jax.random.key(1)
+  )
   assert TRACE_COUNTS == sampled
 
 
@@ -85,8 +92,9 @@ def test_sampling_is_reproducible_and_seed_dependent(hf_and_flax):
   np.testing.assert_array_equal(a, b)
   assert (np.asarray(a) != np.asarray(c)).any()
   greedy = generate(model, ids, mask, max_new_tokens=20)
-  top1 = generate(model, ids, mask, max_new_tokens=20, temperature=0.7, top_k=1,
-                  rng=jax.random.key(3))
+  top1 = generate(
+      model, ids, mask, max_new_tokens=20, temperature=0.7, top_k=1, rng=jax.random.key(3)
+  )
   np.testing.assert_array_equal(top1, greedy)  # top_k=1 sampling is greedy
 
 
@@ -98,18 +106,22 @@ def test_filter_logits_against_numpy():
   kept_k = np.asarray(_filter_logits(logits, 2, None)) > -1e30
   np.testing.assert_array_equal(kept_k[0], [False, True, False, True, False])
   # Sampling under top_p never leaves the nucleus.
-  draws = jax.random.categorical(jax.random.key(0), _filter_logits(logits, None, 0.75)[:1],
-                                 shape=(2000,))
+  draws = jax.random.categorical(
+      jax.random.key(0), _filter_logits(logits, None, 0.75)[:1], shape=(2000,)
+  )
   assert set(np.unique(np.asarray(draws))) == {1, 3, 4}
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(max_new_tokens=3, temperature=1.0), "rng"),
-    (dict(max_new_tokens=3, top_k=0), "top_k"),
-    (dict(max_new_tokens=3, top_p=1.5), "top_p"),
-    (dict(max_new_tokens=3, temperature=-1.0), "temperature"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=3, temperature=1.0), "rng"),
+        (dict(max_new_tokens=3, top_k=0), "top_k"),
+        (dict(max_new_tokens=3, top_p=1.5), "top_p"),
+        (dict(max_new_tokens=3, temperature=-1.0), "temperature"),
+    ],
+)
 def test_bad_arguments(hf_and_flax, kwargs, match):
   _, model, ids, mask = hf_and_flax
   with pytest.raises(ValueError, match=match):

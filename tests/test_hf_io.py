@@ -1,4 +1,5 @@
 """Hugging Face safetensors load/save against transformers (tiny random checkpoints, no network)."""
+
 import json
 import os
 
@@ -32,8 +33,10 @@ def test_sharded_checkpoint_loads_through_the_index(tmp_path):
   model, config = load_hf_model(tmp_path)
   assert config.rope_scaling["rope_type"] == "llama3"
   ids, mask = left_padded_batch(config.vocab_size)
-  assert _max_err(forward(model, jnp.asarray(ids), jnp.asarray(mask)),
-                  hf_logits(hf, ids, mask), mask) <= 1e-4
+  assert (
+      _max_err(forward(model, jnp.asarray(ids), jnp.asarray(mask)), hf_logits(hf, ids, mask), mask)
+      <= 1e-4
+  )
 
 
 def test_loaded_params_equal_checkpoint_tensors(tmp_path):
@@ -42,8 +45,11 @@ def test_loaded_params_equal_checkpoint_tensors(tmp_path):
   model, _ = load_hf_model(tmp_path)
   q = model.model.layers[1].self_attn.q_proj
   np.testing.assert_array_equal(
-      q.kernel[...], hf.model.layers[1].self_attn.q_proj.weight.detach().numpy().T)
-  np.testing.assert_array_equal(q.bias[...], hf.model.layers[1].self_attn.q_proj.bias.detach().numpy())
+      q.kernel[...], hf.model.layers[1].self_attn.q_proj.weight.detach().numpy().T
+  )
+  np.testing.assert_array_equal(
+      q.bias[...], hf.model.layers[1].self_attn.q_proj.bias.detach().numpy()
+  )
   assert model.model.layers[1].self_attn.o_proj.bias is None  # Qwen2 o_proj has no bias
   # Nothing left abstract (every variable was filled from the checkpoint).
   for _, var in nnx.to_flat_state(nnx.state(model)):
@@ -61,7 +67,8 @@ def test_bf16_checkpoint(tmp_path):
   assert dtypes == {jnp.dtype(jnp.bfloat16)}
   np.testing.assert_array_equal(  # bf16 bits preserved exactly
       np.asarray(model.model.embed_tokens.embedding[...].astype(jnp.float32)),
-      hf.model.embed_tokens.weight.detach().float().numpy())
+      hf.model.embed_tokens.weight.detach().float().numpy(),
+  )
   got = forward(model, jnp.asarray(ids), jnp.asarray(mask))
   assert got.dtype == jnp.float32
   # Our bf16 rounding error is of the order of transformers' own bf16 error.
@@ -88,15 +95,23 @@ def test_save_then_transformers_loads_same_logits(tmp_path, kind, shard):
   # And our loader reads our own files back bit for bit.
   again, again_config = load_hf_model(tmp_path / "out")
   assert again_config == config
-  np.testing.assert_array_equal(again.model.layers[0].mlp.down_proj.kernel[...],
-                                model.model.layers[0].mlp.down_proj.kernel[...])
+  np.testing.assert_array_equal(
+      again.model.layers[0].mlp.down_proj.kernel[...],
+      model.model.layers[0].mlp.down_proj.kernel[...],
+  )
 
 
 def test_save_with_merged_lora(tmp_path):
   config = ModelConfig.tiny(vocab_size=96, hidden_size=32, intermediate_size=48)
   model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
-  inject_lora(model, target_modules=("q_proj", "v_proj", "down_proj"), rank=2, alpha=4.0,
-              dropout=0.0, rngs=nnx.Rngs(1))
+  inject_lora(
+      model,
+      target_modules=("q_proj", "v_proj", "down_proj"),
+      rank=2,
+      alpha=4.0,
+      dropout=0.0,
+      rngs=nnx.Rngs(1),
+  )
   layer = model.model.layers[0].self_attn.q_proj
   assert hasattr(layer, "lora_b")
   for lora_layer in (layer, model.model.layers[1].mlp.down_proj):
@@ -178,8 +193,10 @@ def test_bad_shard_size_is_rejected(tmp_path):
 
 
 def test_param_table_covers_every_model_param():
-  for config in (ModelConfig.tiny(), ModelConfig.tiny(attention_bias=True, model_type="qwen2",
-                                                      tie_word_embeddings=True)):
+  for config in (
+      ModelConfig.tiny(),
+      ModelConfig.tiny(attention_bias=True, model_type="qwen2", tie_word_embeddings=True),
+  ):
     model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
     paths = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     table = {".".join(map(str, e.module_path + (e.attr,))) for e in hf_param_table(config)}
@@ -197,15 +214,25 @@ def test_load_tokenizer(tmp_path):
 def test_load_under_a_mesh_shards_params_by_logical_axes(tmp_path):
   hf = make_hf_model("llama")
   hf.save_pretrained(tmp_path)
-  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
-  rules = (("vocab", "tensor"), ("embed", "fsdp"), ("q_heads", "tensor"), ("kv_heads", "tensor"),
-           ("mlp", "tensor"), ("norm", None))
+  mesh = jax.make_mesh(
+      (2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3
+  )
+  rules = (
+      ("vocab", "tensor"),
+      ("embed", "fsdp"),
+      ("q_heads", "tensor"),
+      ("kv_heads", "tensor"),
+      ("mlp", "tensor"),
+      ("norm", None),
+  )
   ids, mask = left_padded_batch(hf.config.vocab_size)
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     model, _ = load_hf_model(tmp_path)
     kernel = model.model.layers[0].mlp.down_proj.kernel.get_value()
     assert kernel.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
-    assert len(kernel.addressable_shards) == 8 and kernel.addressable_shards[0].data.shape == (24, 16)
+    assert len(kernel.addressable_shards) == 8 and kernel.addressable_shards[0].data.shape == (
+        24,
+        16,
+    )
     logits = forward(model, jnp.asarray(ids), jnp.asarray(mask))
   assert _max_err(logits, hf_logits(hf, ids, mask), mask) <= 1e-4

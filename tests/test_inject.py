@@ -1,4 +1,5 @@
 """inject_lora on a toy NNX tree: nested modules, nnx.List, nnx.Dict, plain lists via nnx.data."""
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -7,14 +8,22 @@ import optax
 import pytest
 from flax import nnx
 
-from anlr_jax.nn.inject import (PAPER_TARGET_MODULES, get_submodule, inject_lora, iter_lora_layers,
-                                lora_state, merge_all, unmerge_all)
+from anlr_jax.nn.inject import (
+    PAPER_TARGET_MODULES,
+    get_submodule,
+    inject_lora,
+    iter_lora_layers,
+    lora_state,
+    merge_all,
+    unmerge_all,
+)
 from anlr_jax.nn.lora import LoRALinear
 
 D = 8
 
 
 class Attention(nnx.Module):
+
   def __init__(self, rngs):
     self.q_proj = nnx.Linear(D, D, rngs=rngs)
     self.k_proj = nnx.Linear(D, 4, use_bias=False, rngs=rngs)
@@ -26,6 +35,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
+
   def __init__(self, rngs):
     self.up_proj = nnx.Linear(D, 12, use_bias=False, rngs=rngs)
     self.down_proj = nnx.Linear(12, D, use_bias=False, rngs=rngs)
@@ -35,6 +45,7 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
+
   def __init__(self, rngs):
     self.self_attn = Attention(rngs)
     self.mlp = MLP(rngs)
@@ -45,6 +56,7 @@ class Block(nnx.Module):
 
 
 class ToyModel(nnx.Module):
+
   def __init__(self, rngs, n_layers=2):
     self.layers = nnx.List([Block(rngs) for _ in range(n_layers)])
     self.extras = nnx.data([nnx.Linear(D, D, rngs=rngs)])  # plain list, attribute name is an index
@@ -72,9 +84,11 @@ def test_inject_replaces_exactly_the_targets_and_keeps_output():
   returned = inject_lora(model, rank=2, alpha=4.0, rngs=nnx.Rngs(1))
   assert returned is model
   paths = [p for p, _ in iter_lora_layers(model)]
-  expected = sorted([f"layers.{i}.self_attn.{n}" for i in range(2) for n in ("q_proj", "k_proj", "v_proj")]
-                    + [f"layers.{i}.mlp.{n}" for i in range(2) for n in ("up_proj", "down_proj")]
-                    + ["heads.q_proj"])
+  expected = sorted(
+      [f"layers.{i}.self_attn.{n}" for i in range(2) for n in ("q_proj", "k_proj", "v_proj")]
+      + [f"layers.{i}.mlp.{n}" for i in range(2) for n in ("up_proj", "down_proj")]
+      + ["heads.q_proj"]
+  )
   assert paths == expected
   assert type(model.layers[0].self_attn.o_proj) is nnx.Linear
   assert type(model.lm_head) is nnx.Linear and type(model.extras[0]) is nnx.Linear
@@ -86,12 +100,23 @@ def test_inject_replaces_exactly_the_targets_and_keeps_output():
 
 
 def test_lora_state_contains_exactly_the_adapters():
-  model = inject_lora(ToyModel(nnx.Rngs(0)), target_modules=("q_proj", "up_proj"), rank=3, alpha=3.0,
-                      use_dora=True, rngs=nnx.Rngs(1))
+  model = inject_lora(
+      ToyModel(nnx.Rngs(0)),
+      target_modules=("q_proj", "up_proj"),
+      rank=3,
+      alpha=3.0,
+      use_dora=True,
+      rngs=nnx.Rngs(1),
+  )
   flat = {".".join(map(str, path)): v for path, v in nnx.to_flat_state(lora_state(model))}
   expected = set()
-  for prefix in ["layers.0.self_attn.q_proj", "layers.1.self_attn.q_proj", "layers.0.mlp.up_proj",
-                 "layers.1.mlp.up_proj", "heads.q_proj"]:
+  for prefix in [
+      "layers.0.self_attn.q_proj",
+      "layers.1.self_attn.q_proj",
+      "layers.0.mlp.up_proj",
+      "layers.1.mlp.up_proj",
+      "heads.q_proj",
+  ]:
     expected |= {f"{prefix}.lora_a", f"{prefix}.lora_b", f"{prefix}.lora_magnitude"}
   assert set(flat) == expected
   assert all(isinstance(v, nnx.LoRAParam) for v in flat.values())
@@ -104,13 +129,22 @@ def test_lora_state_contains_exactly_the_adapters():
 
 def test_unknown_target_raises_naming_it():
   with pytest.raises(ValueError, match="gate_proj"):
-    inject_lora(ToyModel(nnx.Rngs(0)), target_modules=("q_proj", "gate_proj"), rank=2, alpha=2.0,
-                rngs=nnx.Rngs(1))
+    inject_lora(
+        ToyModel(nnx.Rngs(0)),
+        target_modules=("q_proj", "gate_proj"),
+        rank=2,
+        alpha=2.0,
+        rngs=nnx.Rngs(1),
+    )
   with pytest.raises(ValueError, match="norm"):  # a name that exists but is not an nnx.Linear
-    inject_lora(ToyModel(nnx.Rngs(0)), target_modules=("norm",), rank=2, alpha=2.0, rngs=nnx.Rngs(1))
+    inject_lora(
+        ToyModel(nnx.Rngs(0)), target_modules=("norm",), rank=2, alpha=2.0, rngs=nnx.Rngs(1)
+    )
   with pytest.raises(ValueError, match="string"):
     inject_lora(ToyModel(nnx.Rngs(0)), target_modules="q_proj", rank=2, alpha=2.0, rngs=nnx.Rngs(1))
-  model = inject_lora(ToyModel(nnx.Rngs(0)), target_modules=("q_proj",), rank=2, alpha=2.0, rngs=nnx.Rngs(1))
+  model = inject_lora(
+      ToyModel(nnx.Rngs(0)), target_modules=("q_proj",), rank=2, alpha=2.0, rngs=nnx.Rngs(1)
+  )
   with pytest.raises(ValueError, match="already holds a LoRALinear"):
     inject_lora(model, target_modules=("q_proj",), rank=2, alpha=2.0, rngs=nnx.Rngs(1))
 

@@ -1,4 +1,5 @@
 """LoRALinear against NumPy (from the equations) and against PEFT/torch for DoRA gradients."""
+
 import math
 
 import chex
@@ -39,10 +40,13 @@ def _randomise_adapter(layer, seed=5):
   layer.lora_b[...] = 0.3 * jax.random.normal(k1, layer.lora_b.shape)
   if layer.use_dora:
     layer.lora_magnitude[...] = layer.lora_magnitude[...] * (
-        1.0 + 0.2 * jax.random.normal(k2, layer.lora_magnitude.shape))
+        1.0 + 0.2 * jax.random.normal(k2, layer.lora_magnitude.shape)
+    )
 
 
-@pytest.mark.parametrize("kwargs", VARIANTS, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()) or "lora")
+@pytest.mark.parametrize(
+    "kwargs", VARIANTS, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()) or "lora"
+)
 def test_output_unchanged_at_init(kwargs):
   base = _linear()
   w0, b0 = np.asarray(base.kernel[...]), np.asarray(base.bias[...])
@@ -51,7 +55,9 @@ def test_output_unchanged_at_init(kwargs):
   chex.assert_trees_all_close(layer(x), np.asarray(x) @ w0 + b0, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs", VARIANTS, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()) or "lora")
+@pytest.mark.parametrize(
+    "kwargs", VARIANTS, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()) or "lora"
+)
 def test_merge_unmerge_roundtrip(kwargs):
   layer = LoRALinear(_linear(), rank=3, alpha=8.0, rngs=nnx.Rngs(1), **kwargs)
   _randomise_adapter(layer)
@@ -60,8 +66,9 @@ def test_merge_unmerge_roundtrip(kwargs):
   w_before = np.asarray(layer.base.kernel[...])
   merged = np.asarray(layer.merged_kernel())
   # merged_kernel reproduces the forward as a plain linear layer.
-  chex.assert_trees_all_close(np.asarray(x) @ merged + np.asarray(layer.base.bias[...]),
-                              y_adapter, atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_close(
+      np.asarray(x) @ merged + np.asarray(layer.base.bias[...]), y_adapter, atol=1e-5, rtol=1e-5
+  )
   layer.merge()
   assert layer.merged
   assert not np.allclose(np.asarray(layer.base.kernel[...]), w_before, atol=1e-3)
@@ -89,14 +96,24 @@ def test_dora_forward_matches_numpy_eval_and_train():
   layer = LoRALinear(_linear(), rank=2, alpha=3.0, dropout=0.4, use_dora=True, rngs=nnx.Rngs(7))
   _randomise_adapter(layer)
   x = _x()
-  args = (np.asarray(layer.base.kernel[...]), np.asarray(layer.base.bias[...]),
-          layer.lora_a[...], layer.lora_b[...], layer.lora_magnitude[...], layer.scale)
+  args = (
+      np.asarray(layer.base.kernel[...]),
+      np.asarray(layer.base.bias[...]),
+      layer.lora_a[...],
+      layer.lora_b[...],
+      layer.lora_magnitude[...],
+      layer.scale,
+  )
   # Eval: no dropout; equals b + (m/n) (x W0 + c x A B).
   expected = _dora_numpy(x, x, *args)
   chex.assert_trees_all_close(layer(x), expected, atol=1e-5, rtol=1e-5)
   w0 = np.asarray(args[0], np.float64)
-  factor = np.asarray(args[4]) / np.linalg.norm(w0 + args[5] * np.asarray(args[2]) @ np.asarray(args[3]), axis=0)
-  alt = args[1] + factor * (np.asarray(x) @ w0 + args[5] * np.asarray(x) @ np.asarray(args[2]) @ np.asarray(args[3]))
+  factor = np.asarray(args[4]) / np.linalg.norm(
+      w0 + args[5] * np.asarray(args[2]) @ np.asarray(args[3]), axis=0
+  )
+  alt = args[1] + factor * (
+      np.asarray(x) @ w0 + args[5] * np.asarray(x) @ np.asarray(args[2]) @ np.asarray(args[3])
+  )
   chex.assert_trees_all_close(layer(x), alt, atol=1e-5, rtol=1e-5)
   # Train: the adapter path and the DoRA correction see the dropped input, the base does not.
   layer.train()
@@ -113,6 +130,7 @@ def test_dora_gradients_match_peft():
   x = _x()
 
   class Wrap(torch.nn.Module):
+
     def __init__(self):
       super().__init__()
       self.proj = torch.nn.Linear(D_IN, D_OUT)
@@ -124,22 +142,34 @@ def test_dora_gradients_match_peft():
   with torch.no_grad():
     torch_model.proj.weight.copy_(torch.tensor(np.asarray(layer.base.kernel[...]).T))
     torch_model.proj.bias.copy_(torch.tensor(np.asarray(layer.base.bias[...])))
-  peft_model = get_peft_model(torch_model, LoraConfig(r=2, lora_alpha=3.0, target_modules=["proj"], use_dora=True))
+  peft_model = get_peft_model(
+      torch_model, LoraConfig(r=2, lora_alpha=3.0, target_modules=["proj"], use_dora=True)
+  )
   proj = peft_model.base_model.model.proj
   with torch.no_grad():
     proj.lora_A["default"].weight.copy_(torch.tensor(np.asarray(layer.lora_a[...]).T))
     proj.lora_B["default"].weight.copy_(torch.tensor(np.asarray(layer.lora_b[...]).T))
-    proj.lora_magnitude_vector["default"].weight.copy_(torch.tensor(np.asarray(layer.lora_magnitude[...])))
+    proj.lora_magnitude_vector["default"].weight.copy_(
+        torch.tensor(np.asarray(layer.lora_magnitude[...]))
+    )
   xt = torch.tensor(np.asarray(x))
   torch_out = peft_model(xt)
-  (torch_out ** 2).sum().backward()
+  (torch_out**2).sum().backward()
 
   grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2), argnums=nnx.DiffState(0, nnx.LoRAParam))(layer)
   chex.assert_trees_all_close(layer(x), torch_out.detach().numpy(), atol=1e-5, rtol=1e-5)
-  chex.assert_trees_all_close(grads["lora_a"][...], proj.lora_A["default"].weight.grad.numpy().T, atol=1e-4, rtol=1e-4)
-  chex.assert_trees_all_close(grads["lora_b"][...], proj.lora_B["default"].weight.grad.numpy().T, atol=1e-4, rtol=1e-4)
-  chex.assert_trees_all_close(grads["lora_magnitude"][...],
-                              proj.lora_magnitude_vector["default"].weight.grad.numpy(), atol=1e-4, rtol=1e-4)
+  chex.assert_trees_all_close(
+      grads["lora_a"][...], proj.lora_A["default"].weight.grad.numpy().T, atol=1e-4, rtol=1e-4
+  )
+  chex.assert_trees_all_close(
+      grads["lora_b"][...], proj.lora_B["default"].weight.grad.numpy().T, atol=1e-4, rtol=1e-4
+  )
+  chex.assert_trees_all_close(
+      grads["lora_magnitude"][...],
+      proj.lora_magnitude_vector["default"].weight.grad.numpy(),
+      atol=1e-4,
+      rtol=1e-4,
+  )
 
 
 @pytest.mark.parametrize("rank,alpha", [(1, 2.0), (4, 16.0), (3, 5.0)])
@@ -172,7 +202,9 @@ def test_dropout_only_in_train_mode_and_only_on_adapter_input():
   kept = x_dropped != 0.0
   chex.assert_trees_all_close(x_dropped[kept], 2.0 * np.asarray(x)[kept], rtol=1e-6)
   y_train = np.asarray(layer(x))
-  chex.assert_trees_all_close(y_train, base_out + layer.scale * x_dropped @ a @ b, atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_close(
+      y_train, base_out + layer.scale * x_dropped @ a @ b, atol=1e-5, rtol=1e-5
+  )
   assert not np.allclose(y_train, no_dropout, atol=1e-3)
   assert not np.allclose(np.asarray(layer(x)), y_train, atol=1e-3)  # a fresh mask each call
   layer.eval()
@@ -198,8 +230,9 @@ def test_svd_inits_pick_top_or_bottom_triplets(init):
   chex.assert_trees_all_close(b @ b.T, np.diag(s[idx] / scale), atol=1e-5)
   residual = np.asarray(layer.base.kernel[...])
   chex.assert_trees_all_close(residual, w0 - truncation, atol=1e-5)
-  chex.assert_trees_all_close(np.linalg.svd(residual, compute_uv=False)[: rest.sum()],
-                              s[rest], atol=1e-5)
+  chex.assert_trees_all_close(
+      np.linalg.svd(residual, compute_uv=False)[: rest.sum()], s[rest], atol=1e-5
+  )
   chex.assert_trees_all_close(layer.init_lora_a[...], a)
   chex.assert_trees_all_close(layer.init_lora_b[...], b)
 
@@ -211,7 +244,7 @@ def test_default_init_is_kaiming_uniform_and_zero_b():
   bound = 1.0 / math.sqrt(d_in)  # torch kaiming_uniform_(a=sqrt(5)) on an (r, d_in) weight
   assert a.shape == (d_in, rank) and a.dtype == np.float32
   assert np.all(np.abs(a) <= bound) and np.max(np.abs(a)) > 0.95 * bound
-  assert abs(np.var(a) - bound ** 2 / 3.0) < 0.1 * bound ** 2 / 3.0
+  assert abs(np.var(a) - bound**2 / 3.0) < 0.1 * bound**2 / 3.0
   chex.assert_trees_all_equal(layer.lora_b[...], np.zeros((rank, 8), np.float32))
   torch_w = torch.empty(rank, d_in)
   torch.nn.init.kaiming_uniform_(torch_w, a=math.sqrt(5))
@@ -229,7 +262,9 @@ def test_only_adapter_params_are_lora_params_and_trained():
 
   @nnx.jit
   def step(layer, optimizer):
-    grads = nnx.grad(lambda m: jnp.mean((m(x) - 1.0) ** 2), argnums=nnx.DiffState(0, nnx.LoRAParam))(layer)
+    grads = nnx.grad(
+        lambda m: jnp.mean((m(x) - 1.0) ** 2), argnums=nnx.DiffState(0, nnx.LoRAParam)
+    )(layer)
     optimizer.update(layer, grads)
 
   step(layer, optimizer)
@@ -246,13 +281,16 @@ def test_dtype_preserved_under_jit_bf16_base():
   assert layer.merged_kernel().dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(rank=0, alpha=1.0), "rank"),
-    (dict(rank=2, alpha=-1.0), "alpha"),
-    (dict(rank=2, alpha=1.0, dropout=1.0), "dropout"),
-    (dict(rank=2, alpha=1.0, init="olora"), "init"),
-    (dict(rank=9, alpha=1.0, init="pissa"), "rank=9"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(rank=0, alpha=1.0), "rank"),
+        (dict(rank=2, alpha=-1.0), "alpha"),
+        (dict(rank=2, alpha=1.0, dropout=1.0), "dropout"),
+        (dict(rank=2, alpha=1.0, init="olora"), "init"),
+        (dict(rank=9, alpha=1.0, init="pissa"), "rank=9"),
+    ],
+)
 def test_bad_arguments_raise_naming_them(kwargs, match):
   with pytest.raises(ValueError, match=match):
     LoRALinear(_linear(), rngs=nnx.Rngs(0), **kwargs)
@@ -261,8 +299,12 @@ def test_bad_arguments_raise_naming_them(kwargs, match):
 
 
 def test_logical_axis_names_follow_the_kernel():
-  base = nnx.Linear(D_IN, D_OUT, kernel_metadata={"out_sharding": ("embed", "mlp"), "eager_sharding": False},
-                    rngs=nnx.Rngs(0))
+  base = nnx.Linear(
+      D_IN,
+      D_OUT,
+      kernel_metadata={"out_sharding": ("embed", "mlp"), "eager_sharding": False},
+      rngs=nnx.Rngs(0),
+  )
   layer = LoRALinear(base, rank=2, alpha=2.0, use_dora=True, init="pissa", rngs=nnx.Rngs(1))
   assert layer.lora_a.get_metadata()["out_sharding"] == ("embed", None)
   assert layer.lora_b.get_metadata()["out_sharding"] == (None, "mlp")

@@ -1,4 +1,5 @@
 """The method table: every method builds and trains; optimizers match optax / NumPy references."""
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -11,11 +12,26 @@ import anlr_jax
 from anlr_jax.methods import METHOD_NAMES, METHODS, get_method, method_optimizer
 from anlr_jax.nn import inject_lora, iter_lora_layers
 
-PAPER_METHODS = ("lora", "rslora", "loraplus", "anlr", "pissa", "milora", "dora", "anlr+pissa",
-                 "anlr+milora", "anlr+dora", "anlr-velocity", "anlr-snr", "random", "sensitivity")
+PAPER_METHODS = (
+    "lora",
+    "rslora",
+    "loraplus",
+    "anlr",
+    "pissa",
+    "milora",
+    "dora",
+    "anlr+pissa",
+    "anlr+milora",
+    "anlr+dora",
+    "anlr-velocity",
+    "anlr-snr",
+    "random",
+    "sensitivity",
+)
 
 
 class TwoProj(nnx.Module):
+
   def __init__(self, rngs):
     self.q_proj = nnx.Linear(8, 6, rngs=rngs)
     self.v_proj = nnx.Linear(6, 8, rngs=rngs)
@@ -30,8 +46,14 @@ def test_table_holds_exactly_the_documented_methods():
   assert get_method("anlr+pissa").init == "pissa" and get_method("anlr+milora").init == "milora"
   assert get_method("rslora").use_rslora and get_method("lora").optimizer == "adamw"
   assert {get_method(n).signal for n in ("anlr-velocity", "anlr-snr", "random", "sensitivity")} == {
-      "velocity", "snr", "random", "sensitivity"}
-  assert all(get_method(n).signal in anlr_jax.SIGNALS for n in METHOD_NAMES if get_method(n).uses_anlr)
+      "velocity",
+      "snr",
+      "random",
+      "sensitivity",
+  }
+  assert all(
+      get_method(n).signal in anlr_jax.SIGNALS for n in METHOD_NAMES if get_method(n).uses_anlr
+  )
 
 
 def test_unknown_method_lists_the_allowed_ones():
@@ -46,13 +68,23 @@ def test_unknown_method_lists_the_allowed_ones():
 @pytest.mark.parametrize("name", PAPER_METHODS)
 def test_every_method_injects_its_layers_and_trains(name):
   method = METHODS[name]
-  model = inject_lora(TwoProj(nnx.Rngs(0)), target_modules=("q_proj", "v_proj"), rank=2, alpha=4.0,
-                      dropout=0.0, rngs=nnx.Rngs(1), **method.lora_kwargs())
+  model = inject_lora(
+      TwoProj(nnx.Rngs(0)),
+      target_modules=("q_proj", "v_proj"),
+      rank=2,
+      alpha=4.0,
+      dropout=0.0,
+      rngs=nnx.Rngs(1),
+      **method.lora_kwargs(),
+  )
   layers = dict(iter_lora_layers(model))
   assert set(layers) == {"q_proj", "v_proj"}
   for layer in layers.values():
     assert (layer.init, layer.use_rslora, layer.use_dora) == (
-        method.init, method.use_rslora, method.use_dora)
+        method.init,
+        method.use_rslora,
+        method.use_dora,
+    )
     assert hasattr(layer, "lora_magnitude") == method.use_dora
   tx = method_optimizer(name, 1e-2, anlr_kwargs={"warmup_steps": 0})
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
@@ -69,8 +101,10 @@ def test_every_method_injects_its_layers_and_trains(name):
     losses.append(float(loss))
   assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
   after = nnx.state(model, nnx.LoRAParam)
-  assert any(np.abs(np.asarray(a) - np.asarray(b)).max() > 0
-             for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+  assert any(
+      np.abs(np.asarray(a) - np.asarray(b)).max() > 0
+      for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after))
+  )
   if method.uses_anlr:
     state = anlr_jax.find_anlr_state(optimizer.opt_state)
     assert int(state.count) == 3 and set(state.multipliers) == {"q_proj", "v_proj"}
@@ -85,11 +119,21 @@ D_IN, R, D_OUT = 7, 4, 5
 
 def _params_and_grads():
   keys = jax.random.split(jax.random.key(3), 4)
-  params = {"q": {"lora_a": jax.random.normal(keys[0], (D_IN, R)),
-                  "lora_b": jax.random.normal(keys[1], (R, D_OUT))}}
-  grads = [{"q": {"lora_a": jax.random.normal(k, (D_IN, R)) * (1 + jnp.arange(R)),
-                  "lora_b": jax.random.normal(jax.random.fold_in(k, 1), (R, D_OUT))}}
-           for k in keys[2:]]
+  params = {
+      "q": {
+          "lora_a": jax.random.normal(keys[0], (D_IN, R)),
+          "lora_b": jax.random.normal(keys[1], (R, D_OUT)),
+      }
+  }
+  grads = [
+      {
+          "q": {
+              "lora_a": jax.random.normal(k, (D_IN, R)) * (1 + jnp.arange(R)),
+              "lora_b": jax.random.normal(jax.random.fold_in(k, 1), (R, D_OUT)),
+          }
+      }
+      for k in keys[2:]
+  ]
   return params, grads
 
 
@@ -105,12 +149,18 @@ def _run(tx, params, grads):
 def test_lora_is_clipped_adamw():
   params, grads = _params_and_grads()
   ours, _, _ = _run(method_optimizer("lora", 1e-2, clip_norm=0.5, weight_decay=0.1), params, grads)
-  ref, _, _ = _run(optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1)),
-                   params, grads)
+  ref, _, _ = _run(
+      optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1)),
+      params,
+      grads,
+  )
   chex.assert_trees_all_close(ours, ref, atol=1e-7, rtol=1e-6)
   # Tracked for diagnostics: the same updates, plus per-rank statistics in the state.
-  tracked, state, _ = _run(method_optimizer("lora", 1e-2, clip_norm=0.5, weight_decay=0.1,
-                                            track_rank_stats=True), params, grads)
+  tracked, state, _ = _run(
+      method_optimizer("lora", 1e-2, clip_norm=0.5, weight_decay=0.1, track_rank_stats=True),
+      params,
+      grads,
+  )
   chex.assert_trees_all_close(tracked, ref, atol=1e-7, rtol=1e-6)
   d = anlr_jax.diagnostics(state)
   assert float(d["modules"]["q"]["velocity_max_min"]) > 1.0
@@ -131,14 +181,19 @@ def _numpy_multipliers(params2, grads, *, alpha, beta, kappa, b1=0.9, b2=0.999, 
   a, b = (np.asarray(params2["q"][k], np.float64) for k in ("lora_a", "lora_b"))
   g1, g2 = ({k: np.asarray(g["q"][k], np.float64) for k in ("lora_a", "lora_b")} for g in grads)
   ga, gb = g2["lora_a"], g2["lora_b"]
-  nu = np.sqrt(np.maximum(
-      (ga ** 2).sum(0) * (b ** 2).sum(1) + (a ** 2).sum(0) * (gb ** 2).sum(1)
-      + 2 * (ga * a).sum(0) * (b * gb).sum(1), 0.0))
+  nu = np.sqrt(
+      np.maximum(
+          (ga**2).sum(0) * (b**2).sum(1)
+          + (a**2).sum(0) * (gb**2).sum(1)
+          + 2 * (ga * a).sum(0) * (b * gb).sum(1),
+          0.0,
+      )
+  )
   direction = {}
   for k in ("lora_a", "lora_b"):
     m = b1 * (1 - b1) * g1[k] + (1 - b1) * g2[k]
     v = b2 * (1 - b2) * g1[k] ** 2 + (1 - b2) * g2[k] ** 2
-    m_hat, v_hat = m / (1 - b1 ** 2), v / (1 - b2 ** 2)
+    m_hat, v_hat = m / (1 - b1**2), v / (1 - b2**2)
     direction[k] = m_hat / (np.sqrt(v_hat) + eps)
   snr = np.sqrt((direction["lora_a"] ** 2).sum(0) + (direction["lora_b"] ** 2).sum(1))
   log_s = alpha * np.log(1.0 / (nu / nu.mean())) + beta * np.log(snr / snr.mean())
@@ -146,8 +201,9 @@ def _numpy_multipliers(params2, grads, *, alpha, beta, kappa, b1=0.9, b2=0.999, 
   return s / s.mean()
 
 
-@pytest.mark.parametrize("name, alpha, beta", [("anlr", 2.0, 1.0), ("anlr-velocity", 2.0, 0.0),
-                                               ("anlr-snr", 0.0, 1.0)])
+@pytest.mark.parametrize(
+    "name, alpha, beta", [("anlr", 2.0, 1.0), ("anlr-velocity", 2.0, 0.0), ("anlr-snr", 0.0, 1.0)]
+)
 def test_anlr_methods_multipliers_match_numpy(name, alpha, beta):
   params, grads = _params_and_grads()
   knobs = dict(alpha=2.0, beta=1.0, kappa=3.0, rho=0.0, warmup_steps=0)
@@ -165,9 +221,13 @@ def test_anlr_methods_multipliers_match_numpy(name, alpha, beta):
 def test_random_control_differs_from_the_fused_rule_and_stays_in_range():
   params, grads = _params_and_grads()
   knobs = dict(kappa=3.0, rho=0.0, warmup_steps=0)
-  _, state, _ = _run(method_optimizer("random", 1e-2, clip_norm=None, anlr_kwargs=knobs), params, grads)
+  _, state, _ = _run(
+      method_optimizer("random", 1e-2, clip_norm=None, anlr_kwargs=knobs), params, grads
+  )
   s = np.asarray(anlr_jax.find_anlr_state(state).multipliers["q"])
   np.testing.assert_allclose(s.mean(), 1.0, rtol=1e-5)
   assert s.min() >= 1 / 9 - 1e-6 and s.max() <= 9 + 1e-6
-  _, fused, _ = _run(method_optimizer("anlr", 1e-2, clip_norm=None, anlr_kwargs=knobs), params, grads)
+  _, fused, _ = _run(
+      method_optimizer("anlr", 1e-2, clip_norm=None, anlr_kwargs=knobs), params, grads
+  )
   assert np.abs(s - np.asarray(anlr_jax.find_anlr_state(fused).multipliers["q"])).max() > 1e-3

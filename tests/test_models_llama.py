@@ -1,4 +1,5 @@
 """ModelConfig and LlamaForCausalLM against transformers/torch (tiny random models, CPU, no network)."""
+
 import json
 
 import chex
@@ -16,10 +17,22 @@ from anlr_jax.models.hf_io import load_hf_model
 from anlr_jax.models.llama import LOGICAL_AXES, LlamaForCausalLM, init_cache
 
 # transformers adds rope_theta to a rope_scaling dict in place: always pass a copy.
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+TINY = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 def make_hf_model(kind: str, seed: int = 0):
@@ -31,13 +44,25 @@ def make_hf_model(kind: str, seed: int = 0):
   torch.manual_seed(seed)
   if kind.startswith("llama"):
     config = transformers.LlamaConfig(
-        **TINY, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=None,
-        pad_token_id=0, rope_scaling=dict(LLAMA3_ROPE) if kind == "llama3" else None)
+        **TINY,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=None,
+        pad_token_id=0,
+        rope_scaling=dict(LLAMA3_ROPE) if kind == "llama3" else None,
+    )
     model = transformers.LlamaForCausalLM(config)
   else:
     config = transformers.Qwen2Config(
-        **TINY, rms_norm_eps=1e-6, rope_theta=1000.0, tie_word_embeddings=kind == "qwen2_tied",
-        bos_token_id=1, eos_token_id=None, pad_token_id=0)
+        **TINY,
+        rms_norm_eps=1e-6,
+        rope_theta=1000.0,
+        tie_word_embeddings=kind == "qwen2_tied",
+        bos_token_id=1,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     model = transformers.Qwen2ForCausalLM(config)
   g = torch.Generator().manual_seed(seed + 1)
   with torch.no_grad():
@@ -85,8 +110,10 @@ def hf_and_flax(request, tmp_path_factory):
 # ModelConfig
 
 
-@pytest.mark.parametrize("preset,billions", [
-    ("llama2_7b", 6.738), ("llama3_8b", 8.030), ("qwen2_5_7b", 7.616), ("qwen2_5_14b", 14.770)])
+@pytest.mark.parametrize(
+    "preset,billions",
+    [("llama2_7b", 6.738), ("llama3_8b", 8.030), ("qwen2_5_7b", 7.616), ("qwen2_5_14b", 14.770)],
+)
 def test_preset_parameter_counts_match_published_sizes(preset, billions):
   config = getattr(ModelConfig, preset)()
   assert abs(config.num_params() / 1e9 - billions) < 0.01 * billions
@@ -105,12 +132,17 @@ def test_from_hf_config_reads_transformers_configs():
   config = ModelConfig.from_hf_config(hf)
   assert (config.num_key_value_heads, config.head_dim, config.rope_theta) == (2, 8, 5e5)
   assert config.rope_scaling["rope_type"] == "llama3" and not config.attention_bias
-  qwen = ModelConfig.from_hf_config(transformers.Qwen2Config(**TINY, tie_word_embeddings=True).to_dict())
+  qwen = ModelConfig.from_hf_config(
+      transformers.Qwen2Config(**TINY, tie_word_embeddings=True).to_dict()
+  )
   assert qwen.attention_bias and qwen.tie_word_embeddings and qwen.model_type == "qwen2"
   # transformers 4.x layout: top-level rope_theta and legacy {"type": ...}.
-  legacy = dict(model_type="llama", **TINY, rope_theta=123.0,
-                rope_scaling={"type": "llama3", **{k: v for k, v in LLAMA3_ROPE.items()
-                                                   if k != "rope_type"}})
+  legacy = dict(
+      model_type="llama",
+      **TINY,
+      rope_theta=123.0,
+      rope_scaling={"type": "llama3", **{k: v for k, v in LLAMA3_ROPE.items() if k != "rope_type"}},
+  )
   old = ModelConfig.from_hf_config(legacy)
   assert old.rope_theta == 123.0 and old.rope_scaling["rope_type"] == "llama3"
   assert hash(old) == hash(ModelConfig.from_hf_config(legacy))
@@ -124,15 +156,18 @@ def test_from_pretrained_and_round_trip_through_transformers(tmp_path):
   assert hf.num_key_value_heads == 2 and hf.rope_parameters["rope_type"] == "llama3"
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(model_type="mistral"), r"mistral.*llama.*qwen2"),
-    (dict(num_attention_heads=5), "num_attention_heads"),
-    (dict(num_key_value_heads=3), "num_key_value_heads"),
-    (dict(vocab_size=0), "vocab_size"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "yarn"),
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 2.0}), "low_freq_factor"),
-    (dict(dtype=jnp.int32), "dtype"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(model_type="mistral"), r"mistral.*llama.*qwen2"),
+        (dict(num_attention_heads=5), "num_attention_heads"),
+        (dict(num_key_value_heads=3), "num_key_value_heads"),
+        (dict(vocab_size=0), "vocab_size"),
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "yarn"),
+        (dict(rope_scaling={"rope_type": "llama3", "factor": 2.0}), "low_freq_factor"),
+        (dict(dtype=jnp.int32), "dtype"),
+    ],
+)
 def test_invalid_config_names_the_field(kwargs, match):
   with pytest.raises(ValueError, match=match):
     ModelConfig.tiny(**kwargs)
@@ -149,8 +184,11 @@ def test_from_pretrained_errors(tmp_path):
 @pytest.mark.parametrize("rope_scaling", [None, LLAMA3_ROPE])
 def test_rope_inv_freq_matches_transformers(rope_scaling):
   hf = transformers.LlamaConfig(**TINY, rope_theta=500.0, rope_scaling=rope_scaling)
-  expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf) if rope_scaling else (
-      1.0 / (500.0 ** (torch.arange(0, 8, 2).float() / 8)), 1.0)
+  expected, _ = (
+      ROPE_INIT_FUNCTIONS["llama3"](hf)
+      if rope_scaling
+      else (1.0 / (500.0 ** (torch.arange(0, 8, 2).float() / 8)), 1.0)
+  )
   ours = ModelConfig.from_hf_config(hf.to_dict()).rope_inv_freq()
   np.testing.assert_allclose(ours, expected.numpy(), rtol=1e-6)
   if rope_scaling:  # the scaling really changes the low frequencies
@@ -167,8 +205,11 @@ def test_module_paths_mirror_hugging_face_names(kind):
   config = ModelConfig.from_hf_config(hf.config.to_dict())
   ours = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
   ours_names = {".".join(map(str, p)) for p, _ in nnx.iter_modules(ours) if p}
-  hf_names = {n for n, m in hf.named_modules()
-              if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) or "norm" in n.split(".")[-1]}
+  hf_names = {
+      n
+      for n, m in hf.named_modules()
+      if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) or "norm" in n.split(".")[-1]
+  }
   if kind == "qwen2_tied":  # HF keeps an lm_head sharing the embedding; ours has none
     hf_names.discard("lm_head")
   assert hf_names <= ours_names
@@ -178,10 +219,16 @@ def test_module_paths_mirror_hugging_face_names(kind):
     node = ours
     for part in module_name.split("."):
       node = node[int(part)] if part.isdigit() else getattr(node, part)
-    ours_leaf = {"weight": "kernel" if isinstance(node, nnx.Linear) else (
-        "embedding" if isinstance(node, nnx.Embed) else "weight"), "bias": "bias"}[leaf]
+    ours_leaf = {
+        "weight": "kernel"
+        if isinstance(node, nnx.Linear)
+        else ("embedding" if isinstance(node, nnx.Embed) else "weight"),
+        "bias": "bias",
+    }[leaf]
     shape = getattr(node, ours_leaf).shape
-    assert shape == (tuple(param.shape)[::-1] if ours_leaf == "kernel" else tuple(param.shape)), name
+    assert shape == (
+        tuple(param.shape)[::-1] if ours_leaf == "kernel" else tuple(param.shape)
+    ), name
 
 
 def test_every_param_has_logical_axes():
@@ -192,7 +239,9 @@ def test_every_param_has_logical_axes():
     assert len(names) == var.ndim and set(names) <= set(LOGICAL_AXES), path
   spec = nnx.get_partition_spec(nnx.state(model))
   assert tuple(spec["model"]["layers"][0]["self_attn"]["k_proj"]["kernel"].get_value()) == (
-      "embed", "kv_heads")
+      "embed",
+      "kv_heads",
+  )
   assert tuple(spec["lm_head"]["kernel"].get_value()) == ("embed", "vocab")
 
 
@@ -228,7 +277,9 @@ def test_cached_decoding_matches_full_forward(hf_and_flax):
   logits, cache = step(model, jnp.asarray(ids[:, :8]), jnp.asarray(mask[:, :8]), cache)
   pieces = [logits]
   for t in range(8, 12):
-    logits, cache = step(model, jnp.asarray(ids[:, t:t + 1]), jnp.asarray(mask[:, t:t + 1]), cache)
+    logits, cache = step(
+        model, jnp.asarray(ids[:, t : t + 1]), jnp.asarray(mask[:, t : t + 1]), cache
+    )
     pieces.append(logits)
   assert int(cache.index) == 12
   real = mask.astype(bool)
@@ -239,8 +290,9 @@ def test_remat_gives_same_logits_and_gradients():
   config = ModelConfig.tiny(num_hidden_layers=1, vocab_size=64)
   ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 6)))
   plain = LlamaForCausalLM(config, rngs=nnx.Rngs(3))
-  remat = LlamaForCausalLM(ModelConfig.tiny(num_hidden_layers=1, vocab_size=64, remat=True),
-                           rngs=nnx.Rngs(3))
+  remat = LlamaForCausalLM(
+      ModelConfig.tiny(num_hidden_layers=1, vocab_size=64, remat=True), rngs=nnx.Rngs(3)
+  )
   loss = lambda m: jnp.mean(jax.nn.log_softmax(m(ids))[..., 0])
   grad = nnx.jit(nnx.grad(loss))
   chex.assert_trees_all_close(grad(plain), grad(remat), atol=1e-6)

@@ -1,5 +1,6 @@
 """2 processes x 4 CPU devices (jax.distributed on localhost, gloo collectives) give the same
 losses as 1 process x 8 devices, each process feeding only its own rows of every batch."""
+
 import os
 import socket
 import subprocess
@@ -28,13 +29,34 @@ def test_two_processes_match_one_process(tmp_path):
   port = _free_port()
   procs = []
   for pid in range(2):
-    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu',
-               JAX_COORDINATOR_ADDRESS=f'127.0.0.1:{port}', JAX_NUM_PROCESSES='2',
-               JAX_PROCESS_ID=str(pid))
-    procs.append(subprocess.Popen(
-        [sys.executable, '-m', 'tests.helpers.multihost_run', '--devices', '4', '--steps',
-         str(STEPS), '--out', str(out)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True))
+    env = dict(
+        os.environ,
+        PYTHONPATH=REPO,
+        JAX_PLATFORMS='cpu',
+        JAX_COORDINATOR_ADDRESS=f'127.0.0.1:{port}',
+        JAX_NUM_PROCESSES='2',
+        JAX_PROCESS_ID=str(pid),
+    )
+    procs.append(
+        subprocess.Popen(
+            [
+                sys.executable,
+                '-m',
+                'tests.helpers.multihost_run',
+                '--devices',
+                '4',
+                '--steps',
+                str(STEPS),
+                '--out',
+                str(out),
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    )
   outputs = []
   try:
     for proc in procs:
@@ -48,8 +70,16 @@ def test_two_processes_match_one_process(tmp_path):
   assert 'process 1/2' in outputs[1][0]
   multi = np.load(out)
 
-  cfg = TrainerConfig(steps=STEPS, global_batch=8, micro_batches=2, compute_dtype='float32',
-                      progress=False, mesh_data=2, mesh_fsdp=2, mesh_tensor=2)
+  cfg = TrainerConfig(
+      steps=STEPS,
+      global_batch=8,
+      micro_batches=2,
+      compute_dtype='float32',
+      progress=False,
+      mesh_data=2,
+      mesh_fsdp=2,
+      mesh_tensor=2,
+  )
   trainer = Trainer(make_toy_model(), ToyBatches(), cfg, optax.adamw(1e-2))
   single = [float(trainer.train_step()['loss']) for _ in range(STEPS)]
   np.testing.assert_allclose(multi, single, rtol=1e-5, atol=1e-5)

@@ -1,4 +1,5 @@
 """PEFT adapter export/import against peft + torch on toy models with matching module names."""
+
 import json
 import os
 
@@ -20,6 +21,7 @@ D, H, V = 8, 12, 5
 
 # ---------------------------------------------------------------------------- toy twins
 class NnxAttn(nnx.Module):
+
   def __init__(self, rngs):
     self.q_proj = nnx.Linear(D, D, rngs=rngs)
     self.k_proj = nnx.Linear(D, D, use_bias=False, rngs=rngs)
@@ -31,6 +33,7 @@ class NnxAttn(nnx.Module):
 
 
 class NnxMlp(nnx.Module):
+
   def __init__(self, rngs):
     self.up_proj = nnx.Linear(D, H, use_bias=False, rngs=rngs)
     self.down_proj = nnx.Linear(H, D, use_bias=False, rngs=rngs)
@@ -40,6 +43,7 @@ class NnxMlp(nnx.Module):
 
 
 class NnxLayer(nnx.Module):
+
   def __init__(self, rngs):
     self.self_attn = NnxAttn(rngs)
     self.mlp = NnxMlp(rngs)
@@ -50,6 +54,7 @@ class NnxLayer(nnx.Module):
 
 
 class NnxToy(nnx.Module):
+
   def __init__(self, rngs):
     self.layers = nnx.List([NnxLayer(rngs) for _ in range(2)])
     self.lm_head = nnx.Linear(D, V, rngs=rngs)
@@ -61,6 +66,7 @@ class NnxToy(nnx.Module):
 
 
 class TorchAttn(torch.nn.Module):
+
   def __init__(self):
     super().__init__()
     self.q_proj = torch.nn.Linear(D, D)
@@ -73,6 +79,7 @@ class TorchAttn(torch.nn.Module):
 
 
 class TorchMlp(torch.nn.Module):
+
   def __init__(self):
     super().__init__()
     self.up_proj = torch.nn.Linear(D, H, bias=False)
@@ -83,6 +90,7 @@ class TorchMlp(torch.nn.Module):
 
 
 class TorchLayer(torch.nn.Module):
+
   def __init__(self):
     super().__init__()
     self.self_attn = TorchAttn()
@@ -94,6 +102,7 @@ class TorchLayer(torch.nn.Module):
 
 
 class TorchToy(torch.nn.Module):
+
   def __init__(self):
     super().__init__()
     self.layers = torch.nn.ModuleList([TorchLayer() for _ in range(2)])
@@ -134,7 +143,9 @@ def _fake_training(model, seed=1):
     layer.lora_a[...] = layer.lora_a[...] + 0.2 * jax.random.normal(ka, layer.lora_a.shape)
     layer.lora_b[...] = layer.lora_b[...] + 0.2 * jax.random.normal(kb, layer.lora_b.shape)
     if layer.use_dora:
-      layer.lora_magnitude[...] = layer.lora_magnitude[...] * (1 + 0.1 * jax.random.normal(km, layer.lora_magnitude.shape))
+      layer.lora_magnitude[...] = layer.lora_magnitude[...] * (
+          1 + 0.1 * jax.random.normal(km, layer.lora_magnitude.shape)
+      )
 
 
 def _x():
@@ -163,7 +174,9 @@ VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("kwargs", VARIANTS, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()) or "lora")
+@pytest.mark.parametrize(
+    "kwargs", VARIANTS, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()) or "lora"
+)
 def test_export_matches_peft_and_roundtrips_byte_identical(tmp_path, kwargs):
   model = _nnx_model()
   torch_model = _torch_twin(model)  # original W0, before PiSSA/MiLoRA rewrite it
@@ -197,11 +210,25 @@ def test_keys_and_layouts_match_peft_save(tmp_path):
 
   model = _nnx_model()
   torch_model = _torch_twin(model)
-  inject_lora(model, target_modules=("q_proj", "down_proj"), rank=3, alpha=5.0, use_dora=True,
-              rngs=nnx.Rngs(1))
+  inject_lora(
+      model,
+      target_modules=("q_proj", "down_proj"),
+      rank=3,
+      alpha=5.0,
+      use_dora=True,
+      rngs=nnx.Rngs(1),
+  )
   export_peft_adapter(model, tmp_path / "ours", base_model_name_or_path="toy", task_type=None)
-  peft_model = get_peft_model(torch_model, LoraConfig(r=3, lora_alpha=5, lora_dropout=0.05,
-                                                      target_modules=["q_proj", "down_proj"], use_dora=True))
+  peft_model = get_peft_model(
+      torch_model,
+      LoraConfig(
+          r=3,
+          lora_alpha=5,
+          lora_dropout=0.05,
+          target_modules=["q_proj", "down_proj"],
+          use_dora=True,
+      ),
+  )
   peft_model.save_pretrained(tmp_path / "peft")
   ours = load_file(tmp_path / "ours" / "adapter_model.safetensors")
   theirs = load_file(tmp_path / "peft" / "adapter_model.safetensors")
@@ -209,7 +236,16 @@ def test_keys_and_layouts_match_peft_save(tmp_path):
   assert all(v.dtype == np.float32 for v in ours.values())
   ours_cfg = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
   theirs_cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
-  for key in ("peft_type", "r", "lora_alpha", "lora_dropout", "use_rslora", "use_dora", "fan_in_fan_out", "bias"):
+  for key in (
+      "peft_type",
+      "r",
+      "lora_alpha",
+      "lora_dropout",
+      "use_rslora",
+      "use_dora",
+      "fan_in_fan_out",
+      "bias",
+  ):
     assert ours_cfg[key] == theirs_cfg[key], key
   assert sorted(ours_cfg["target_modules"]) == sorted(theirs_cfg["target_modules"])
   assert ours_cfg["base_model_name_or_path"] == "toy"
@@ -225,7 +261,9 @@ def test_partial_injection_exports_full_paths(tmp_path):
   assert config["target_modules"] == ["layers.1.self_attn.v_proj"]
   torch_out, peft_model = _peft_outputs(torch_model, tmp_path, _x())
   assert isinstance(peft_model.base_model.model.layers[0].self_attn.v_proj, torch.nn.Linear)
-  assert not type(peft_model.base_model.model.layers[0].self_attn.v_proj).__module__.startswith("peft")
+  assert not type(peft_model.base_model.model.layers[0].self_attn.v_proj).__module__.startswith(
+      "peft"
+  )
   chex.assert_trees_all_close(torch_out, np.asarray(model(_x())), atol=1e-5, rtol=1e-5)
 
 
@@ -235,8 +273,16 @@ def test_import_adapter_written_by_peft(tmp_path, use_dora):
 
   model = _nnx_model()
   torch_model = _torch_twin(model)
-  peft_model = get_peft_model(torch_model, LoraConfig(
-      r=2, lora_alpha=4, target_modules=["q_proj", "up_proj"], use_dora=use_dora, init_lora_weights=False))
+  peft_model = get_peft_model(
+      torch_model,
+      LoraConfig(
+          r=2,
+          lora_alpha=4,
+          target_modules=["q_proj", "up_proj"],
+          use_dora=use_dora,
+          init_lora_weights=False,
+      ),
+  )
   with torch.no_grad():  # init_lora_weights=False gives a random, non-zero B
     for name, p in peft_model.named_parameters():
       if "lora_magnitude" in name:
@@ -248,7 +294,8 @@ def test_import_adapter_written_by_peft(tmp_path, use_dora):
     expected = peft_model(torch.tensor(x)).numpy()
   import_peft_adapter(model, tmp_path)
   assert sorted(p for p, _ in iter_lora_layers(model)) == sorted(
-      f"layers.{i}.{m}" for i in range(2) for m in ("self_attn.q_proj", "mlp.up_proj"))
+      f"layers.{i}.{m}" for i in range(2) for m in ("self_attn.q_proj", "mlp.up_proj")
+  )
   chex.assert_trees_all_close(model(x), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -263,7 +310,9 @@ def test_import_into_already_injected_model(tmp_path):
   wrong_rank = inject_lora(_nnx_model(), rank=3, alpha=4.0, rngs=nnx.Rngs(9))
   with pytest.raises(ValueError, match="settings"):
     import_peft_adapter(wrong_rank, tmp_path)
-  partial = inject_lora(_nnx_model(), target_modules=("q_proj", "o_proj"), rank=2, alpha=4.0, rngs=nnx.Rngs(9))
+  partial = inject_lora(
+      _nnx_model(), target_modules=("q_proj", "o_proj"), rank=2, alpha=4.0, rngs=nnx.Rngs(9)
+  )
   with pytest.raises(ValueError, match="o_proj"):
     import_peft_adapter(partial, tmp_path)
 
@@ -290,7 +339,13 @@ def test_import_errors_name_the_problem(tmp_path):
   bad_shape = write("shape", {**weights, key_b: np.zeros((H + 1, 2), np.float32)})
   with pytest.raises(ValueError, match=r"up_proj.lora_B.weight' has shape \(13, 2\)"):
     import_peft_adapter(_nnx_model(), bad_shape)
-  stray = write("stray", {**weights, "base_model.model.layers.5.mlp.up_proj.lora_A.weight": np.zeros((2, D), np.float32)})
+  stray = write(
+      "stray",
+      {
+          **weights,
+          "base_model.model.layers.5.mlp.up_proj.lora_A.weight": np.zeros((2, D), np.float32),
+      },
+  )
   with pytest.raises(KeyError, match="layers.5"):
     import_peft_adapter(_nnx_model(), stray)
   pissa_cfg = json.loads(config)
@@ -313,9 +368,18 @@ def test_llama_train_export_load_in_peft(tmp_path):
 
   torch.manual_seed(0)
   hf_config = transformers.LlamaConfig(
-      vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-      num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, pad_token_id=0,
-      bos_token_id=1, eos_token_id=2)
+      vocab_size=64,
+      hidden_size=32,
+      intermediate_size=48,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      max_position_embeddings=64,
+      rms_norm_eps=1e-5,
+      pad_token_id=0,
+      bos_token_id=1,
+      eos_token_id=2,
+  )
   hf_model = transformers.LlamaForCausalLM(hf_config).eval()
   hf_model.save_pretrained(tmp_path / "base")
   model, _ = load_hf_model(tmp_path / "base")
@@ -329,6 +393,7 @@ def test_llama_train_export_load_in_peft(tmp_path):
     def loss_fn(model):
       logits = model(tokens[:, :-1])
       return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
     loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
     optimizer.update(model, grads)
     return loss
@@ -349,7 +414,9 @@ def test_llama_train_export_load_in_peft(tmp_path):
   with torch.no_grad(), peft_model.disable_adapter():
     base_logits = peft_model(input_ids=torch.tensor(ids)).logits.numpy()
   assert np.abs(torch_logits - base_logits).max() > 1e-2  # the adapter matters at this tolerance
-  assert {type(m).__name__ for n, m in peft_model.named_modules() if n.endswith("q_proj")} == {"Linear"}
+  assert {type(m).__name__ for n, m in peft_model.named_modules() if n.endswith("q_proj")} == {
+      "Linear"
+  }
   n_lora = sum(1 for n, _ in peft_model.named_modules() if n.endswith(".lora_A"))
   assert n_lora == 2 * 5
 
@@ -357,5 +424,6 @@ def test_llama_train_export_load_in_peft(tmp_path):
   import_peft_adapter(fresh, tmp_path / "adapter")
   chex.assert_trees_all_close(fresh(jnp.asarray(ids)), flax_logits, atol=1e-5, rtol=1e-5)
   export_peft_adapter(fresh, tmp_path / "again", base_model_name_or_path=str(tmp_path / "base"))
-  assert (_tensor_bytes(tmp_path / "adapter" / "adapter_model.safetensors")
-          == _tensor_bytes(tmp_path / "again" / "adapter_model.safetensors"))
+  assert _tensor_bytes(tmp_path / "adapter" / "adapter_model.safetensors") == _tensor_bytes(
+      tmp_path / "again" / "adapter_model.safetensors"
+  )

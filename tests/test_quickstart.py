@@ -1,4 +1,5 @@
 """The quickstart (`anlr train` with no arguments): a short variant completes and writes its outputs."""
+
 import csv
 import dataclasses
 import json
@@ -29,8 +30,19 @@ def test_built_in_default_equals_the_shipped_yaml(monkeypatch, capsys):
 def test_short_quickstart_writes_table_results_metrics_and_plot(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(REPO)  # `anlr train` with no --config finds configs/quickstart.yaml here
   steps = 4
-  assert cli.main(["train", f"run_dir={tmp_path}/qs-{{timestamp}}", f"trainer.steps={steps}",
-                   "trainer.log_every=1", "eval.limit=16", "eval.batch_size=16"]) == 0
+  assert (
+      cli.main(
+          [
+              "train",
+              f"run_dir={tmp_path}/qs-{{timestamp}}",
+              f"trainer.steps={steps}",
+              "trainer.log_every=1",
+              "eval.limit=16",
+              "eval.batch_size=16",
+          ]
+      )
+      == 0
+  )
   out = capsys.readouterr().out
   assert "running the quickstart" in out
   (run_dir,) = list(tmp_path.iterdir())
@@ -43,7 +55,11 @@ def test_short_quickstart_writes_table_results_metrics_and_plot(tmp_path, monkey
   assert table[0] == ["Method", TASKS[QUICKSTART_TASK].title, "Avg."]
   assert [row[0] for row in table[1:]] == ["base", "lora", "anlr"]
   assert (run_dir / "accuracy.md").is_file() and (run_dir / "loss.png").stat().st_size > 1000
-  printed = [line.split() for line in out.splitlines() if line.strip().startswith(("base ", "lora ", "anlr "))]
+  printed = [
+      line.split()
+      for line in out.splitlines()
+      if line.strip().startswith(("base ", "lora ", "anlr "))
+  ]
   assert [p[0] for p in printed] == ["base", "lora", "anlr"]
 
   curves = {}
@@ -52,7 +68,9 @@ def test_short_quickstart_writes_table_results_metrics_and_plot(tmp_path, monkey
     results = json.loads((sub / "results.json").read_text())
     assert results["method"] == method and results["seed"] == 0 and results["steps"] == steps
     acc = results["accuracy"][QUICKSTART_TASK]
-    records = [json.loads(l) for l in (sub / f"eval_{QUICKSTART_TASK}.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(l) for l in (sub / f"eval_{QUICKSTART_TASK}.jsonl").read_text().splitlines()
+    ]
     assert len(records) == 16 and acc == pytest.approx(np.mean([r["correct"] for r in records]))
     assert f"{100 * acc:.1f}" == dict((p[0], p[1]) for p in printed)[method]
     rows = [json.loads(l) for l in (sub / "metrics.jsonl").read_text().splitlines()]

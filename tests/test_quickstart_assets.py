@@ -4,6 +4,7 @@ References are independent of the code under test: transformers/torch for the mo
 fact recall, `anlr_jax.data` / `anlr_jax.evals` readers for the files, the world facts for the gold
 answers, and the builder's pure data functions (re-run in memory, no pretraining) for determinism.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -29,8 +30,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def builder():
-  spec = importlib.util.spec_from_file_location("build_quickstart",
-                                                REPO / "scripts" / "build_quickstart.py")
+  spec = importlib.util.spec_from_file_location(
+      "build_quickstart", REPO / "scripts" / "build_quickstart.py"
+  )
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # dataclasses resolve their module by name
   spec.loader.exec_module(module)
@@ -58,9 +60,16 @@ def _records(qdir, name):
 
 
 def test_asset_files_exist_and_are_small(qdir):
-  for name in (assets.CONFIG_FILE, assets.WEIGHTS_FILE, assets.TOKENIZER_FILE,
-               assets.TOKENIZER_CONFIG_FILE, assets.WORLD_FILE, assets.TRAIN_FILE, assets.TEST_FILE,
-               assets.BUILD_INFO_FILE):
+  for name in (
+      assets.CONFIG_FILE,
+      assets.WEIGHTS_FILE,
+      assets.TOKENIZER_FILE,
+      assets.TOKENIZER_CONFIG_FILE,
+      assets.WORLD_FILE,
+      assets.TRAIN_FILE,
+      assets.TEST_FILE,
+      assets.BUILD_INFO_FILE,
+  ):
     assert (qdir / name).is_file(), name
   total = sum(p.stat().st_size for p in qdir.iterdir())
   assert total < 8 * 2**20, f"quickstart assets take {total} bytes"
@@ -71,7 +80,9 @@ def test_model_loads_and_matches_transformers(qdir, torch_model, builder):
   tokenizer = load_tokenizer(qdir)
   assert config == builder.base_config(len(tokenizer))
   assert config.vocab_size == len(tokenizer)
-  ids = np.array([tokenizer("The colour of the lozaf is red . 3 plus 4 is 7 .").input_ids], np.int32)
+  ids = np.array(
+      [tokenizer("The colour of the lozaf is red . 3 plus 4 is 7 .").input_ids], np.int32
+  )
   ours = np.asarray(model(jnp.asarray(ids)))
   with torch.no_grad():
     theirs = torch_model(torch.from_numpy(ids).long()).logits.numpy()
@@ -99,13 +110,22 @@ def test_tokenizer_loads_and_covers_the_task(qdir):
 def test_model_recalls_pretrained_facts(world, qdir, torch_model):
   """Argmax next token after a fact cue equals the world's value far above chance (1/8)."""
   tokenizer = load_tokenizer(qdir)
-  cues = {"colour": "The colour of the {e} is", "town": "The {e} lives in", "owner": "The {e} belongs to",
-          "food": "The {e} eats"}
+  cues = {
+      "colour": "The colour of the {e} is",
+      "town": "The {e} lives in",
+      "owner": "The {e} belongs to",
+      "food": "The {e} eats",
+  }
   sample = world[::4]  # 40 animals, both fine-tune splits
   hits = []
   for attr, cue in cues.items():
-    ids = [[tokenizer.bos_token_id, *tokenizer(cue.format(e=e["name"]), add_special_tokens=False).input_ids]
-           for e in sample]
+    ids = [
+        [
+            tokenizer.bos_token_id,
+            *tokenizer(cue.format(e=e["name"]), add_special_tokens=False).input_ids,
+        ]
+        for e in sample
+    ]
     assert len({len(r) for r in ids}) == 1  # animal names are single tokens
     with torch.no_grad():
       logits = torch_model(torch.tensor(ids)).logits[:, -1]
@@ -120,19 +140,29 @@ def test_task_files_parse(qdir):
   train = read_examples(qdir / assets.TRAIN_FILE)
   test = read_examples(qdir / assets.TEST_FILE)
   assert train.format == test.format == "commonsense"
-  assert (len(train.examples), len(test.examples)) == (info["train_examples"], info["test_examples"])
+  assert (len(train.examples), len(test.examples)) == (
+      info["train_examples"],
+      info["test_examples"],
+  )
   assert 300 <= len(train.examples) <= 2000 and 150 <= len(test.examples) <= 300
   assert all(ex.prompt.endswith("### Response:\n") for ex in train.examples)
-  assert all(ex.response == rec["answer"]
-             for ex, rec in zip(train.examples, _records(qdir, assets.TRAIN_FILE)))
+  assert all(
+      ex.response == rec["answer"]
+      for ex, rec in zip(train.examples, _records(qdir, assets.TRAIN_FILE))
+  )
   task = get_task(assets.QUICKSTART_TASK)
   golds = [parse_gold(task, item.answer) for item in load_eval_examples(qdir / assets.TEST_FILE)]
   assert max(golds.count(g) for g in set(golds)) / len(golds) < 0.2  # no answer dominates
 
 
 _ANIMAL = re.compile(r"\bthe (\w+)\?$")
-_ATTRIBUTE_WORDS = (("colour", "colour"), ("Where", "town"), ("Who", "owner"), ("eat", "food"),
-                    ("food", "food"))
+_ATTRIBUTE_WORDS = (
+    ("colour", "colour"),
+    ("Where", "town"),
+    ("Who", "owner"),
+    ("eat", "food"),
+    ("food", "food"),
+)
 """First keyword of the question found here -> the attribute it asks about (independent of the
 builder's templates)."""
 
@@ -166,7 +196,9 @@ def test_train_and_test_are_disjoint(qdir, world):
   names = lambda rs: {_asked(r, facts)[0]["name"] for r in rs}  # noqa: E731
   split = {e["name"]: e["split"] for e in world}
   assert not names(train) & names(test)
-  assert {split[n] for n in names(train)} == {"train"} and {split[n] for n in names(test)} == {"test"}
+  assert {split[n] for n in names(train)} == {"train"} and {split[n] for n in names(test)} == {
+      "test"
+  }
   # every (test animal, attribute) is asked
   asked = {(e["name"], a) for e, a in (_asked(r, facts) for r in test)}
   assert asked == {(n, a) for n in names(test) for a in ("colour", "town", "owner", "food")}
@@ -200,8 +232,14 @@ def test_task_only_rewrites_identical_files_and_rejects_unknown_words(qdir, buil
   for key in ("task", "train_examples", "test_examples", "instruction", "question_templates"):
     assert info[key] == shipped[key], key
   tokenizer = load_tokenizer(qdir)
-  bad = [{"instruction": "Please answer the question: What hue is the lozaf?", "input": "",
-          "output": "red", "answer": "red"}]
+  bad = [
+      {
+          "instruction": "Please answer the question: What hue is the lozaf?",
+          "input": "",
+          "output": "red",
+          "answer": "red",
+      }
+  ]
   with pytest.raises(ValueError, match=r"probe\[0\].*prompt.*vocabulary"):
     builder.check_task_vocabulary(bad, tokenizer, "probe")
   long = [dict(bad[0], instruction="What colour is the lozaf ?" * 20)]

@@ -1,5 +1,6 @@
 """`anlr sweep`: skips finished cells, resumes after an interruption, aggregates mean ± std like NumPy,
 writes the table and plot; the default subprocess runner's command line."""
+
 import csv
 import json
 import os
@@ -27,8 +28,16 @@ def _write_results(run_dir, cell):
   os.makedirs(run_dir, exist_ok=True)
   acc = _accuracy(cell.method, cell.learning_rate, cell.seed)
   with open(os.path.join(run_dir, 'results.json'), 'w') as f:
-    json.dump({'method': cell.method, 'learning_rate': cell.learning_rate, 'seed': cell.seed,
-               'accuracy': {'boolq': acc, 'piqa': acc}, 'avg': acc}, f)
+    json.dump(
+        {
+            'method': cell.method,
+            'learning_rate': cell.learning_rate,
+            'seed': cell.seed,
+            'accuracy': {'boolq': acc, 'piqa': acc},
+            'avg': acc,
+        },
+        f,
+    )
 
 
 class FakeRunner:
@@ -48,8 +57,19 @@ class FakeRunner:
 def _argv(tmp_path, *extra):
   config = tmp_path / 'cfg.yaml'
   config.write_text('method: lora\n')
-  return ['--config', str(config), '--methods', ','.join(METHODS), '--lrs', ','.join(map(str, LRS)),
-          '--seeds', ','.join(map(str, SEEDS)), '--out', str(tmp_path / 'sweep'), *extra]
+  return [
+      '--config',
+      str(config),
+      '--methods',
+      ','.join(METHODS),
+      '--lrs',
+      ','.join(map(str, LRS)),
+      '--seeds',
+      ','.join(map(str, SEEDS)),
+      '--out',
+      str(tmp_path / 'sweep'),
+      *extra,
+  ]
 
 
 def _all_cells():
@@ -77,8 +97,9 @@ def test_interrupted_sweep_resumes_where_it_stopped(tmp_path, capsys):
   cells = _all_cells()
   out = str(tmp_path / 'sweep')
   assert crashing.calls == cells[:5]
-  assert [os.path.exists(os.path.join(cell_dir(out, c), 'results.json')) for c in cells[:5]] == \
-      [True] * 4 + [False]
+  assert [os.path.exists(os.path.join(cell_dir(out, c), 'results.json')) for c in cells[:5]] == [
+      True
+  ] * 4 + [False]
   # the table of the finished cells is there already
   with open(tmp_path / 'sweep' / 'results.csv') as f:
     assert len(list(csv.DictReader(f))) == 4
@@ -108,9 +129,11 @@ def test_aggregates_mean_and_std_and_writes_table_and_plot(tmp_path):
 
 
 def test_aggregate_single_seed_and_order():
-  rows = [dict(method='a', learning_rate=1e-4, seed=0, avg=0.5),
-          dict(method='b', learning_rate=1e-4, seed=0, avg=0.7),
-          dict(method='a', learning_rate=1e-4, seed=1, avg=0.6)]
+  rows = [
+      dict(method='a', learning_rate=1e-4, seed=0, avg=0.5),
+      dict(method='b', learning_rate=1e-4, seed=0, avg=0.7),
+      dict(method='a', learning_rate=1e-4, seed=1, avg=0.6),
+  ]
   table = aggregate(rows)
   assert [(r['method'], r['n']) for r in table] == [('a', 2), ('b', 1)]
   chex.assert_trees_all_close(table[0]['std'], float(np.std([0.5, 0.6], ddof=1)))
@@ -127,26 +150,42 @@ def test_subprocess_runner_passes_the_cell_and_overrides(tmp_path):
       'args = sys.argv[1:]\n'
       'kv = dict(a.split("=", 1) for a in args if "=" in a)\n'
       'os.makedirs(kv["run_dir"], exist_ok=True)\n'
-      'json.dump({"argv": args, "avg": 0.5}, open(os.path.join(kv["run_dir"], "results.json"), "w"))\n')
+      'json.dump({"argv": args, "avg": 0.5}, open(os.path.join(kv["run_dir"], "results.json"), "w"))\n'
+  )
   fake_python.chmod(fake_python.stat().st_mode | stat.S_IEXEC)
   cell = SweepCell('anlr', 2e-4, 1)
   run_dir = str(tmp_path / 'cell')
   subprocess_runner('cfg.yaml', ['trainer.steps=5'], python=str(fake_python))(cell, run_dir)
   argv = json.load(open(os.path.join(run_dir, 'results.json')))['argv']
-  assert argv == ['-m', 'anlr_jax.cli', 'train', '--config', 'cfg.yaml', f'run_dir={run_dir}',
-                  'method=anlr', 'trainer.learning_rate=0.0002', 'seed=1', 'compare=[]',
-                  'trainer.steps=5']
+  assert argv == [
+      '-m',
+      'anlr_jax.cli',
+      'train',
+      '--config',
+      'cfg.yaml',
+      f'run_dir={run_dir}',
+      'method=anlr',
+      'trainer.learning_rate=0.0002',
+      'seed=1',
+      'compare=[]',
+      'trainer.steps=5',
+  ]
   failing = tmp_path / 'failing_python'
   failing.write_text('#!/bin/sh\necho boom\nexit 3\n')
   failing.chmod(failing.stat().st_mode | stat.S_IEXEC)
-  with pytest.raises(RuntimeError, match=r'method=anlr lr=0.0002 seed=1 failed \(exit 3\).*train.log'):
+  with pytest.raises(
+      RuntimeError, match=r'method=anlr lr=0.0002 seed=1 failed \(exit 3\).*train.log'
+  ):
     subprocess_runner('cfg.yaml', python=str(failing))(cell, str(tmp_path / 'bad'))
   assert 'boom' in (tmp_path / 'bad' / 'train.log').read_text()
 
 
 def test_bad_arguments_name_the_argument(tmp_path, capsys):
   with pytest.raises(SystemExit):
-    sweep_main(_argv(tmp_path)[:4] + ['--lrs', '1e-4,abc', '--out', str(tmp_path / 's')], runner=FakeRunner())
+    sweep_main(
+        _argv(tmp_path)[:4] + ['--lrs', '1e-4,abc', '--out', str(tmp_path / 's')],
+        runner=FakeRunner(),
+    )
   assert '--lrs' in capsys.readouterr().err
   with pytest.raises(SystemExit):
     sweep_main(_argv(tmp_path, 'seed=3'), runner=FakeRunner())
@@ -155,8 +194,10 @@ def test_bad_arguments_name_the_argument(tmp_path, capsys):
     sweep_main(_argv(tmp_path, 'compare=[lora]'), runner=FakeRunner())
   assert 'compare' in capsys.readouterr().err
   with pytest.raises(SystemExit):
-    sweep_main(['--config', str(tmp_path / 'missing.yaml'), '--methods', 'lora', '--lrs', '1e-4'],
-               runner=FakeRunner())
+    sweep_main(
+        ['--config', str(tmp_path / 'missing.yaml'), '--methods', 'lora', '--lrs', '1e-4'],
+        runner=FakeRunner(),
+    )
   assert 'missing.yaml' in capsys.readouterr().err
   with pytest.raises(ValueError, match='repeated'):
     grid(['lora', 'lora'], [1e-4], [0])

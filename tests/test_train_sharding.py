@@ -1,5 +1,6 @@
 """The sharded step on a (data=2, fsdp=2, tensor=2) mesh of 8 fake CPU devices equals the
 single-device step (tiny LLaMA + injected LoRA, AnLR optimizer, LoRA dropout on)."""
+
 import chex
 import jax
 import numpy as np
@@ -24,10 +25,19 @@ def tiny_lora_llama(seed=0):
 
 def _run(mesh_sizes, devices, steps=3):
   tx = optax.chain(optax.clip_by_global_norm(1.0), anlr_jax.anlr(1e-2, warmup_steps=1))
-  cfg = TrainerConfig(steps=steps, global_batch=8, micro_batches=2, compute_dtype='float32',
-                      progress=False, mesh_data=mesh_sizes[0], mesh_fsdp=mesh_sizes[1],
-                      mesh_tensor=mesh_sizes[2])
-  trainer = Trainer(tiny_lora_llama(), ToyBatches(seq_len=16, vocab=VOCAB), cfg, tx, devices=devices)
+  cfg = TrainerConfig(
+      steps=steps,
+      global_batch=8,
+      micro_batches=2,
+      compute_dtype='float32',
+      progress=False,
+      mesh_data=mesh_sizes[0],
+      mesh_fsdp=mesh_sizes[1],
+      mesh_tensor=mesh_sizes[2],
+  )
+  trainer = Trainer(
+      tiny_lora_llama(), ToyBatches(seq_len=16, vocab=VOCAB), cfg, tx, devices=devices
+  )
   losses = [float(trainer.train_step()['loss']) for _ in range(steps)]
   return trainer, losses
 
@@ -36,12 +46,16 @@ def test_mesh_2x2x2_step_equals_single_device():
   single, single_losses = _run((1, 1, 1), jax.devices()[:1])
   sharded, sharded_losses = _run((2, 2, 2), jax.devices())
   np.testing.assert_allclose(sharded_losses, single_losses, rtol=1e-5, atol=1e-5)
-  chex.assert_trees_all_close(jax.device_get(sharded.state.lora), jax.device_get(single.state.lora),
-                              atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_close(
+      jax.device_get(sharded.state.lora), jax.device_get(single.state.lora), atol=1e-5, rtol=1e-5
+  )
   # AnLR per-rank state agrees too (the multipliers were anisotropic on step 2+)
-  chex.assert_trees_all_close(jax.device_get(anlr_jax.find_anlr_state(sharded.state.opt_state)),
-                              jax.device_get(anlr_jax.find_anlr_state(single.state.opt_state)),
-                              atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_close(
+      jax.device_get(anlr_jax.find_anlr_state(sharded.state.opt_state)),
+      jax.device_get(anlr_jax.find_anlr_state(single.state.opt_state)),
+      atol=1e-5,
+      rtol=1e-5,
+  )
   # really sharded: base weights split over fsdp x tensor, batch over data x fsdp, one compile
   kernel = sharded.frozen['model']['layers'][0]['mlp']['gate_proj']['kernel']
   assert kernel.sharding.spec == jax.P('fsdp', 'tensor')
@@ -53,8 +67,12 @@ def test_mesh_2x2x2_step_equals_single_device():
 def test_make_mesh_sizes_and_errors():
   mesh = make_mesh(data=2, fsdp=-1, tensor=2)
   assert dict(mesh.shape) == {'data': 2, 'fsdp': 2, 'tensor': 2}
-  for bad, match in [(dict(data=3, fsdp=-1), 'divisible'), (dict(data=-1, fsdp=-1), 'only one'),
-                     (dict(data=2, fsdp=2, tensor=1), 'need 4 devices'), (dict(data=0), 'data=0')]:
+  for bad, match in [
+      (dict(data=3, fsdp=-1), 'divisible'),
+      (dict(data=-1, fsdp=-1), 'only one'),
+      (dict(data=2, fsdp=2, tensor=1), 'need 4 devices'),
+      (dict(data=0), 'data=0'),
+  ]:
     try:
       make_mesh(**bad)
     except ValueError as e:

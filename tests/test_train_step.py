@@ -1,5 +1,6 @@
 """Single-device train step: loss of the batch contract, LoRA-only AdamW update, gradient
 accumulation, one compilation, schedule, dtypes, remat, bad input."""
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -19,8 +20,9 @@ ONE_DEVICE = dict(mesh_data=1, mesh_fsdp=1, mesh_tensor=1)
 def _trainer(tx=None, batches=None, **overrides):
   cfg = dict(steps=4, global_batch=8, compute_dtype='float32', progress=False, **ONE_DEVICE)
   cfg.update(overrides)
-  return Trainer(make_toy_model(), batches or ToyBatches(), TrainerConfig(**cfg), tx,
-                 devices=jax.devices()[:1])
+  return Trainer(
+      make_toy_model(), batches or ToyBatches(), TrainerConfig(**cfg), tx, devices=jax.devices()[:1]
+  )
 
 
 def _numpy_loss(logits, batch):
@@ -40,12 +42,16 @@ def test_loss_and_adamw_update_match_reference():
   trainer = _trainer(tx, batches)
   model = make_toy_model()
   batch = batches.get_batch(0)
-  logits = model(jnp.asarray(batch['input_ids']), attention_mask=jnp.asarray(batch['attention_mask']))
+  logits = model(
+      jnp.asarray(batch['input_ids']), attention_mask=jnp.asarray(batch['attention_mask'])
+  )
   graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
   lora = lora.to_pure_dict()
 
   def ref_loss(lora):  # independent path: no scan, no mesh, log_softmax by hand
-    logits = nnx.merge(graphdef, lora, rest)(batch['input_ids'], attention_mask=batch['attention_mask'])
+    logits = nnx.merge(graphdef, lora, rest)(
+        batch['input_ids'], attention_mask=batch['attention_mask']
+    )
     logp = jax.nn.log_softmax(logits[:, :-1])
     nll = -jnp.take_along_axis(logp, batch['input_ids'][:, 1:, None], -1)[..., 0]
     w = batch['loss_mask'][:, 1:]
@@ -73,8 +79,9 @@ def test_gradient_accumulation_equals_one_big_batch():
     m_big, m_acc = big.train_step(), accumulated.train_step()
     np.testing.assert_allclose(m_acc['loss'], m_big['loss'], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(m_acc['grad_norm'], m_big['grad_norm'], rtol=1e-5, atol=1e-6)
-  chex.assert_trees_all_close(jax.device_get(accumulated.state.lora),
-                              jax.device_get(big.state.lora), atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_close(
+      jax.device_get(accumulated.state.lora), jax.device_get(big.state.lora), atol=1e-5, rtol=1e-5
+  )
 
 
 _COMPILES = {'count': 0, 'on': False}
@@ -96,8 +103,8 @@ def test_step_compiles_once_over_steps():
     losses += [float(trainer.train_step()['loss']) for _ in range(3)]
   finally:
     _COMPILES['on'] = False
-  assert trainer.step_traces == 1       # traced once over 4 steps
-  assert _COMPILES['count'] == 0        # no XLA compilation at all after the first step
+  assert trainer.step_traces == 1  # traced once over 4 steps
+  assert _COMPILES['count'] == 0  # no XLA compilation at all after the first step
   assert all(np.isfinite(losses)) and trainer.step == 4
 
 
@@ -106,6 +113,7 @@ def test_schedule_matches_transformers_linear_schedule():
   param = torch.nn.Parameter(torch.zeros(1))
   opt = torch.optim.SGD([param], lr=peak)
   from transformers import get_linear_schedule_with_warmup
+
   torch_sched = get_linear_schedule_with_warmup(opt, warmup, total)
   expected = []
   for _ in range(total):
@@ -128,8 +136,11 @@ def test_bf16_compute_keeps_float32_params_and_state():
   loss32, loss16 = float(f32.train_step()['loss']), float(bf16.train_step()['loss'])
   assert abs(loss16 - loss32) < 3e-2 * abs(loss32)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(bf16.state.lora))
-  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(bf16.state.opt_state)
-             if jnp.issubdtype(x.dtype, jnp.floating))
+  assert all(
+      x.dtype == jnp.float32
+      for x in jax.tree.leaves(bf16.state.opt_state)
+      if jnp.issubdtype(x.dtype, jnp.floating)
+  )
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(bf16.frozen))
 
 
@@ -137,11 +148,13 @@ def test_bf16_compute_keeps_float32_params_and_state():
 def test_remat_gives_the_same_step(remat):
   plain, rematted = _trainer(optax.adamw(1e-2)), _trainer(optax.adamw(1e-2), remat=remat)
   np.testing.assert_allclose(rematted.train_step()['loss'], plain.train_step()['loss'], rtol=1e-6)
-  chex.assert_trees_all_close(jax.device_get(rematted.state.lora), jax.device_get(plain.state.lora),
-                              atol=1e-6)
+  chex.assert_trees_all_close(
+      jax.device_get(rematted.state.lora), jax.device_get(plain.state.lora), atol=1e-6
+  )
 
 
 class _MissingKey(ToyBatches):
+
   def get_batch(self, step, **kw):
     batch = super().get_batch(step, **kw)
     del batch['loss_mask']
@@ -158,16 +171,28 @@ def test_bad_input_names_the_problem():
   with pytest.raises(ValueError, match='compute_dtype'):
     TrainerConfig(steps=1, compute_dtype='float8')
   with pytest.raises(ValueError, match='nnx.LoRAParam'):
-    Trainer(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), ToyBatches(), TrainerConfig(steps=1, **ONE_DEVICE),
-            devices=jax.devices()[:1])
+    Trainer(
+        nnx.Linear(2, 2, rngs=nnx.Rngs(0)),
+        ToyBatches(),
+        TrainerConfig(steps=1, **ONE_DEVICE),
+        devices=jax.devices()[:1],
+    )
 
 
 def test_run_writes_metrics_tensorboard_and_anlr_diagnostics(tmp_path):
   import csv
   import json
+
   run_dir = tmp_path / 'run'
-  trainer = _trainer(steps=4, warmup_steps=1, run_dir=str(run_dir), diag_every=2, log_every=2,
-                     optimizer='anlr', learning_rate=1e-3)
+  trainer = _trainer(
+      steps=4,
+      warmup_steps=1,
+      run_dir=str(run_dir),
+      diag_every=2,
+      log_every=2,
+      optimizer='anlr',
+      learning_rate=1e-3,
+  )
   rows = trainer.run()
   lines = [json.loads(l) for l in open(run_dir / 'metrics.jsonl')]
   assert [r['step'] for r in lines] == [2, 4] and lines == rows
@@ -187,13 +212,16 @@ def test_run_writes_metrics_tensorboard_and_anlr_diagnostics(tmp_path):
   assert multipliers and all(np.isclose(arrays[k].mean(), 1.0, atol=1e-5) for k in multipliers)
   # The per-rank contribution magnitudes |A_k| |B_k| of the LoRA params at that step (for analysis).
   from anlr_jax.analysis.logs import load_run
+
   logs = load_run(run_dir)
   assert logs.magnitudes and set(logs.magnitudes) == set(logs.nu_bar)
   lora = jax.device_get(trainer.state.lora)
-  flat = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(lora)}
+  flat = {
+      jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(lora)
+  }
   a_keys = sorted(k for k in flat if k.endswith("['lora_a']"))
   assert a_keys
   for a_key in a_keys:
-    a, b = flat[a_key], flat[a_key.replace("lora_a", "lora_b")]
+    a, b = flat[a_key], flat[a_key.replace('lora_a', 'lora_b')]
     want = np.linalg.norm(a, axis=-2) * np.linalg.norm(b, axis=-1)
     assert any(np.allclose(m[-1], want, rtol=1e-5) for m in logs.magnitudes.values())

@@ -13,6 +13,7 @@ Example (run pytest from the repo root; works whether or not `tests/` is a packa
     tok("hello").input_ids        # no special tokens are added by encoding
     tok.bos_token_id, tok.eos_token_id, tok.pad_token_id   # 1, 2, 0
 """
+
 from __future__ import annotations
 
 import os
@@ -42,35 +43,35 @@ def build_tiny_tokenizer(
     vocab_size: int = 400,
     corpus: Iterable[str] = DEFAULT_CORPUS,
 ) -> PreTrainedTokenizerFast:
-    """Trains a tiny byte-level BPE tokenizer and (optionally) saves it to `directory`.
+  """Trains a tiny byte-level BPE tokenizer and (optionally) saves it to `directory`.
 
-    Args:
-      directory: where to `save_pretrained` the tokenizer; None keeps it in memory only.
-      vocab_size: target vocabulary size including the 256 byte symbols and 4 special tokens.
-      corpus: training texts for the BPE merges.
+  Args:
+    directory: where to `save_pretrained` the tokenizer; None keeps it in memory only.
+    vocab_size: target vocabulary size including the 256 byte symbols and 4 special tokens.
+    corpus: training texts for the BPE merges.
 
-    Returns:
-      A `PreTrainedTokenizerFast` with pad/bos/eos/unk set; encoding adds no special tokens.
-    """
-    if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)}, got {vocab_size}")
-    backend = Tokenizer(models.BPE(unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(list(corpus), trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-    )
-    if directory is not None:
-        tokenizer.save_pretrained(os.fspath(directory))
-    return tokenizer
+  Returns:
+    A `PreTrainedTokenizerFast` with pad/bos/eos/unk set; encoding adds no special tokens.
+  """
+  if vocab_size < 256 + len(SPECIAL_TOKENS):
+    raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)}, got {vocab_size}")
+  backend = Tokenizer(models.BPE(unk_token="<unk>"))
+  backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  backend.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+      vocab_size=vocab_size,
+      special_tokens=list(SPECIAL_TOKENS),
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False,
+  )
+  backend.train_from_iterator(list(corpus), trainer=trainer)
+  tokenizer = PreTrainedTokenizerFast(
+      tokenizer_object=backend,
+      pad_token="<pad>",
+      bos_token="<s>",
+      eos_token="</s>",
+      unk_token="<unk>",
+  )
+  if directory is not None:
+    tokenizer.save_pretrained(os.fspath(directory))
+  return tokenizer

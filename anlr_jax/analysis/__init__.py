@@ -4,6 +4,7 @@
 the paper's figures; ``anlr sweep`` (:func:`sweep_main`) runs a methods x learning rates x seeds grid.
 The measurements themselves are pure NumPy functions in :mod:`anlr_jax.analysis.measures`.
 """
+
 from anlr_jax.analysis.analyze import AnalysisReport, analyze
 from anlr_jax.analysis.cli import analyze_main, sweep_main
 from anlr_jax.analysis.logs import RunLogs, load_diagnostics, load_lora, load_run

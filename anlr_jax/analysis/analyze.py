@@ -21,6 +21,7 @@ file                                            content                         
 
 "diag" is ``diagnostics/step_*.npz`` (``trainer.diag_every=N``), "lora" is ``lora_final.safetensors``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,6 +41,7 @@ __all__ = ['AnalysisReport', 'analyze', 'bar_modules']
 @dataclasses.dataclass
 class AnalysisReport:
   """What :func:`analyze` wrote (``files``) and could not draw (``missing``)."""
+
   files: list[str]
   missing: list[str]
   summary: list[dict]
@@ -58,13 +60,21 @@ def _module_for(run: RunLogs, wanted: str | None) -> str:
   if wanted is not None and wanted in run.nu_bar:
     return wanted
   if wanted is not None and run.nu_bar:
-    raise KeyError(f'--module {wanted!r} is not a module of {run.run_dir}/diagnostics; '
-                   f'some modules: {sorted(run.nu_bar)[:5]}')
+    raise KeyError(
+        f'--module {wanted!r} is not a module of {run.run_dir}/diagnostics; '
+        f'some modules: {sorted(run.nu_bar)[:5]}'
+    )
   return figure_data.representative_module(run)
 
 
-def analyze(run_dirs: Sequence[str], out: str, *, module: str | None = None,
-            early_fraction: float = 0.1, log: Callable[[str], None] | None = None) -> AnalysisReport:
+def analyze(
+    run_dirs: Sequence[str],
+    out: str,
+    *,
+    module: str | None = None,
+    early_fraction: float = 0.1,
+    log: Callable[[str], None] | None = None,
+) -> AnalysisReport:
   """Draws every figure the runs' logs allow; see the module docstring for the files.
 
   Args:
@@ -92,89 +102,190 @@ def analyze(run_dirs: Sequence[str], out: str, *, module: str | None = None,
   if diag_runs:
     # Fig. 1
     bars = {run.run_dir: figure_data.velocity_bars(run) for run in diag_runs}
-    files.append(write_csv(path('fig1_velocity_bars.csv'),
-                           [dict(run=r.label, **row) for r in diag_runs for row in bars[r.run_dir]]))
-    files.append(figures.velocity_bars_figure(
-        [(r.label, bars[r.run_dir], bar_modules(r)) for r in diag_runs], path('fig1_velocity_bars.png')))
+    files.append(
+        write_csv(
+            path('fig1_velocity_bars.csv'),
+            [dict(run=r.label, **row) for r in diag_runs for row in bars[r.run_dir]],
+        )
+    )
+    files.append(
+        figures.velocity_bars_figure(
+            [(r.label, bars[r.run_dir], bar_modules(r)) for r in diag_runs],
+            path('fig1_velocity_bars.png'),
+        )
+    )
     # Fig. 2a
     chosen = {}
     first = _module_for(diag_runs[0], module)
     for run in diag_runs:
       chosen[run.run_dir] = first if first in run.nu_bar else _module_for(run, None)
-    stability = {r.run_dir: figure_data.ordering_stability_by_module(r, early_fraction=early_fraction)
-                 for r in diag_runs}
-    files.append(write_csv(path('fig2a_velocity_trajectory.csv'), [
-        dict(run=r.label, module=chosen[r.run_dir], step=int(s), rank=k, velocity=float(v))
-        for r in diag_runs for s, nu in zip(r.steps, r.nu_bar[chosen[r.run_dir]])
-        for k, v in enumerate(nu)]))
+    stability = {
+        r.run_dir: figure_data.ordering_stability_by_module(r, early_fraction=early_fraction)
+        for r in diag_runs
+    }
+    files.append(
+        write_csv(
+            path('fig2a_velocity_trajectory.csv'),
+            [
+                dict(run=r.label, module=chosen[r.run_dir], step=int(s), rank=k, velocity=float(v))
+                for r in diag_runs
+                for s, nu in zip(r.steps, r.nu_bar[chosen[r.run_dir]])
+                for k, v in enumerate(nu)
+            ],
+        )
+    )
     if any(stability.values()):
-      files.append(write_csv(path('fig2a_ordering_stability.csv'), [
-          dict(run=r.label, module=m, spearman=rho) for r in diag_runs
-          for m, rho in stability[r.run_dir].items()]))
+      files.append(
+          write_csv(
+              path('fig2a_ordering_stability.csv'),
+              [
+                  dict(run=r.label, module=m, spearman=rho)
+                  for r in diag_runs
+                  for m, rho in stability[r.run_dir].items()
+              ],
+          )
+      )
     else:
-      missing.append('fig2a_ordering_stability: needs at least 2 diagnostic snapshots per run '
-                     '(lower trainer.diag_every).')
-    files.append(figures.velocity_trajectory_figure(
-        [(r.label, chosen[r.run_dir], r.steps, r.nu_bar[chosen[r.run_dir]],
-          list(stability[r.run_dir].values())) for r in diag_runs], path('fig2a_velocity_trajectory.png')))
+      missing.append(
+          'fig2a_ordering_stability: needs at least 2 diagnostic snapshots per run '
+          '(lower trainer.diag_every).'
+      )
+    files.append(
+        figures.velocity_trajectory_figure(
+            [
+                (
+                    r.label,
+                    chosen[r.run_dir],
+                    r.steps,
+                    r.nu_bar[chosen[r.run_dir]],
+                    list(stability[r.run_dir].values()),
+                )
+                for r in diag_runs
+            ],
+            path('fig2a_velocity_trajectory.png'),
+        )
+    )
     # Fig. 2b
     quart = {r.run_dir: figure_data.quartile_magnitude(r) for r in diag_runs}
-    files.append(write_csv(path('fig2b_quartile_magnitude.csv'), [
-        dict(run=r.label, step=int(s), source=quart[r.run_dir][2],
-             **{f'q{q + 1}': float(m[q]) for q in range(4)})
-        for r in diag_runs for s, m in zip(quart[r.run_dir][0], quart[r.run_dir][1])]))
-    files.append(figures.quartile_magnitude_figure(
-        [(r.label, *quart[r.run_dir]) for r in diag_runs], path('fig2b_quartile_magnitude.png')))
+    files.append(
+        write_csv(
+            path('fig2b_quartile_magnitude.csv'),
+            [
+                dict(
+                    run=r.label,
+                    step=int(s),
+                    source=quart[r.run_dir][2],
+                    **{f'q{q + 1}': float(m[q]) for q in range(4)},
+                )
+                for r in diag_runs
+                for s, m in zip(quart[r.run_dir][0], quart[r.run_dir][1])
+            ],
+        )
+    )
+    files.append(
+        figures.quartile_magnitude_figure(
+            [(r.label, *quart[r.run_dir]) for r in diag_runs], path('fig2b_quartile_magnitude.png')
+        )
+    )
     # Fig. 3a
     heat_runs = [r for r in diag_runs if chosen[r.run_dir] in r.multipliers]
     heat = {r.run_dir: figure_data.log_multipliers(r, chosen[r.run_dir]) for r in heat_runs}
     if heat_runs:
-      files.append(write_csv(path('fig3a_log_multipliers.csv'), [
-          dict(run=r.label, module=chosen[r.run_dir], step=int(s), rank=k, log_s=float(v))
-          for r in heat_runs for s, ls in zip(*heat[r.run_dir]) for k, v in enumerate(ls)]))
-      files.append(figures.multiplier_heatmap_figure(
-          [(r.label, chosen[r.run_dir], *heat[r.run_dir]) for r in heat_runs],
-          path('fig3a_log_multipliers.png')))
+      files.append(
+          write_csv(
+              path('fig3a_log_multipliers.csv'),
+              [
+                  dict(run=r.label, module=chosen[r.run_dir], step=int(s), rank=k, log_s=float(v))
+                  for r in heat_runs
+                  for s, ls in zip(*heat[r.run_dir])
+                  for k, v in enumerate(ls)
+              ],
+          )
+      )
+      files.append(
+          figures.multiplier_heatmap_figure(
+              [(r.label, chosen[r.run_dir], *heat[r.run_dir]) for r in heat_runs],
+              path('fig3a_log_multipliers.png'),
+          )
+      )
   else:
     stability = {}
-    missing.append('fig1, fig2a, fig2b, fig3a not drawn: no run has diagnostics/step_*.npz '
-                   '(train with trainer.diag_every=N).')
+    missing.append(
+        'fig1, fig2a, fig2b, fig3a not drawn: no run has diagnostics/step_*.npz '
+        '(train with trainer.diag_every=N).'
+    )
 
   # Fig. 2c
   both = [r for r in diag_runs if spectra[r.run_dir]]
   conc = {r.run_dir: figure_data.velocity_vs_concentration(r, spectra[r.run_dir]) for r in both}
   both = [r for r in both if conc[r.run_dir]]
   if both:
-    files.append(write_csv(path('fig2c_velocity_vs_concentration.csv'),
-                           [dict(run=r.label, **row) for r in both for row in conc[r.run_dir]]))
-    files.append(figures.concentration_figure(
-        [(r.label, conc[r.run_dir],
-          figure_data.cumulative_energy_by_velocity_group(conc[r.run_dir], spectra[r.run_dir]))
-         for r in both], path('fig2c_velocity_vs_concentration.png')))
+    files.append(
+        write_csv(
+            path('fig2c_velocity_vs_concentration.csv'),
+            [dict(run=r.label, **row) for r in both for row in conc[r.run_dir]],
+        )
+    )
+    files.append(
+        figures.concentration_figure(
+            [
+                (
+                    r.label,
+                    conc[r.run_dir],
+                    figure_data.cumulative_energy_by_velocity_group(
+                        conc[r.run_dir], spectra[r.run_dir]
+                    ),
+                )
+                for r in both
+            ],
+            path('fig2c_velocity_vs_concentration.png'),
+        )
+    )
   else:
-    missing.append('fig2c not drawn: needs diagnostics/step_*.npz and lora_final.safetensors with '
-                   'matching module names in the same run.')
+    missing.append(
+        'fig2c not drawn: needs diagnostics/step_*.npz and lora_final.safetensors with '
+        'matching module names in the same run.'
+    )
 
   # Fig. 3b / 3c
   spec_runs = [r for r in runs if spectra[r.run_dir]]
   energy = {r.run_dir: figure_data.cumulative_energy_mean(spectra[r.run_dir]) for r in spec_runs}
   if spec_runs:
-    files.append(write_csv(path('fig3b_cumulative_energy.csv'), [
-        dict(run=r.label, index=i + 1, energy_share=float(p), cumulative_energy=float(c))
-        for r in spec_runs for i, (p, c) in enumerate(zip(*energy[r.run_dir]))]))
-    files.append(figures.cumulative_energy_figure([(r.label, energy[r.run_dir][1]) for r in spec_runs],
-                                                  path('fig3b_cumulative_energy.png')))
+    files.append(
+        write_csv(
+            path('fig3b_cumulative_energy.csv'),
+            [
+                dict(run=r.label, index=i + 1, energy_share=float(p), cumulative_energy=float(c))
+                for r in spec_runs
+                for i, (p, c) in enumerate(zip(*energy[r.run_dir]))
+            ],
+        )
+    )
+    files.append(
+        figures.cumulative_energy_figure(
+            [(r.label, energy[r.run_dir][1]) for r in spec_runs],
+            path('fig3b_cumulative_energy.png'),
+        )
+    )
   else:
     missing.append('fig3b not drawn: no run has lora_final.safetensors.')
   if len(spec_runs) == 2:
-    (a, b) = spec_runs
+    a, b = spec_runs
     pa, pb = energy[a.run_dir][0], energy[b.run_dir][0]
     if len(pa) == len(pb):
       shift = measures.energy_shift(pa, pb)
-      files.append(write_csv(path('fig3c_energy_shift.csv'), [
-          dict(index=i + 1, share_a=float(x), share_b=float(y), shift=float(s))
-          for i, (x, y, s) in enumerate(zip(pa, pb, shift))]))
-      files.append(figures.energy_shift_figure(shift, a.label, b.label, path('fig3c_energy_shift.png')))
+      files.append(
+          write_csv(
+              path('fig3c_energy_shift.csv'),
+              [
+                  dict(index=i + 1, share_a=float(x), share_b=float(y), shift=float(s))
+                  for i, (x, y, s) in enumerate(zip(pa, pb, shift))
+              ],
+          )
+      )
+      files.append(
+          figures.energy_shift_figure(shift, a.label, b.label, path('fig3c_energy_shift.png'))
+      )
     else:
       missing.append(f'fig3c not drawn: the runs have different ranks ({len(pa)} vs {len(pb)}).')
   elif len(runs) == 2:
@@ -183,14 +294,26 @@ def analyze(run_dirs: Sequence[str], out: str, *, module: str | None = None,
     missing.append('fig3c not drawn: needs two runs (anlr analyze RUN_LORA RUN_ANLR).')
 
   # Summary table, runs side by side.
-  summary = [figure_data.summary_row(r, spectra[r.run_dir], stability.get(r.run_dir, {})) for r in runs]
-  files.append(write_csv(path('summary.csv'), [
-      dict(metric=key, description=desc, **{r.label: s[key] for r, s in zip(runs, summary)})
-      for key, desc in figure_data.SUMMARY_COLUMNS]))
-  files.append(write_markdown(
-      path('summary.md'), ['metric'] + [r.label for r in runs],
-      [[desc] + [s[key] for s in summary] for key, desc in figure_data.SUMMARY_COLUMNS],
-      title='Rank-one dynamics summary'))
+  summary = [
+      figure_data.summary_row(r, spectra[r.run_dir], stability.get(r.run_dir, {})) for r in runs
+  ]
+  files.append(
+      write_csv(
+          path('summary.csv'),
+          [
+              dict(metric=key, description=desc, **{r.label: s[key] for r, s in zip(runs, summary)})
+              for key, desc in figure_data.SUMMARY_COLUMNS
+          ],
+      )
+  )
+  files.append(
+      write_markdown(
+          path('summary.md'),
+          ['metric'] + [r.label for r in runs],
+          [[desc] + [s[key] for s in summary] for key, desc in figure_data.SUMMARY_COLUMNS],
+          title='Rank-one dynamics summary',
+      )
+  )
   if missing:
     with open(path('missing.txt'), 'w') as f:
       f.write('\n'.join(missing) + '\n')

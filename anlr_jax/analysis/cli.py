@@ -3,6 +3,7 @@
 ``anlr analyze RUN_DIR [RUN_DIR_B] [--out DIR] [--module NAME] [--early-fraction F]``
 ``anlr sweep --config CFG --methods lora,anlr --lrs 1e-4,2e-4 [--seeds 0,1] [--out DIR] [key=value ...]``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,12 +22,19 @@ def _analyze_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog='anlr analyze',
       description="Draw the paper's rank-one analysis figures (PNG + CSV) and summary table from a run "
-                  'directory, or compare two (RUN_DIR = LoRA, RUN_DIR_B = AnLR).')
+      'directory, or compare two (RUN_DIR = LoRA, RUN_DIR_B = AnLR).',
+  )
   p.add_argument('run_dirs', nargs='+', metavar='RUN_DIR', help='one or two run directories')
   p.add_argument('--out', default=None, help='output directory (default: RUN_DIR/analysis)')
-  p.add_argument('--module', default=None, help='module of Fig. 2a / 3a (default: median anisotropy)')
-  p.add_argument('--early-fraction', type=float, default=0.1,
-                 help='early window of the ordering-stability Spearman rho, fraction of snapshots')
+  p.add_argument(
+      '--module', default=None, help='module of Fig. 2a / 3a (default: median anisotropy)'
+  )
+  p.add_argument(
+      '--early-fraction',
+      type=float,
+      default=0.1,
+      help='early window of the ordering-stability Spearman rho, fraction of snapshots',
+  )
   return p
 
 
@@ -53,10 +61,13 @@ def _csv(kind, name: str):
     try:
       values = [kind(v) for v in text.split(',') if v.strip()]
     except ValueError:
-      raise argparse.ArgumentTypeError(f'{name}: cannot parse {text!r} as comma-separated {kind.__name__}s')
+      raise argparse.ArgumentTypeError(
+          f'{name}: cannot parse {text!r} as comma-separated {kind.__name__}s'
+      )
     if not values:
       raise argparse.ArgumentTypeError(f'{name}: empty list')
     return values
+
   return parse
 
 
@@ -64,10 +75,13 @@ def _sweep_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog='anlr sweep',
       description='Run `anlr train` over methods x learning rates x seeds (resumable: cells with a '
-                  'results.json are skipped), then write results.csv, summary.{csv,md} and '
-                  'accuracy_vs_lr.png.')
+      'results.json are skipped), then write results.csv, summary.{csv,md} and '
+      'accuracy_vs_lr.png.',
+  )
   p.add_argument('--config', required=True, help='training config passed to every cell')
-  p.add_argument('--methods', required=True, type=_csv(str, '--methods'), help='e.g. lora,rslora,loraplus,anlr')
+  p.add_argument(
+      '--methods', required=True, type=_csv(str, '--methods'), help='e.g. lora,rslora,loraplus,anlr'
+  )
   p.add_argument('--lrs', required=True, type=_csv(float, '--lrs'), help='e.g. 5e-5,1e-4,2e-4,3e-4')
   p.add_argument('--seeds', default=[0], type=_csv(int, '--seeds'), help='e.g. 0,1 (default 0)')
   p.add_argument('--out', default='runs/sweep', help='sweep directory (default runs/sweep)')
@@ -78,7 +92,8 @@ def _sweep_parser() -> argparse.ArgumentParser:
 
 def sweep_main(argv: Sequence[str] | None = None, *, runner: Runner | None = None) -> int:
   """``anlr sweep``; ``runner`` replaces the default subprocess runner (tests). Returns the exit
-  status (0; 1 when a cell failed, after writing the report of the finished cells; 2 bad arguments)."""
+  status (0; 1 when a cell failed, after writing the report of the finished cells; 2 bad arguments).
+  """
   parser = _sweep_parser()
   args = parser.parse_args(argv)
   for item in args.overrides:
@@ -100,8 +115,13 @@ def sweep_main(argv: Sequence[str] | None = None, *, runner: Runner | None = Non
     try:
       run_sweep(cells, args.out, runner, log=lambda m: print(m, file=sys.stderr))
     except (RuntimeError, OSError) as e:
-      print(f'anlr sweep: error: {e}\nanlr sweep: re-run the same command to resume.', file=sys.stderr)
+      print(
+          f'anlr sweep: error: {e}\nanlr sweep: re-run the same command to resume.', file=sys.stderr
+      )
       status = 1
   paths = write_sweep_report(cells, args.out)
-  print(f"anlr sweep: table {paths['markdown']}" + (f", plot {paths['plot']}" if 'plot' in paths else ''))
+  print(
+      f"anlr sweep: table {paths['markdown']}"
+      + (f", plot {paths['plot']}" if 'plot' in paths else '')
+  )
   return status

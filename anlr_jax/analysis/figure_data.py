@@ -17,6 +17,7 @@ Choices the paper leaves open, fixed here:
   final :math:`AB`; the cumulative energy curves average the slowest and fastest quarter of modules;
 * the representative module of Fig. 2a / 3a is the one whose final max/min velocity ratio is the median.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,10 +26,17 @@ from anlr_jax.analysis import measures
 from anlr_jax.analysis.logs import RunLogs, match_modules
 
 __all__ = [
-    'representative_module', 'velocity_bars', 'ordering_stability_by_module', 'quartile_magnitude',
-    'module_spectra', 'velocity_vs_concentration', 'cumulative_energy_by_velocity_group',
-    'log_multipliers', 'cumulative_energy_mean',
-    'summary_row', 'SUMMARY_COLUMNS',
+    'representative_module',
+    'velocity_bars',
+    'ordering_stability_by_module',
+    'quartile_magnitude',
+    'module_spectra',
+    'velocity_vs_concentration',
+    'cumulative_energy_by_velocity_group',
+    'log_multipliers',
+    'cumulative_energy_mean',
+    'summary_row',
+    'SUMMARY_COLUMNS',
 ]
 
 
@@ -61,8 +69,10 @@ def ordering_stability_by_module(run: RunLogs, *, early_fraction: float = 0.1) -
   """Fig. 2a: Spearman :math:`\\rho` (early window vs final) per module (needs >= 2 snapshots)."""
   if len(run.steps) < 2:
     return {}
-  return {name: float(measures.ordering_stability(run.nu_bar[name], early_fraction=early_fraction))
-          for name in sorted(run.nu_bar)}
+  return {
+      name: float(measures.ordering_stability(run.nu_bar[name], early_fraction=early_fraction))
+      for name in sorted(run.nu_bar)
+  }
 
 
 def quartile_magnitude(run: RunLogs) -> tuple[np.ndarray, np.ndarray, str]:
@@ -97,7 +107,11 @@ def module_spectra(run: RunLogs) -> dict[str, np.ndarray]:
   """Singular values of the final :math:`AB` per module, ``{module: (r,)}`` descending (from
   :func:`anlr_jax.singular_values`, which never forms the ``d_in x d_out`` product)."""
   from anlr_jax.optim.diagnostics import singular_values
-  return {name: np.asarray(singular_values(a, b), np.float64) for name, (a, b) in sorted(run.lora.items())}
+
+  return {
+      name: np.asarray(singular_values(a, b), np.float64)
+      for name, (a, b) in sorted(run.lora.items())
+  }
 
 
 def velocity_vs_concentration(run: RunLogs, spectra: dict[str, np.ndarray]) -> list[dict]:
@@ -107,19 +121,26 @@ def velocity_vs_concentration(run: RunLogs, spectra: dict[str, np.ndarray]) -> l
   rows = []
   for diag_name, lora_name in pairs.items():
     sv = spectra[lora_name]
-    rows.append(dict(
-        module=diag_name, mean_velocity=float(run.nu_bar[diag_name][-1].mean()),
-        effective_rank=float(measures.effective_rank_np(sv)), rank=int(sv.shape[-1]),
-        concentration=float(measures.spectral_concentration(sv)),
-        top1_energy=float(measures.top_k_energy(sv, 1)),
-        concentrated=bool(measures.is_concentrated(sv))))
+    rows.append(
+        dict(
+            module=diag_name,
+            mean_velocity=float(run.nu_bar[diag_name][-1].mean()),
+            effective_rank=float(measures.effective_rank_np(sv)),
+            rank=int(sv.shape[-1]),
+            concentration=float(measures.spectral_concentration(sv)),
+            top1_energy=float(measures.top_k_energy(sv, 1)),
+            concentrated=bool(measures.is_concentrated(sv)),
+        )
+    )
   return rows
 
 
-def cumulative_energy_by_velocity_group(rows: list[dict],
-                                        spectra: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def cumulative_energy_by_velocity_group(
+    rows: list[dict], spectra: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
   """Mean cumulative energy curve of the slowest and the fastest quarter of modules (by mean final
-  velocity), ``{'slowest 25%': (r,), 'fastest 25%': (r,)}``; modules of the most common rank only."""
+  velocity), ``{'slowest 25%': (r,), 'fastest 25%': (r,)}``; modules of the most common rank only.
+  """
   if not rows:
     return {}
   pairs = match_modules([r['module'] for r in rows], list(spectra))
@@ -127,16 +148,19 @@ def cumulative_energy_by_velocity_group(rows: list[dict],
   common = max(set(ranks), key=ranks.count)
   kept = sorted((r for r in rows if r['rank'] == common), key=lambda r: r['mean_velocity'])
   n = max(1, len(kept) // 4)
-  curve = lambda group: np.mean([np.cumsum(measures.energy_shares(spectra[pairs[r['module']]]))
-                                 for r in group], axis=0)
+  curve = lambda group: np.mean(
+      [np.cumsum(measures.energy_shares(spectra[pairs[r['module']]])) for r in group], axis=0
+  )
   return {'slowest 25%': curve(kept[:n]), 'fastest 25%': curve(kept[-n:])}
 
 
 def log_multipliers(run: RunLogs, module: str) -> tuple[np.ndarray, np.ndarray]:
   """Fig. 3a: ``(steps (T,), log s (T, r))`` for ``module``."""
   if module not in run.multipliers:
-    raise KeyError(f'module {module!r} has no multipliers in {run.run_dir}/diagnostics '
-                   f'(known: {sorted(run.multipliers)[:5]}...)')
+    raise KeyError(
+        f'module {module!r} has no multipliers in {run.run_dir}/diagnostics '
+        f'(known: {sorted(run.multipliers)[:5]}...)'
+    )
   return run.steps, np.log(np.maximum(run.multipliers[module], np.finfo(np.float64).tiny))
 
 
@@ -147,7 +171,9 @@ def cumulative_energy_mean(spectra: dict[str, np.ndarray]) -> tuple[np.ndarray, 
     raise ValueError('no LoRA spectra (lora_final.safetensors) to average')
   ranks = [sv.shape[-1] for sv in spectra.values()]
   common = max(set(ranks), key=ranks.count)
-  shares = np.stack([measures.energy_shares(sv) for sv in spectra.values() if sv.shape[-1] == common])
+  shares = np.stack(
+      [measures.energy_shares(sv) for sv in spectra.values() if sv.shape[-1] == common]
+  )
   return shares.mean(axis=0), np.cumsum(shares, axis=-1).mean(axis=0)
 
 
@@ -160,12 +186,16 @@ SUMMARY_COLUMNS = (
     ('ordering_rho', 'ordering stability, median Spearman rho'),
     ('effective_rank', 'effective rank of AB (mean over modules)'),
     ('rank', 'nominal rank r (mean over modules)'),
-    ('concentrated_share', f'share of concentrated modules (erank < {measures.CONCENTRATED_BELOW:g} r)'),
+    (
+        'concentrated_share',
+        f'share of concentrated modules (erank < {measures.CONCENTRATED_BELOW:g} r)',
+    ),
 )
 
 
-def summary_row(run: RunLogs, spectra: dict[str, np.ndarray],
-                stability: dict[str, float]) -> dict[str, float]:
+def summary_row(
+    run: RunLogs, spectra: dict[str, np.ndarray], stability: dict[str, float]
+) -> dict[str, float]:
   """The summary table's numbers for one run (``nan`` where an input is missing)."""
   nan = float('nan')
   row = dict.fromkeys((k for k, _ in SUMMARY_COLUMNS), nan)
@@ -173,8 +203,13 @@ def summary_row(run: RunLogs, spectra: dict[str, np.ndarray],
     ratios = [measures.max_min_ratio(nu) for nu in _final(run.nu_bar).values()]
     cvs = [measures.velocity_cv(nu) for nu in _final(run.nu_bar).values()]
     pct = measures.percentile_summary(ratios)
-    row.update(modules=float(len(ratios)), ratio_p50=pct['p50'], ratio_p90=pct['p90'],
-               ratio_p99=pct['p99'], velocity_cv=float(np.mean(cvs)))
+    row.update(
+        modules=float(len(ratios)),
+        ratio_p50=pct['p50'],
+        ratio_p90=pct['p90'],
+        ratio_p99=pct['p99'],
+        velocity_cv=float(np.mean(cvs)),
+    )
   rhos = np.array([v for v in stability.values() if np.isfinite(v)])
   if rhos.size:
     row['ordering_rho'] = float(np.median(rhos))

@@ -6,6 +6,7 @@ magnitude by velocity quartile, Fig. 2c module velocity vs spectral concentratio
 :math:`\log s_k` heatmap, Fig. 3b cumulative singular energy, Fig. 3c per-index energy shift, Fig. 5
 accuracy vs learning rate (sweeps).
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -16,9 +17,16 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-__all__ = ['velocity_bars_figure', 'velocity_trajectory_figure', 'quartile_magnitude_figure',
-           'concentration_figure', 'multiplier_heatmap_figure', 'cumulative_energy_figure',
-           'energy_shift_figure', 'accuracy_vs_lr_figure']
+__all__ = [
+    'velocity_bars_figure',
+    'velocity_trajectory_figure',
+    'quartile_magnitude_figure',
+    'concentration_figure',
+    'multiplier_heatmap_figure',
+    'cumulative_energy_figure',
+    'energy_shift_figure',
+    'accuracy_vs_lr_figure',
+]
 
 
 def _save(fig, path: str) -> str:
@@ -55,8 +63,9 @@ def velocity_bars_figure(runs: Sequence[tuple[str, list[dict], list[str]]], path
   return _save(fig, path)
 
 
-def velocity_trajectory_figure(runs: Sequence[tuple[str, str, np.ndarray, np.ndarray, list[float]]],
-                               path: str) -> str:
+def velocity_trajectory_figure(
+    runs: Sequence[tuple[str, str, np.ndarray, np.ndarray, list[float]]], path: str
+) -> str:
   """Fig. 2a: top row, per-rank velocity over steps for one module (coloured by rank index); bottom
   row, histogram of the per-module Spearman rho (early window vs end). Each run is
   ``(label, module, steps, velocity (T, r), rhos)``."""
@@ -74,14 +83,21 @@ def velocity_trajectory_figure(runs: Sequence[tuple[str, str, np.ndarray, np.nda
     finite = [r for r in rhos if np.isfinite(r)]
     if finite:
       ax.hist(finite, bins=np.linspace(-1, 1, 21), color='tab:green')
-      ax.axvline(float(np.median(finite)), color='k', ls='--', lw=1,
-                 label=f'median {np.median(finite):.2f}')
+      ax.axvline(
+          float(np.median(finite)),
+          color='k',
+          ls='--',
+          lw=1,
+          label=f'median {np.median(finite):.2f}',
+      )
       ax.legend(fontsize=7)
     ax.set(xlabel='Spearman rho, early window vs end', ylabel='modules', xlim=(-1.05, 1.05))
   return _save(fig, path)
 
 
-def quartile_magnitude_figure(runs: Sequence[tuple[str, np.ndarray, np.ndarray, str]], path: str) -> str:
+def quartile_magnitude_figure(
+    runs: Sequence[tuple[str, np.ndarray, np.ndarray, str]], path: str
+) -> str:
   """Fig. 2b: mean normalised magnitude of each velocity quartile over steps; each run is
   ``(label, steps, means (T, 4), source)``."""
   fig, axes = _columns(len(runs))
@@ -97,7 +113,9 @@ def quartile_magnitude_figure(runs: Sequence[tuple[str, np.ndarray, np.ndarray, 
   return _save(fig, path)
 
 
-def concentration_figure(runs: Sequence[tuple[str, list[dict], dict[str, np.ndarray]]], path: str) -> str:
+def concentration_figure(
+    runs: Sequence[tuple[str, list[dict], dict[str, np.ndarray]]], path: str
+) -> str:
   """Fig. 2c: top, module mean velocity vs spectral concentration ``1 - erank/r``; bottom, mean
   cumulative energy of the slowest vs fastest quarter of modules. Each run is
   ``(label, rows, curves)``."""
@@ -119,7 +137,9 @@ def concentration_figure(runs: Sequence[tuple[str, list[dict], dict[str, np.ndar
   return _save(fig, path)
 
 
-def multiplier_heatmap_figure(runs: Sequence[tuple[str, str, np.ndarray, np.ndarray]], path: str) -> str:
+def multiplier_heatmap_figure(
+    runs: Sequence[tuple[str, str, np.ndarray, np.ndarray]], path: str
+) -> str:
   """Fig. 3a: heatmap of :math:`\\log s_k` (rank x step); each run is
   ``(label, module, steps, log_s (T, r))``."""
   fig, axes = _columns(len(runs))
@@ -129,8 +149,9 @@ def multiplier_heatmap_figure(runs: Sequence[tuple[str, str, np.ndarray, np.ndar
     steps = np.asarray(steps, np.float64)
     half = np.diff(steps) / 2 if len(steps) > 1 else np.array([0.5])
     edges = np.concatenate([[steps[0] - half[0]], steps[:-1] + half, [steps[-1] + half[-1]]])
-    image = ax.pcolormesh(edges, np.arange(log_s.shape[-1] + 1) - 0.5, log_s.T, cmap='RdBu_r',
-                          vmin=-bound, vmax=bound)
+    image = ax.pcolormesh(
+        edges, np.arange(log_s.shape[-1] + 1) - 0.5, log_s.T, cmap='RdBu_r', vmin=-bound, vmax=bound
+    )
     ax.set(title=f'{label}: {module}', xlabel='step', ylabel='rank-one component k')
     ax.title.set_fontsize(8)
     fig.colorbar(image, ax=ax, label='log s_k')
@@ -167,8 +188,14 @@ def accuracy_vs_lr_figure(table: Sequence[dict], path: str, *, metric: str = 'av
   ax = axes[0, 0]
   for method in dict.fromkeys(r['method'] for r in table):
     rows = sorted((r for r in table if r['method'] == method), key=lambda r: r['learning_rate'])
-    ax.errorbar([r['learning_rate'] for r in rows], [r['mean'] for r in rows],
-                yerr=[r['std'] for r in rows], marker='o', capsize=3, label=method)
+    ax.errorbar(
+        [r['learning_rate'] for r in rows],
+        [r['mean'] for r in rows],
+        yerr=[r['std'] for r in rows],
+        marker='o',
+        capsize=3,
+        label=method,
+    )
   ax.set_xscale('log')
   ax.set(xlabel='learning rate', ylabel=f'accuracy ({metric})')
   ax.legend(fontsize=8)

@@ -13,6 +13,7 @@ r"""Reads what ``anlr train`` leaves in a run directory, for :mod:`anlr_jax.anal
 Every missing input is recorded in :attr:`RunLogs.missing` as a message naming the file and how to get
 it; the analysis draws what the remaining inputs allow.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,9 +24,18 @@ from typing import Mapping
 
 import numpy as np
 
-__all__ = ['RunLogs', 'load_run', 'load_diagnostics', 'load_lora', 'split_batch_axes', 'match_modules']
+__all__ = [
+    'RunLogs',
+    'load_run',
+    'load_diagnostics',
+    'load_lora',
+    'split_batch_axes',
+    'match_modules',
+]
 
-_DIAG_KEY = re.compile(r"^\['(?P<group>modules|magnitudes)'\]\['(?P<module>.+?)'\](?:\['(?P<field>\w+)'\])?$")
+_DIAG_KEY = re.compile(
+    r"^\['(?P<group>modules|magnitudes)'\]\['(?P<module>.+?)'\](?:\['(?P<field>\w+)'\])?$"
+)
 _STEP_FILE = re.compile(r'^step_(\d+)\.npz$')
 _FIELDS = ('nu_bar', 'snr', 'multipliers')
 
@@ -44,6 +54,7 @@ class RunLogs:
     results: ``results.json`` contents, if any.
     missing: messages naming the missing inputs and how to produce them.
   """
+
   run_dir: str
   label: str
   steps: np.ndarray
@@ -63,7 +74,7 @@ class RunLogs:
 def split_batch_axes(name: str, array: np.ndarray, trailing: int) -> dict[str, np.ndarray]:
   """Splits leading batch axes of ``array`` (all but the last ``trailing``) into modules
   ``name[i]`` / ``name[i,j]``; no leading axes -> ``{name: array}``."""
-  lead = array.shape[:array.ndim - trailing]
+  lead = array.shape[: array.ndim - trailing]
   if not lead:
     return {name: array}
   return {f"{name}[{','.join(map(str, idx))}]": array[idx] for idx in np.ndindex(*lead)}
@@ -78,14 +89,18 @@ def load_diagnostics(run_dir: str):
       (the message names the file).
   """
   folder = os.path.join(run_dir, 'diagnostics')
-  files = sorted((int(m.group(1)), f) for f in (os.listdir(folder) if os.path.isdir(folder) else [])
-                 if (m := _STEP_FILE.match(f)))
+  files = sorted(
+      (int(m.group(1)), f)
+      for f in (os.listdir(folder) if os.path.isdir(folder) else [])
+      if (m := _STEP_FILE.match(f))
+  )
   if not files:
     raise FileNotFoundError(
         f'{folder}/step_*.npz not found: per-rank diagnostics are written only when training with the '
         f'AnLR optimizer and a diagnostic interval, e.g. `anlr train ... trainer.diag_every=50` '
-        f"(plain `lora` trains with optax.adamw, which keeps no per-rank state: log a LoRA baseline "
-        f"with AnLR's signal='uniform', s_k = 1, whose updates are plain LoRA's).")
+        f'(plain `lora` trains with optax.adamw, which keeps no per-rank state: log a LoRA baseline '
+        f"with AnLR's signal='uniform', s_k = 1, whose updates are plain LoRA's)."
+    )
   series: dict[str, dict[str, list]] = {f: {} for f in _FIELDS + ('magnitudes',)}
   for index, (step, fname) in enumerate(files):
     path = os.path.join(folder, fname)
@@ -98,9 +113,13 @@ def load_diagnostics(run_dir: str):
         field = 'magnitudes' if m.group('group') == 'magnitudes' else m.group('field')
         if field not in series:
           continue
-        snapshot[field].update(split_batch_axes(m.group('module'), np.asarray(arrays[key], np.float64), 1))
+        snapshot[field].update(
+            split_batch_axes(m.group('module'), np.asarray(arrays[key], np.float64), 1)
+        )
     if not snapshot['nu_bar']:
-      raise ValueError(f"{path}: no ['modules'][<module>]['nu_bar'] arrays (is it an AnLR diagnostics file?)")
+      raise ValueError(
+          f"{path}: no ['modules'][<module>]['nu_bar'] arrays (is it an AnLR diagnostics file?)"
+      )
     for field, modules in snapshot.items():
       if index and set(modules) != set(series[field]):
         raise ValueError(f'{path}: modules of {field!r} differ from the earlier snapshots')
@@ -125,8 +144,10 @@ def load_lora(path: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
   """
   if not os.path.exists(path):
     raise FileNotFoundError(
-        f'{path} not found: `anlr train` writes it at the end of training (re-run or finish the run).')
+        f'{path} not found: `anlr train` writes it at the end of training (re-run or finish the run).'
+    )
   from safetensors.numpy import load_file
+
   tensors = load_file(path)
   factors: dict[str, dict[str, np.ndarray]] = {}
   for key, value in tensors.items():
@@ -143,8 +164,10 @@ def load_lora(path: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         raise ValueError(f'{path}: key {module}/{have} has no sibling {module}/{need}')
     a, b = pair['lora_a'], pair['lora_b']
     if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2] or a.shape[:-2] != b.shape[:-2]:
-      raise ValueError(f'{path}: {module}/lora_a {a.shape} and {module}/lora_b {b.shape} are not '
-                       f'(..., d_in, r) and (..., r, d_out)')
+      raise ValueError(
+          f'{path}: {module}/lora_a {a.shape} and {module}/lora_b {b.shape} are not '
+          f'(..., d_in, r) and (..., r, d_out)'
+      )
     a_split, b_split = split_batch_axes(module, a, 2), split_batch_axes(module, b, 2)
     out.update({name: (a_split[name], b_split[name]) for name in a_split})
   return out
@@ -156,7 +179,8 @@ def _normalise(name: str) -> str:
 
 def match_modules(names_a, names_b) -> dict[str, str]:
   """Pairs module names of two sources (e.g. diagnostics and ``lora_final``): exact after normalising
-  ``.``/``/`` separators, else a unique suffix match. Returns ``{name_a: name_b}`` for the pairs found."""
+  ``.``/``/`` separators, else a unique suffix match. Returns ``{name_a: name_b}`` for the pairs found.
+  """
   norm_b = {_normalise(n): n for n in names_b}
   out = {}
   for name in names_a:
@@ -176,6 +200,7 @@ def _label(run_dir: str, results: Mapping | None) -> str:
   config = os.path.join(run_dir, 'config.yaml')
   if os.path.exists(config):
     import yaml
+
     with open(config) as f:
       data = yaml.safe_load(f) or {}
     if isinstance(data, Mapping) and data.get('method'):
@@ -210,12 +235,22 @@ def load_run(run_dir: str) -> RunLogs:
     missing.append(
         f"{os.path.join(run_dir, 'diagnostics')}: no ['magnitudes'] arrays (per-rank |A_k||B_k| from "
         f'anlr_jax.analysis.rank_magnitudes at diagnostic steps); Fig. 2b uses the accumulated '
-        f'velocity (path length) instead.')
+        f'velocity (path length) instead.'
+    )
   try:
     lora = load_lora(os.path.join(run_dir, 'lora_final.safetensors'))
   except FileNotFoundError as e:
     missing.append(str(e))
     lora = {}
-  return RunLogs(run_dir=run_dir, label=_label(run_dir, results), steps=steps,
-                 nu_bar=series['nu_bar'], snr=series['snr'], multipliers=series['multipliers'],
-                 magnitudes=series['magnitudes'], lora=lora, results=results, missing=missing)
+  return RunLogs(
+      run_dir=run_dir,
+      label=_label(run_dir, results),
+      steps=steps,
+      nu_bar=series['nu_bar'],
+      snr=series['snr'],
+      multipliers=series['multipliers'],
+      magnitudes=series['magnitudes'],
+      lora=lora,
+      results=results,
+      missing=missing,
+  )

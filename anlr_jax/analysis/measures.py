@@ -24,6 +24,7 @@ EMA :math:`\bar\nu_k`):
 
 Leading axes of every array are batch axes (modules, steps, ...); the rank axis is last.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -35,10 +36,24 @@ import numpy as np
 from anlr_jax.optim.dims import LoraDimsSpec, find_lora_modules
 
 __all__ = [
-    'CONCENTRATED_BELOW', 'normalised_velocity', 'max_min_ratio', 'velocity_cv', 'average_ranks',
-    'spearman', 'ordering_stability', 'velocity_quartiles', 'quartile_means', 'energy_shares',
-    'effective_rank_np', 'spectral_concentration', 'top_k_energy', 'is_concentrated',
-    'energy_shift', 'rank_magnitudes', 'rank_magnitudes_np', 'percentile_summary',
+    'CONCENTRATED_BELOW',
+    'normalised_velocity',
+    'max_min_ratio',
+    'velocity_cv',
+    'average_ranks',
+    'spearman',
+    'ordering_stability',
+    'velocity_quartiles',
+    'quartile_means',
+    'energy_shares',
+    'effective_rank_np',
+    'spectral_concentration',
+    'top_k_energy',
+    'is_concentrated',
+    'energy_shift',
+    'rank_magnitudes',
+    'rank_magnitudes_np',
+    'percentile_summary',
 ]
 
 CONCENTRATED_BELOW = 0.5
@@ -80,8 +95,9 @@ def average_ranks(x) -> np.ndarray:
   x = _float(x)
   order = np.argsort(x, axis=-1, kind='stable')
   ranks = np.empty_like(x)
-  np.put_along_axis(ranks, order, np.broadcast_to(np.arange(x.shape[-1], dtype=np.float64), x.shape),
-                    axis=-1)
+  np.put_along_axis(
+      ranks, order, np.broadcast_to(np.arange(x.shape[-1], dtype=np.float64), x.shape), axis=-1
+  )
   flat_x = x.reshape(-1, x.shape[-1])
   flat_r = ranks.reshape(-1, x.shape[-1])
   for row_x, row_r in zip(flat_x, flat_r):  # host-side analysis; ties are rare, fix them per row
@@ -107,7 +123,9 @@ def spearman(x, y) -> np.ndarray:
     return np.where(den > 0, (rx * ry).sum(axis=-1) / den, np.nan)
 
 
-def ordering_stability(trajectory, *, early_fraction: float = 0.1, min_early: int = 1) -> np.ndarray:
+def ordering_stability(
+    trajectory, *, early_fraction: float = 0.1, min_early: int = 1
+) -> np.ndarray:
   r"""Spearman's :math:`\rho` between the early-window mean velocity and the final velocity.
 
   Args:
@@ -121,7 +139,9 @@ def ordering_stability(trajectory, *, early_fraction: float = 0.1, min_early: in
   """
   traj = _float(trajectory)
   if traj.ndim < 2 or traj.shape[0] < 2:
-    raise ValueError(f'ordering_stability needs a (T>=2, ..., r) trajectory, got shape {traj.shape}')
+    raise ValueError(
+        f'ordering_stability needs a (T>=2, ..., r) trajectory, got shape {traj.shape}'
+    )
   if not 0.0 < early_fraction < 1.0:
     raise ValueError(f'early_fraction={early_fraction} must be in (0, 1)')
   n_early = min(max(min_early, int(early_fraction * traj.shape[0])), traj.shape[0] - 1)
@@ -147,7 +167,9 @@ def quartile_means(values, quartiles) -> np.ndarray:
   quartiles = np.asarray(quartiles)
   extra = values.ndim - quartiles.ndim
   if extra < 0 or values.shape[extra:] != quartiles.shape:
-    raise ValueError(f'values shape {values.shape} does not end with quartiles shape {quartiles.shape}')
+    raise ValueError(
+        f'values shape {values.shape} does not end with quartiles shape {quartiles.shape}'
+    )
   flat = values.reshape(values.shape[:extra] + (-1,))
   q = quartiles.reshape(-1)
   out = np.full(values.shape[:extra] + (4,), np.nan)
@@ -233,12 +255,14 @@ def rank_magnitudes(lora_params: Any, lora_dims: LoraDimsSpec = None) -> dict[st
   Returns:
     ``{module name: (..., r)}`` in float32, with the module names of :func:`anlr_jax.diagnostics`.
   """
-  leaves = [_value(x) for x in jax.tree.leaves(lora_params)]  # the flattening find_lora_modules indexes
+  leaves = [
+      _value(x) for x in jax.tree.leaves(lora_params)
+  ]  # the flattening find_lora_modules indexes
   out = {}
   for module in find_lora_modules(lora_params, lora_dims):
     a = jnp.asarray(leaves[module.a_index], jnp.float32)
     b = jnp.asarray(leaves[module.b_index], jnp.float32)
-    out[module.name] = (jnp.linalg.norm(a, axis=module.a_feature_axis)
-                        * jnp.linalg.norm(b, axis=module.b_feature_axis))
+    out[module.name] = jnp.linalg.norm(a, axis=module.a_feature_axis) * jnp.linalg.norm(
+        b, axis=module.b_feature_axis
+    )
   return out
-

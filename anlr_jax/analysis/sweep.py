@@ -7,6 +7,7 @@ only the rest. Per method and LR the table gives the mean and the sample standar
 (``ddof=1``; 0 for a single seed) of ``results.json["avg"]`` over the finished seeds:
 :math:`\bar a = \frac1n\sum_i a_i`, :math:`s = \sqrt{\frac{1}{n-1}\sum_i (a_i - \bar a)^2}`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,17 @@ import numpy as np
 
 from anlr_jax.analysis.tables import write_csv, write_markdown
 
-__all__ = ['SweepCell', 'Runner', 'grid', 'cell_dir', 'subprocess_runner', 'run_sweep',
-           'collect_results', 'aggregate', 'write_sweep_report']
+__all__ = [
+    'SweepCell',
+    'Runner',
+    'grid',
+    'cell_dir',
+    'subprocess_runner',
+    'run_sweep',
+    'collect_results',
+    'aggregate',
+    'write_sweep_report',
+]
 
 logger = logging.getLogger('anlr_jax.sweep')
 
@@ -30,6 +40,7 @@ logger = logging.getLogger('anlr_jax.sweep')
 @dataclasses.dataclass(frozen=True)
 class SweepCell:
   """One run of the grid."""
+
   method: str
   learning_rate: float
   seed: int
@@ -42,7 +53,9 @@ Runner = Callable[[SweepCell, str], None]
 """Runs one cell so that it leaves ``<run_dir>/results.json``; raises on failure."""
 
 
-def grid(methods: Sequence[str], learning_rates: Sequence[float], seeds: Sequence[int]) -> list[SweepCell]:
+def grid(
+    methods: Sequence[str], learning_rates: Sequence[float], seeds: Sequence[int]
+) -> list[SweepCell]:
   """All cells, method-major then LR then seed. Raises ``ValueError`` on an empty or repeated axis."""
   for name, values in (('methods', methods), ('learning rates', learning_rates), ('seeds', seeds)):
     if not values:
@@ -60,17 +73,30 @@ def cell_dir(out: str, cell: SweepCell) -> str:
   return os.path.join(out, cell.method, f'lr{cell.learning_rate:g}', f'seed{cell.seed}')
 
 
-def subprocess_runner(config: str, overrides: Sequence[str] = (), *,
-                      python: str = sys.executable) -> Runner:
+def subprocess_runner(
+    config: str, overrides: Sequence[str] = (), *, python: str = sys.executable
+) -> Runner:
   """The default runner: ``python -m anlr_jax.cli train --config CONFIG run_dir=<cell dir>
   method=<m> trainer.learning_rate=<lr> seed=<s> compare=[] *overrides``, output to
-  ``<cell dir>/train.log``. ``compare=[]`` because a config's ``compare`` list would replace ``method``."""
+  ``<cell dir>/train.log``. ``compare=[]`` because a config's ``compare`` list would replace ``method``.
+  """
 
   def run(cell: SweepCell, run_dir: str) -> None:
     os.makedirs(run_dir, exist_ok=True)
-    command = [python, '-m', 'anlr_jax.cli', 'train', '--config', config, f'run_dir={run_dir}',
-               f'method={cell.method}', f'trainer.learning_rate={cell.learning_rate!r}',
-               f'seed={cell.seed}', 'compare=[]', *overrides]
+    command = [
+        python,
+        '-m',
+        'anlr_jax.cli',
+        'train',
+        '--config',
+        config,
+        f'run_dir={run_dir}',
+        f'method={cell.method}',
+        f'trainer.learning_rate={cell.learning_rate!r}',
+        f'seed={cell.seed}',
+        'compare=[]',
+        *overrides,
+    ]
     log_path = os.path.join(run_dir, 'train.log')
     with open(log_path, 'a') as log_file:
       log_file.write('$ ' + ' '.join(command) + '\n')
@@ -86,8 +112,14 @@ def _results_path(out: str, cell: SweepCell) -> str:
   return os.path.join(cell_dir(out, cell), 'results.json')
 
 
-def run_sweep(cells: Sequence[SweepCell], out: str, runner: Runner, *,
-              log: Callable[[str], None] | None = None, progress: bool | None = None) -> list[SweepCell]:
+def run_sweep(
+    cells: Sequence[SweepCell],
+    out: str,
+    runner: Runner,
+    *,
+    log: Callable[[str], None] | None = None,
+    progress: bool | None = None,
+) -> list[SweepCell]:
   """Runs every unfinished cell in order; returns the cells it ran.
 
   A cell is finished when ``<cell dir>/results.json`` exists (it is then skipped, the runner not
@@ -105,6 +137,7 @@ def run_sweep(cells: Sequence[SweepCell], out: str, runner: Runner, *,
   use_bar = sys.stderr.isatty() if progress is None else progress
   if use_bar and todo:
     from tqdm.auto import tqdm
+
     bar = tqdm(total=len(cells), initial=done, desc='sweep', dynamic_ncols=True)
   ran = []
   try:
@@ -113,8 +146,9 @@ def run_sweep(cells: Sequence[SweepCell], out: str, runner: Runner, *,
       log(f'sweep [{done + i + 1}/{len(cells)}] {cell.describe()} -> {run_dir}')
       runner(cell, run_dir)
       if not os.path.exists(_results_path(out, cell)):
-        raise RuntimeError(f'sweep cell {cell.describe()} finished without writing '
-                           f'{_results_path(out, cell)}')
+        raise RuntimeError(
+            f'sweep cell {cell.describe()} finished without writing ' f'{_results_path(out, cell)}'
+        )
       ran.append(cell)
       if bar is not None:
         bar.update(1)
@@ -142,8 +176,12 @@ def collect_results(cells: Sequence[SweepCell], out: str) -> list[dict]:
         raise ValueError(f'{path}: not valid JSON ({e})') from e
     if not isinstance(result.get('avg'), (int, float)):
       raise ValueError(f'{path}: needs a numeric "avg" (got {result.get("avg")!r})')
-    row = dict(method=cell.method, learning_rate=cell.learning_rate, seed=cell.seed,
-               avg=float(result['avg']))
+    row = dict(
+        method=cell.method,
+        learning_rate=cell.learning_rate,
+        seed=cell.seed,
+        avg=float(result['avg']),
+    )
     row.update({f'acc/{task}': float(v) for task, v in (result.get('accuracy') or {}).items()})
     rows.append(row)
   return rows
@@ -159,8 +197,15 @@ def aggregate(rows: Sequence[dict], metric: str = 'avg') -> list[dict]:
   out = []
   for (method, lr), values in groups.items():
     v = np.asarray(values)
-    out.append(dict(method=method, learning_rate=lr, n=len(v), mean=float(v.mean()),
-                    std=float(v.std(ddof=1)) if len(v) > 1 else 0.0))
+    out.append(
+        dict(
+            method=method,
+            learning_rate=lr,
+            n=len(v),
+            mean=float(v.mean()),
+            std=float(v.std(ddof=1)) if len(v) > 1 else 0.0,
+        )
+    )
   return out
 
 
@@ -168,19 +213,27 @@ def write_sweep_report(cells: Sequence[SweepCell], out: str) -> dict[str, str]:
   """Writes ``results.csv`` (one row per finished cell), ``summary.csv``, ``summary.md`` (methods x
   LRs, ``mean ± std (n)``) and ``accuracy_vs_lr.png`` into ``out``; returns their paths by name."""
   from anlr_jax.analysis.figures import accuracy_vs_lr_figure
+
   rows = collect_results(cells, out)
   table = aggregate(rows)
-  paths = dict(results=write_csv(os.path.join(out, 'results.csv'), rows),
-               summary=write_csv(os.path.join(out, 'summary.csv'), table,
-                                 ['method', 'learning_rate', 'n', 'mean', 'std']))
+  paths = dict(
+      results=write_csv(os.path.join(out, 'results.csv'), rows),
+      summary=write_csv(
+          os.path.join(out, 'summary.csv'), table, ['method', 'learning_rate', 'n', 'mean', 'std']
+      ),
+  )
   lrs = sorted({c.learning_rate for c in cells})
   methods = list(dict.fromkeys(c.method for c in cells))
-  cell_text = {(r['method'], r['learning_rate']): f"{r['mean']:.4g} ± {r['std']:.2g} ({r['n']})"
-               for r in table}
+  cell_text = {
+      (r['method'], r['learning_rate']): f"{r['mean']:.4g} ± {r['std']:.2g} ({r['n']})"
+      for r in table
+  }
   paths['markdown'] = write_markdown(
-      os.path.join(out, 'summary.md'), ['method'] + [f'{lr:g}' for lr in lrs],
+      os.path.join(out, 'summary.md'),
+      ['method'] + [f'{lr:g}' for lr in lrs],
       [[m] + [cell_text.get((m, lr), '-') for lr in lrs] for m in methods],
-      title='Accuracy (avg) vs learning rate: mean ± std (seeds)')
+      title='Accuracy (avg) vs learning rate: mean ± std (seeds)',
+  )
   if table:
     paths['plot'] = accuracy_vs_lr_figure(table, os.path.join(out, 'accuracy_vs_lr.png'))
   return paths

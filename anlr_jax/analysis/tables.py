@@ -1,4 +1,5 @@
 """CSV and Markdown table writers shared by ``anlr analyze`` and ``anlr sweep``."""
+
 from __future__ import annotations
 
 import csv
@@ -32,7 +33,9 @@ def write_csv(path: str, rows: Sequence[dict], fields: Sequence[str] | None = No
   return path
 
 
-def write_markdown(path: str, header: Sequence[str], rows: Sequence[Sequence], title: str = '') -> str:
+def write_markdown(
+    path: str, header: Sequence[str], rows: Sequence[Sequence], title: str = ''
+) -> str:
   """A GitHub Markdown table; cells go through :func:`format_number`."""
   lines = [f'# {title}', ''] if title else []
   lines.append('| ' + ' | '.join(header) + ' |')

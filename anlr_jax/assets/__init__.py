@@ -9,6 +9,7 @@ scored as the ``exact_match`` task) and the numbers measured while building it
 by ``python scripts/build_quickstart.py --out anlr_jax/assets/quickstart``; see
 ``docs/quickstart_assets.md``.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -35,12 +36,22 @@ def quickstart_dir() -> pathlib.Path:
   if not path.is_dir():
     raise FileNotFoundError(
         f"quickstart assets not found at {path}; rebuild them with "
-        "`python scripts/build_quickstart.py --out anlr_jax/assets/quickstart`.")
+        "`python scripts/build_quickstart.py --out anlr_jax/assets/quickstart`."
+    )
   return path
 
 
 __all__ = [
-    "BUILD_INFO_FILE", "CONFIG_FILE", "QUICKSTART_DIRNAME", "QUICKSTART_SEED", "QUICKSTART_TASK",
-    "TEST_FILE", "TOKENIZER_CONFIG_FILE", "TOKENIZER_FILE", "TRAIN_FILE", "WEIGHTS_FILE",
-    "WORLD_FILE", "quickstart_dir",
+    "BUILD_INFO_FILE",
+    "CONFIG_FILE",
+    "QUICKSTART_DIRNAME",
+    "QUICKSTART_SEED",
+    "QUICKSTART_TASK",
+    "TEST_FILE",
+    "TOKENIZER_CONFIG_FILE",
+    "TOKENIZER_FILE",
+    "TRAIN_FILE",
+    "WEIGHTS_FILE",
+    "WORLD_FILE",
+    "quickstart_dir",
 ]

@@ -1,4 +1,5 @@
 """Instruction-tuning data: file formats, tokenisation with response-only loss masks, batch sources."""
+
 from anlr_jax.data.formats import (
     FORMATS,
     DataFormatError,

@@ -38,6 +38,7 @@ ignored). A malformed record raises `DataFormatError` naming the file and the 1-
 record starts, or with ``on_error="skip"`` is skipped and counted in `ReadResult.skipped`. A syntax
 error inside a JSON list always raises: the rest of the list cannot be located reliably.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,49 +66,49 @@ ALPACA_PREAMBLE_WITH_INPUT = (
 
 
 class DataFormatError(ValueError):
-    """A data file or record that cannot be read; the message names the file and line."""
+  """A data file or record that cannot be read; the message names the file and line."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    """One training example: `turns` of `(prompt, response)`; `source_line` is its 1-based line."""
+  """One training example: `turns` of `(prompt, response)`; `source_line` is its 1-based line."""
 
-    turns: tuple[Turn, ...]
-    source_line: int = 0
+  turns: tuple[Turn, ...]
+  source_line: int = 0
 
-    @property
-    def prompt(self) -> str:
-        """The first turn's prompt (what a single-turn model is given at evaluation)."""
-        return self.turns[0][0]
+  @property
+  def prompt(self) -> str:
+    """The first turn's prompt (what a single-turn model is given at evaluation)."""
+    return self.turns[0][0]
 
-    @property
-    def response(self) -> str:
-        """The first turn's response."""
-        return self.turns[0][1]
+  @property
+  def response(self) -> str:
+    """The first turn's response."""
+    return self.turns[0][1]
 
 
 @dataclasses.dataclass(frozen=True)
 class ReadResult:
-    """Examples read from a file, the format used, and the records skipped as `(line, reason)`."""
+  """Examples read from a file, the format used, and the records skipped as `(line, reason)`."""
 
-    examples: list[Example]
-    format: str
-    skipped_records: tuple[tuple[int, str], ...] = ()
+  examples: list[Example]
+  format: str
+  skipped_records: tuple[tuple[int, str], ...] = ()
 
-    @property
-    def skipped(self) -> int:
-        """How many malformed records were skipped (only non-zero with ``on_error="skip"``)."""
-        return len(self.skipped_records)
+  @property
+  def skipped(self) -> int:
+    """How many malformed records were skipped (only non-zero with ``on_error="skip"``)."""
+    return len(self.skipped_records)
 
 
 def alpaca_prompt(instruction: str, input: str | None = None) -> str:  # noqa: A002 (dataset key)
-    """The Alpaca / LLM-Adapters prompt for `instruction` (and optional `input`), up to "### Response:\\n"."""
-    if input and input.strip():
-        return (
-            f"{ALPACA_PREAMBLE_WITH_INPUT}### Instruction:\n{instruction}\n\n"
-            f"### Input:\n{input}\n\n### Response:\n"
-        )
-    return f"{ALPACA_PREAMBLE}### Instruction:\n{instruction}\n\n### Response:\n"
+  """The Alpaca / LLM-Adapters prompt for `instruction` (and optional `input`), up to "### Response:\\n"."""
+  if input and input.strip():
+    return (
+        f"{ALPACA_PREAMBLE_WITH_INPUT}### Instruction:\n{instruction}\n\n"
+        f"### Input:\n{input}\n\n### Response:\n"
+    )
+  return f"{ALPACA_PREAMBLE}### Instruction:\n{instruction}\n\n### Response:\n"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -115,100 +116,113 @@ def alpaca_prompt(instruction: str, input: str | None = None) -> str:  # noqa: A
 
 
 class _RecordError(Exception):
-    """A malformed record; the reader adds the file and line."""
+  """A malformed record; the reader adds the file and line."""
 
 
 def _text(record: Mapping[str, Any], key: str, *, optional: bool = False) -> str:
-    if key not in record or record[key] is None:
-        if optional:
-            return ""
-        raise _RecordError(f"missing key {key!r} (keys: {sorted(record)})")
-    value = record[key]
-    if not isinstance(value, str):
-        raise _RecordError(f"key {key!r} must be a string, got {type(value).__name__}")
-    if not optional and not value.strip():
-        raise _RecordError(f"key {key!r} is empty")
-    return value
+  if key not in record or record[key] is None:
+    if optional:
+      return ""
+    raise _RecordError(f"missing key {key!r} (keys: {sorted(record)})")
+  value = record[key]
+  if not isinstance(value, str):
+    raise _RecordError(f"key {key!r} must be a string, got {type(value).__name__}")
+  if not optional and not value.strip():
+    raise _RecordError(f"key {key!r} is empty")
+  return value
 
 
 def _alpaca_turns(record: Mapping[str, Any]) -> tuple[Turn, ...]:
-    prompt = alpaca_prompt(_text(record, "instruction"), _text(record, "input", optional=True))
-    return ((prompt, _text(record, "output")),)
+  prompt = alpaca_prompt(_text(record, "instruction"), _text(record, "input", optional=True))
+  return ((prompt, _text(record, "output")),)
 
 
 def _commonsense_turns(record: Mapping[str, Any]) -> tuple[Turn, ...]:
-    _text(record, "answer")  # the label must be present, even though `output` is what is trained on
-    return _alpaca_turns(record)
+  _text(record, "answer")  # the label must be present, even though `output` is what is trained on
+  return _alpaca_turns(record)
 
 
 def _metamath_turns(record: Mapping[str, Any]) -> tuple[Turn, ...]:
-    return ((alpaca_prompt(_text(record, "query")), _text(record, "response")),)
+  return ((alpaca_prompt(_text(record, "query")), _text(record, "response")),)
 
 
 def _completion_turns(record: Mapping[str, Any]) -> tuple[Turn, ...]:
-    return ((_text(record, "prompt", optional=True), _text(record, "completion")),)
+  return ((_text(record, "prompt", optional=True), _text(record, "completion")),)
 
 
 def _chat_turns(
     messages: Any, *, list_key: str, role_key: str, content_key: str, roles: Mapping[str, str]
 ) -> tuple[Turn, ...]:
-    """Turns from chat messages; `roles` maps the file's role names to system/user/assistant."""
-    if not isinstance(messages, list) or not messages:
-        raise _RecordError(f"key {list_key!r} must be a non-empty list of messages")
-    turns: list[Turn] = []
-    system = ""
-    users: list[str] = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise _RecordError(f"{list_key}[{i}] must be an object, got {type(message).__name__}")
-        role = message.get(role_key)
-        if role not in roles:
-            raise _RecordError(f"{list_key}[{i}].{role_key} is {role!r}; expected one of {sorted(roles)}")
-        content = message.get(content_key)
-        if not isinstance(content, str):
-            raise _RecordError(f"{list_key}[{i}].{content_key} must be a string")
-        kind = roles[role]
-        if kind == "system":
-            if turns or users:
-                raise _RecordError(f"{list_key}[{i}]: a system message must come first")
-            system = content
-        elif kind == "user":
-            users.append(content)
-        else:
-            if not content.strip():
-                raise _RecordError(f"{list_key}[{i}]: empty assistant message")
-            if not turns:
-                head = f"{system}\n\n" if system.strip() else ALPACA_PREAMBLE
-            else:
-                head = ""
-            user_text = "\n\n".join(users)
-            prompt = head + (f"### Instruction:\n{user_text}\n\n" if users else "")
-            turns.append((prompt + "### Response:\n", content))
-            users = []
-    if not turns:
-        raise _RecordError(f"key {list_key!r} has no assistant message to train on")
-    return tuple(turns)
+  """Turns from chat messages; `roles` maps the file's role names to system/user/assistant."""
+  if not isinstance(messages, list) or not messages:
+    raise _RecordError(f"key {list_key!r} must be a non-empty list of messages")
+  turns: list[Turn] = []
+  system = ""
+  users: list[str] = []
+  for i, message in enumerate(messages):
+    if not isinstance(message, Mapping):
+      raise _RecordError(f"{list_key}[{i}] must be an object, got {type(message).__name__}")
+    role = message.get(role_key)
+    if role not in roles:
+      raise _RecordError(f"{list_key}[{i}].{role_key} is {role!r}; expected one of {sorted(roles)}")
+    content = message.get(content_key)
+    if not isinstance(content, str):
+      raise _RecordError(f"{list_key}[{i}].{content_key} must be a string")
+    kind = roles[role]
+    if kind == "system":
+      if turns or users:
+        raise _RecordError(f"{list_key}[{i}]: a system message must come first")
+      system = content
+    elif kind == "user":
+      users.append(content)
+    else:
+      if not content.strip():
+        raise _RecordError(f"{list_key}[{i}]: empty assistant message")
+      if not turns:
+        head = f"{system}\n\n" if system.strip() else ALPACA_PREAMBLE
+      else:
+        head = ""
+      user_text = "\n\n".join(users)
+      prompt = head + (f"### Instruction:\n{user_text}\n\n" if users else "")
+      turns.append((prompt + "### Response:\n", content))
+      users = []
+  if not turns:
+    raise _RecordError(f"key {list_key!r} has no assistant message to train on")
+  return tuple(turns)
 
 
 def _messages_turns(record: Mapping[str, Any]) -> tuple[Turn, ...]:
-    roles = {"system": "system", "user": "user", "assistant": "assistant"}
-    return _chat_turns(
-        record.get("messages"), list_key="messages", role_key="role", content_key="content", roles=roles
-    )
+  roles = {"system": "system", "user": "user", "assistant": "assistant"}
+  return _chat_turns(
+      record.get("messages"),
+      list_key="messages",
+      role_key="role",
+      content_key="content",
+      roles=roles,
+  )
 
 
 def _sharegpt_turns(record: Mapping[str, Any]) -> tuple[Turn, ...]:
-    roles = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
-    return _chat_turns(
-        record.get("conversations"), list_key="conversations", role_key="from", content_key="value",
-        roles=roles,
-    )
+  roles = {
+      "system": "system",
+      "human": "user",
+      "user": "user",
+      "gpt": "assistant",
+      "assistant": "assistant",
+  }
+  return _chat_turns(
+      record.get("conversations"),
+      list_key="conversations",
+      role_key="from",
+      content_key="value",
+      roles=roles,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class _Format:
-    required_keys: frozenset[str]
-    turns: Callable[[Mapping[str, Any]], tuple[Turn, ...]]
+  required_keys: frozenset[str]
+  turns: Callable[[Mapping[str, Any]], tuple[Turn, ...]]
 
 
 FORMATS: dict[str, _Format] = {
@@ -224,14 +238,14 @@ FORMATS: dict[str, _Format] = {
 
 
 def detect_format(record: Mapping[str, Any]) -> str:
-    """The name of the first format in `FORMATS` whose identifying keys are all in `record`."""
-    for name, spec in FORMATS.items():
-        if spec.required_keys <= record.keys():
-            return name
-    raise _RecordError(
-        f"cannot detect the format from keys {sorted(record)}; known formats and their keys: "
-        + ", ".join(f"{n}={sorted(s.required_keys)}" for n, s in FORMATS.items())
-    )
+  """The name of the first format in `FORMATS` whose identifying keys are all in `record`."""
+  for name, spec in FORMATS.items():
+    if spec.required_keys <= record.keys():
+      return name
+  raise _RecordError(
+      f"cannot detect the format from keys {sorted(record)}; known formats and their keys: "
+      + ", ".join(f"{n}={sorted(s.required_keys)}" for n, s in FORMATS.items())
+  )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -239,95 +253,102 @@ def detect_format(record: Mapping[str, Any]) -> str:
 
 
 def _line_of(text: str, pos: int) -> int:
-    return text.count("\n", 0, pos) + 1
+  return text.count("\n", 0, pos) + 1
 
 
 def _scan_json_list(text: str, path: str) -> Iterator[tuple[int, Any]]:
-    decoder = json.JSONDecoder()
-    pos = len(text) - len(text.lstrip()) + 1  # just after "["
-    expect_value = True
-    while True:
-        while pos < len(text) and text[pos].isspace():
-            pos += 1
-        if pos >= len(text):
-            raise DataFormatError(f"{path}:{_line_of(text, pos)}: unterminated JSON list")
-        if text[pos] == "]":
-            if text[pos + 1:].strip():
-                raise DataFormatError(f"{path}:{_line_of(text, pos + 1)}: extra data after the JSON list")
-            return
-        if not expect_value:
-            if text[pos] != ",":
-                raise DataFormatError(f"{path}:{_line_of(text, pos)}: expected ',' or ']' in the JSON list")
-            pos += 1
-            expect_value = True
-            continue
-        try:
-            value, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as err:
-            raise DataFormatError(f"{path}:{err.lineno}: invalid JSON: {err.msg}") from None
-        yield _line_of(text, pos), value
-        pos, expect_value = end, False
+  decoder = json.JSONDecoder()
+  pos = len(text) - len(text.lstrip()) + 1  # just after "["
+  expect_value = True
+  while True:
+    while pos < len(text) and text[pos].isspace():
+      pos += 1
+    if pos >= len(text):
+      raise DataFormatError(f"{path}:{_line_of(text, pos)}: unterminated JSON list")
+    if text[pos] == "]":
+      if text[pos + 1 :].strip():
+        raise DataFormatError(f"{path}:{_line_of(text, pos + 1)}: extra data after the JSON list")
+      return
+    if not expect_value:
+      if text[pos] != ",":
+        raise DataFormatError(f"{path}:{_line_of(text, pos)}: expected ',' or ']' in the JSON list")
+      pos += 1
+      expect_value = True
+      continue
+    try:
+      value, end = decoder.raw_decode(text, pos)
+    except json.JSONDecodeError as err:
+      raise DataFormatError(f"{path}:{err.lineno}: invalid JSON: {err.msg}") from None
+    yield _line_of(text, pos), value
+    pos, expect_value = end, False
 
 
 def _scan_jsonl(text: str) -> Iterator[tuple[int, Any]]:
-    for line_number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            yield line_number, json.loads(line)
-        except json.JSONDecodeError as err:
-            yield line_number, _RecordError(f"invalid JSON: {err.msg} (column {err.colno})")
+  for line_number, line in enumerate(text.splitlines(), start=1):
+    if not line.strip():
+      continue
+    try:
+      yield line_number, json.loads(line)
+    except json.JSONDecodeError as err:
+      yield line_number, _RecordError(f"invalid JSON: {err.msg} (column {err.colno})")
 
 
 def scan_records(path: str | os.PathLike[str]) -> Iterator[tuple[int, Any]]:
-    """Yields `(line, record)` from a JSON-list or JSONL file; invalid JSONL lines yield an error value."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if text.lstrip().startswith("["):
-        yield from _scan_json_list(text, path)
-    else:
-        yield from _scan_jsonl(text)
+  """Yields `(line, record)` from a JSON-list or JSONL file; invalid JSONL lines yield an error value."""
+  path = os.fspath(path)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"data file not found: {path}")
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  if text.lstrip().startswith("["):
+    yield from _scan_json_list(text, path)
+  else:
+    yield from _scan_jsonl(text)
 
 
 def read_examples(
     path: str | os.PathLike[str], *, format: str | None = None, on_error: OnError = "raise"  # noqa: A002
 ) -> ReadResult:
-    """Reads `path` into `Example`s.
+  """Reads `path` into `Example`s.
 
-    Args:
-      path: a JSON list or JSONL file of records.
-      format: one of `FORMATS`; None detects it from the first record that is a JSON object.
-      on_error: "raise" (a `DataFormatError` naming file and line) or "skip" (count and log it).
+  Args:
+    path: a JSON list or JSONL file of records.
+    format: one of `FORMATS`; None detects it from the first record that is a JSON object.
+    on_error: "raise" (a `DataFormatError` naming file and line) or "skip" (count and log it).
 
-    Returns:
-      A `ReadResult` with the examples, the format used and the skipped records.
-    """
-    if on_error not in ("raise", "skip"):
-        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    if format is not None and format not in FORMATS:
-        raise ValueError(f"format must be one of {sorted(FORMATS)} or None, got {format!r}")
-    path = os.fspath(path)
-    examples: list[Example] = []
-    skipped: list[tuple[int, str]] = []
-    for line, record in scan_records(path):
-        try:
-            if isinstance(record, _RecordError):
-                raise record
-            if not isinstance(record, Mapping):
-                raise _RecordError(f"a record must be a JSON object, got {type(record).__name__}")
-            if format is None:
-                format = detect_format(record)  # noqa: A001
-            examples.append(Example(FORMATS[format].turns(record), source_line=line))
-        except _RecordError as err:
-            if on_error == "raise":
-                raise DataFormatError(f"{path}:{line}: {err}") from None
-            skipped.append((line, str(err)))
-    if skipped:
-        logger.warning("%s: skipped %d malformed record(s), first at line %d: %s",
-                       path, len(skipped), skipped[0][0], skipped[0][1])
-    if not examples:
-        raise DataFormatError(f"{path}: no usable records" + (f" ({len(skipped)} skipped)" if skipped else ""))
-    return ReadResult(examples=examples, format=format or "", skipped_records=tuple(skipped))
+  Returns:
+    A `ReadResult` with the examples, the format used and the skipped records.
+  """
+  if on_error not in ("raise", "skip"):
+    raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+  if format is not None and format not in FORMATS:
+    raise ValueError(f"format must be one of {sorted(FORMATS)} or None, got {format!r}")
+  path = os.fspath(path)
+  examples: list[Example] = []
+  skipped: list[tuple[int, str]] = []
+  for line, record in scan_records(path):
+    try:
+      if isinstance(record, _RecordError):
+        raise record
+      if not isinstance(record, Mapping):
+        raise _RecordError(f"a record must be a JSON object, got {type(record).__name__}")
+      if format is None:
+        format = detect_format(record)  # noqa: A001
+      examples.append(Example(FORMATS[format].turns(record), source_line=line))
+    except _RecordError as err:
+      if on_error == "raise":
+        raise DataFormatError(f"{path}:{line}: {err}") from None
+      skipped.append((line, str(err)))
+  if skipped:
+    logger.warning(
+        "%s: skipped %d malformed record(s), first at line %d: %s",
+        path,
+        len(skipped),
+        skipped[0][0],
+        skipped[0][1],
+    )
+  if not examples:
+    raise DataFormatError(
+        f"{path}: no usable records" + (f" ({len(skipped)} skipped)" if skipped else "")
+    )
+  return ReadResult(examples=examples, format=format or "", skipped_records=tuple(skipped))

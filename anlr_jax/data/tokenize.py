@@ -16,6 +16,7 @@ Truncation to `max_length` keeps the start of the sequence (the prompt's beginni
 An example whose response tokens are all cut (no `loss_mask = 1` left) is dropped and counted in
 `TokenizedExamples.dropped`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,22 +30,22 @@ from anlr_jax.data.formats import Example
 
 @dataclasses.dataclass(frozen=True)
 class TokenizedExamples:
-    """Variable-length tokenised examples: `input_ids[i]` int32 and `loss_mask[i]` float32, both `(lengths[i],)`."""
+  """Variable-length tokenised examples: `input_ids[i]` int32 and `loss_mask[i]` float32, both `(lengths[i],)`."""
 
-    input_ids: list[np.ndarray]
-    loss_mask: list[np.ndarray]
-    lengths: np.ndarray
-    source_lines: np.ndarray
-    truncated: int
-    dropped: int
+  input_ids: list[np.ndarray]
+  loss_mask: list[np.ndarray]
+  lengths: np.ndarray
+  source_lines: np.ndarray
+  truncated: int
+  dropped: int
 
-    def __len__(self) -> int:
-        return len(self.input_ids)
+  def __len__(self) -> int:
+    return len(self.input_ids)
 
 
 def _special_id(tokenizer: PreTrainedTokenizerBase, name: str) -> int | None:
-    value = getattr(tokenizer, f"{name}_token_id", None)
-    return None if value is None else int(value)
+  value = getattr(tokenizer, f"{name}_token_id", None)
+  return None if value is None else int(value)
 
 
 def tokenize_examples(
@@ -54,63 +55,63 @@ def tokenize_examples(
     max_length: int,
     add_bos: bool | None = None,
 ) -> TokenizedExamples:
-    """Tokenises `examples` into ids and response-only loss masks (see the module docstring).
+  """Tokenises `examples` into ids and response-only loss masks (see the module docstring).
 
-    Args:
-      examples: examples from `anlr_jax.data.formats.read_examples`.
-      tokenizer: any Hugging Face tokenizer with an `eos_token_id`.
-      max_length: maximum sequence length in tokens (bos and eos included).
-      add_bos: prepend `bos_token_id`; None means "if the tokenizer has one".
+  Args:
+    examples: examples from `anlr_jax.data.formats.read_examples`.
+    tokenizer: any Hugging Face tokenizer with an `eos_token_id`.
+    max_length: maximum sequence length in tokens (bos and eos included).
+    add_bos: prepend `bos_token_id`; None means "if the tokenizer has one".
 
-    Returns:
-      `TokenizedExamples`, with the number of examples truncated and dropped.
-    """
-    if not isinstance(max_length, int) or max_length < 2:
-        raise ValueError(f"max_length must be an int >= 2, got {max_length!r}")
-    eos = _special_id(tokenizer, "eos")
-    if eos is None:
-        raise ValueError("tokenizer has no eos_token_id; set tokenizer.eos_token before tokenising")
-    bos = _special_id(tokenizer, "bos")
-    if add_bos is None:
-        add_bos = bos is not None
-    elif add_bos and bos is None:
-        raise ValueError("add_bos=True but the tokenizer has no bos_token_id")
-    head = [bos] if add_bos else []
+  Returns:
+    `TokenizedExamples`, with the number of examples truncated and dropped.
+  """
+  if not isinstance(max_length, int) or max_length < 2:
+    raise ValueError(f"max_length must be an int >= 2, got {max_length!r}")
+  eos = _special_id(tokenizer, "eos")
+  if eos is None:
+    raise ValueError("tokenizer has no eos_token_id; set tokenizer.eos_token before tokenising")
+  bos = _special_id(tokenizer, "bos")
+  if add_bos is None:
+    add_bos = bos is not None
+  elif add_bos and bos is None:
+    raise ValueError("add_bos=True but the tokenizer has no bos_token_id")
+  head = [bos] if add_bos else []
 
-    texts = [text for example in examples for turn in example.turns for text in turn]
-    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+  texts = [text for example in examples for turn in example.turns for text in turn]
+  encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
-    input_ids: list[np.ndarray] = []
-    loss_mask: list[np.ndarray] = []
-    lines: list[int] = []
-    truncated = dropped = 0
-    cursor = 0
-    for example in examples:
-        ids: list[int] = list(head)
-        mask: list[float] = [0.0] * len(head)
-        for _ in example.turns:
-            prompt_ids, response_ids = encoded[cursor], encoded[cursor + 1]
-            cursor += 2
-            ids += prompt_ids
-            mask += [0.0] * len(prompt_ids)
-            ids += response_ids
-            ids.append(eos)
-            mask += [1.0] * (len(response_ids) + 1)
-        if len(ids) > max_length:
-            truncated += 1
-            ids, mask = ids[:max_length], mask[:max_length]
-        mask[0] = 0.0
-        if not any(mask):
-            dropped += 1
-            continue
-        input_ids.append(np.asarray(ids, dtype=np.int32))
-        loss_mask.append(np.asarray(mask, dtype=np.float32))
-        lines.append(example.source_line)
-    return TokenizedExamples(
-        input_ids=input_ids,
-        loss_mask=loss_mask,
-        lengths=np.asarray([len(x) for x in input_ids], dtype=np.int64),
-        source_lines=np.asarray(lines, dtype=np.int64),
-        truncated=truncated,
-        dropped=dropped,
-    )
+  input_ids: list[np.ndarray] = []
+  loss_mask: list[np.ndarray] = []
+  lines: list[int] = []
+  truncated = dropped = 0
+  cursor = 0
+  for example in examples:
+    ids: list[int] = list(head)
+    mask: list[float] = [0.0] * len(head)
+    for _ in example.turns:
+      prompt_ids, response_ids = encoded[cursor], encoded[cursor + 1]
+      cursor += 2
+      ids += prompt_ids
+      mask += [0.0] * len(prompt_ids)
+      ids += response_ids
+      ids.append(eos)
+      mask += [1.0] * (len(response_ids) + 1)
+    if len(ids) > max_length:
+      truncated += 1
+      ids, mask = ids[:max_length], mask[:max_length]
+    mask[0] = 0.0
+    if not any(mask):
+      dropped += 1
+      continue
+    input_ids.append(np.asarray(ids, dtype=np.int32))
+    loss_mask.append(np.asarray(mask, dtype=np.float32))
+    lines.append(example.source_line)
+  return TokenizedExamples(
+      input_ids=input_ids,
+      loss_mask=loss_mask,
+      lengths=np.asarray([len(x) for x in input_ids], dtype=np.int64),
+      source_lines=np.asarray(lines, dtype=np.int64),
+      truncated=truncated,
+      dropped=dropped,
+  )

@@ -1,4 +1,5 @@
 """The paper's evaluation protocol: generation, answer extraction, accuracy tables."""
+
 from anlr_jax.evals.evaluate import (
     EvalExample,
     EvalRecord,

@@ -14,6 +14,7 @@ lists the option words, which would otherwise be "found" in it).
 Test files use LLM-Adapters' layout: a JSON list of objects with `instruction` and `answer` (an
 optional `input` is passed to the template).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,81 +31,81 @@ GenerateFn = Callable[[list[str]], list[str]]
 
 @dataclasses.dataclass(frozen=True)
 class EvalExample:
-    """One test item: the `instruction` (and optional `input`) shown to the model, the gold `answer`."""
+  """One test item: the `instruction` (and optional `input`) shown to the model, the gold `answer`."""
 
-    instruction: str
-    answer: str
-    input: str = ""
+  instruction: str
+  answer: str
+  input: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class EvalRecord:
-    """What happened on one test item."""
+  """What happened on one test item."""
 
-    index: int
-    prompt: str
-    generation: str
-    prediction: str | float | None
-    answer: str
-    correct: bool
+  index: int
+  prompt: str
+  generation: str
+  prediction: str | float | None
+  answer: str
+  correct: bool
 
 
 @dataclasses.dataclass(frozen=True)
 class EvalResult:
-    """Per-item records of one task, and the accuracy (a fraction in [0, 1])."""
+  """Per-item records of one task, and the accuracy (a fraction in [0, 1])."""
 
-    task: str
-    records: tuple[EvalRecord, ...]
+  task: str
+  records: tuple[EvalRecord, ...]
 
-    @property
-    def total(self) -> int:
-        return len(self.records)
+  @property
+  def total(self) -> int:
+    return len(self.records)
 
-    @property
-    def correct(self) -> int:
-        return sum(r.correct for r in self.records)
+  @property
+  def correct(self) -> int:
+    return sum(r.correct for r in self.records)
 
-    @property
-    def accuracy(self) -> float:
-        return self.correct / self.total if self.records else 0.0
+  @property
+  def accuracy(self) -> float:
+    return self.correct / self.total if self.records else 0.0
 
-    def save_records(self, path: str | os.PathLike[str]) -> None:
-        """Writes one JSON object per record (JSONL), for inspecting what the model said."""
-        with open(path, "w", encoding="utf-8") as f:
-            for record in self.records:
-                f.write(json.dumps(dataclasses.asdict(record) | {"task": self.task}) + "\n")
+  def save_records(self, path: str | os.PathLike[str]) -> None:
+    """Writes one JSON object per record (JSONL), for inspecting what the model said."""
+    with open(path, "w", encoding="utf-8") as f:
+      for record in self.records:
+        f.write(json.dumps(dataclasses.asdict(record) | {"task": self.task}) + "\n")
 
 
 def _as_example(item: Any, where: str) -> EvalExample:
-    if isinstance(item, EvalExample):
-        return item
-    if not isinstance(item, Mapping):
-        raise ValueError(f"{where}: a test example must be an object, got {type(item).__name__}")
-    for key in ("instruction", "answer"):
-        if not isinstance(item.get(key), str):
-            raise ValueError(f"{where}: key {key!r} must be a string (keys: {sorted(item)})")
-    extra = item.get("input") or ""
-    if not isinstance(extra, str):
-        raise ValueError(f"{where}: key 'input' must be a string")
-    return EvalExample(item["instruction"], item["answer"], extra)
+  if isinstance(item, EvalExample):
+    return item
+  if not isinstance(item, Mapping):
+    raise ValueError(f"{where}: a test example must be an object, got {type(item).__name__}")
+  for key in ("instruction", "answer"):
+    if not isinstance(item.get(key), str):
+      raise ValueError(f"{where}: key {key!r} must be a string (keys: {sorted(item)})")
+  extra = item.get("input") or ""
+  if not isinstance(extra, str):
+    raise ValueError(f"{where}: key 'input' must be a string")
+  return EvalExample(item["instruction"], item["answer"], extra)
 
 
 def load_eval_examples(path: str | os.PathLike[str]) -> list[EvalExample]:
-    """Reads an LLM-Adapters test file: a JSON list of `{"instruction", "answer"[, "input"]}`."""
-    path = os.fspath(path)
-    with open(path, encoding="utf-8") as f:
-        try:
-            items = json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{err.lineno}: invalid JSON: {err.msg}") from None
-    if not isinstance(items, list):
-        raise ValueError(f"{path}: expected a JSON list of test examples, got {type(items).__name__}")
-    return [_as_example(item, f"{path}: item {i}") for i, item in enumerate(items)]
+  """Reads an LLM-Adapters test file: a JSON list of `{"instruction", "answer"[, "input"]}`."""
+  path = os.fspath(path)
+  with open(path, encoding="utf-8") as f:
+    try:
+      items = json.load(f)
+    except json.JSONDecodeError as err:
+      raise ValueError(f"{path}:{err.lineno}: invalid JSON: {err.msg}") from None
+  if not isinstance(items, list):
+    raise ValueError(f"{path}: expected a JSON list of test examples, got {type(items).__name__}")
+  return [_as_example(item, f"{path}: item {i}") for i, item in enumerate(items)]
 
 
 def default_prompt(example: EvalExample) -> str:
-    """The Alpaca prompt used for fine-tuning on Commonsense170K, MetaMathQA and WizardLM."""
-    return alpaca_prompt(example.instruction, example.input)
+  """The Alpaca prompt used for fine-tuning on Commonsense170K, MetaMathQA and WizardLM."""
+  return alpaca_prompt(example.instruction, example.input)
 
 
 def evaluate(
@@ -115,45 +116,56 @@ def evaluate(
     batch_size: int,
     prompt_fn: Callable[[EvalExample], str] = default_prompt,
 ) -> EvalResult:
-    """Generates for every example, extracts the answers and scores them (see the module docstring).
+  """Generates for every example, extracts the answers and scores them (see the module docstring).
 
-    Args:
-      generate_fn: `prompts -> continuations`, one string per prompt, in order.
-      examples: `EvalExample`s or mappings with `instruction` and `answer`.
-      task: a task name from `anlr_jax.evals.extract.TASKS` (or an alias), or a `Task`.
-      batch_size: prompts per `generate_fn` call.
-      prompt_fn: builds the prompt of an example (default: the Alpaca template).
+  Args:
+    generate_fn: `prompts -> continuations`, one string per prompt, in order.
+    examples: `EvalExample`s or mappings with `instruction` and `answer`.
+    task: a task name from `anlr_jax.evals.extract.TASKS` (or an alias), or a `Task`.
+    batch_size: prompts per `generate_fn` call.
+    prompt_fn: builds the prompt of an example (default: the Alpaca template).
 
-    Returns:
-      An `EvalResult` with one `EvalRecord` per example.
-    """
-    task = get_task(task)
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    items = [_as_example(item, f"examples[{i}]") for i, item in enumerate(examples)]
-    golds = []
-    for i, item in enumerate(items):
-        try:
-            golds.append(parse_gold(task, item.answer))
-        except ValueError as err:
-            raise ValueError(f"examples[{i}]: {err}") from None
-    prompts = [prompt_fn(item) for item in items]
-    records: list[EvalRecord] = []
-    for start in range(0, len(items), batch_size):
-        batch = prompts[start:start + batch_size]
-        generations = generate_fn(list(batch))
-        if not isinstance(generations, (list, tuple)) or len(generations) != len(batch):
-            got = len(generations) if isinstance(generations, (list, tuple)) else type(generations).__name__
-            raise ValueError(f"generate_fn returned {got} for {len(batch)} prompts; expected a list of "
-                             f"{len(batch)} strings")
-        for offset, (prompt, text) in enumerate(zip(batch, generations)):
-            index = start + offset
-            if not isinstance(text, str):
-                raise ValueError(f"generate_fn returned a {type(text).__name__} for prompt {index}")
-            if text.startswith(prompt):
-                text = text[len(prompt):]
-            prediction = extract_prediction(task, text)
-            records.append(EvalRecord(index=index, prompt=prompt, generation=text, prediction=prediction,
-                                      answer=items[index].answer,
-                                      correct=is_correct(task, prediction, golds[index])))
-    return EvalResult(task=task.name, records=tuple(records))
+  Returns:
+    An `EvalResult` with one `EvalRecord` per example.
+  """
+  task = get_task(task)
+  if not isinstance(batch_size, int) or batch_size < 1:
+    raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+  items = [_as_example(item, f"examples[{i}]") for i, item in enumerate(examples)]
+  golds = []
+  for i, item in enumerate(items):
+    try:
+      golds.append(parse_gold(task, item.answer))
+    except ValueError as err:
+      raise ValueError(f"examples[{i}]: {err}") from None
+  prompts = [prompt_fn(item) for item in items]
+  records: list[EvalRecord] = []
+  for start in range(0, len(items), batch_size):
+    batch = prompts[start : start + batch_size]
+    generations = generate_fn(list(batch))
+    if not isinstance(generations, (list, tuple)) or len(generations) != len(batch):
+      got = (
+          len(generations) if isinstance(generations, (list, tuple)) else type(generations).__name__
+      )
+      raise ValueError(
+          f"generate_fn returned {got} for {len(batch)} prompts; expected a list of "
+          f"{len(batch)} strings"
+      )
+    for offset, (prompt, text) in enumerate(zip(batch, generations)):
+      index = start + offset
+      if not isinstance(text, str):
+        raise ValueError(f"generate_fn returned a {type(text).__name__} for prompt {index}")
+      if text.startswith(prompt):
+        text = text[len(prompt) :]
+      prediction = extract_prediction(task, text)
+      records.append(
+          EvalRecord(
+              index=index,
+              prompt=prompt,
+              generation=text,
+              prediction=prediction,
+              answer=items[index].answer,
+              correct=is_correct(task, prediction, golds[index]),
+          )
+      )
+  return EvalResult(task=task.name, records=tuple(records))

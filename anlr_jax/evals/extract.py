@@ -25,6 +25,7 @@ compared with the gold answer. Three kinds of task:
 * **exact** (custom sets): the generation and the gold are equal after collapsing runs of whitespace
   to one space, stripping, and case-folding.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,20 +37,28 @@ TaskKind = Literal["choice", "number", "exact"]
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """An evaluation task: canonical `name`, table column `title`, `kind` and option words."""
+  """An evaluation task: canonical `name`, table column `title`, `kind` and option words."""
 
-    name: str
-    title: str
-    kind: TaskKind
-    options: tuple[str, ...] = ()
+  name: str
+  title: str
+  kind: TaskKind
+  options: tuple[str, ...] = ()
 
 
 def _answers(k: int) -> tuple[str, ...]:
-    return tuple(f"answer{i}" for i in range(1, k + 1))
+  return tuple(f"answer{i}" for i in range(1, k + 1))
 
 
-COMMONSENSE_TASKS = ("boolq", "piqa", "social_i_qa", "hellaswag", "winogrande", "ARC-Easy",
-                     "ARC-Challenge", "openbookqa")
+COMMONSENSE_TASKS = (
+    "boolq",
+    "piqa",
+    "social_i_qa",
+    "hellaswag",
+    "winogrande",
+    "ARC-Easy",
+    "ARC-Challenge",
+    "openbookqa",
+)
 """The commonsense tasks in the column order of the paper's Tab. 1."""
 
 TASKS: dict[str, Task] = {
@@ -66,91 +75,101 @@ TASKS: dict[str, Task] = {
 }
 """Known tasks by canonical name (LLM-Adapters' dataset folder names)."""
 
-_ALIASES = {"siqa": "social_i_qa", "arc_e": "ARC-Easy", "arc-e": "ARC-Easy", "arc_easy": "ARC-Easy",
-            "arc_c": "ARC-Challenge", "arc-c": "ARC-Challenge", "arc_challenge": "ARC-Challenge",
-            "obqa": "openbookqa", "exact": "exact_match"}
+_ALIASES = {
+    "siqa": "social_i_qa",
+    "arc_e": "ARC-Easy",
+    "arc-e": "ARC-Easy",
+    "arc_easy": "ARC-Easy",
+    "arc_c": "ARC-Challenge",
+    "arc-c": "ARC-Challenge",
+    "arc_challenge": "ARC-Challenge",
+    "obqa": "openbookqa",
+    "exact": "exact_match",
+}
 
 
 def get_task(name: str) -> Task:
-    """The `Task` for a canonical name or alias (case-insensitive); ValueError names unknown tasks."""
-    if isinstance(name, Task):
-        return name
-    lowered = {key.lower(): key for key in TASKS}
-    key = str(name).lower()
-    key = _ALIASES.get(key, lowered.get(key))
-    if key is None:
-        raise ValueError(f"unknown task {name!r}; known tasks: {list(TASKS)} (aliases: {sorted(_ALIASES)})")
-    return TASKS[key]
+  """The `Task` for a canonical name or alias (case-insensitive); ValueError names unknown tasks."""
+  if isinstance(name, Task):
+    return name
+  lowered = {key.lower(): key for key in TASKS}
+  key = str(name).lower()
+  key = _ALIASES.get(key, lowered.get(key))
+  if key is None:
+    raise ValueError(
+        f"unknown task {name!r}; known tasks: {list(TASKS)} (aliases: {sorted(_ALIASES)})"
+    )
+  return TASKS[key]
 
 
 def extract_choice(text: str, options: tuple[str, ...]) -> str | None:
-    """The first of `options` appearing in `text` as a whole word (case-insensitive), or None."""
-    pattern = r"(?<![A-Za-z0-9_])(" + "|".join(map(re.escape, options)) + r")(?![A-Za-z0-9_])"
-    match = re.search(pattern, text, flags=re.IGNORECASE)
-    return None if match is None else match.group(1).lower()
+  """The first of `options` appearing in `text` as a whole word (case-insensitive), or None."""
+  pattern = r"(?<![A-Za-z0-9_])(" + "|".join(map(re.escape, options)) + r")(?![A-Za-z0-9_])"
+  match = re.search(pattern, text, flags=re.IGNORECASE)
+  return None if match is None else match.group(1).lower()
 
 
 _NUMBER = re.compile(
-    r"(?<![\w.])"                      # not glued to a word, a digit run or a decimal point
+    r"(?<![\w.])"  # not glued to a word, a digit run or a decimal point
     r"([-\u2212])?\$?([-\u2212])?"  # sign, optional $, or sign after the $
     r"((?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"
 )
 
 
 def _numbers(text: str) -> list[float]:
-    values = []
-    for sign_before, sign_after, digits in _NUMBER.findall(text):
-        value = float(digits.replace(",", ""))
-        values.append(-value if (sign_before or sign_after) else value)
-    return values
+  values = []
+  for sign_before, sign_after, digits in _NUMBER.findall(text):
+    value = float(digits.replace(",", ""))
+    values.append(-value if (sign_before or sign_after) else value)
+  return values
 
 
 def extract_number(text: str) -> float | None:
-    """The number answered in `text`: the first after the last ``####``, else the last one; or None."""
-    if "####" in text:
-        after = _numbers(text.rsplit("####", 1)[1])
-        if after:
-            return after[0]
-    values = _numbers(text)
-    return values[-1] if values else None
+  """The number answered in `text`: the first after the last ``####``, else the last one; or None."""
+  if "####" in text:
+    after = _numbers(text.rsplit("####", 1)[1])
+    if after:
+      return after[0]
+  values = _numbers(text)
+  return values[-1] if values else None
 
 
 def normalize_text(text: str) -> str:
-    """Whitespace runs collapsed to one space, ends stripped, case-folded."""
-    return " ".join(text.split()).casefold()
+  """Whitespace runs collapsed to one space, ends stripped, case-folded."""
+  return " ".join(text.split()).casefold()
 
 
 def extract_prediction(task: Task | str, text: str) -> str | float | None:
-    """The prediction of `task` extracted from a generation (see the module docstring)."""
-    task = get_task(task)
-    if task.kind == "choice":
-        return extract_choice(text, task.options)
-    if task.kind == "number":
-        return extract_number(text)
-    return normalize_text(text)
+  """The prediction of `task` extracted from a generation (see the module docstring)."""
+  task = get_task(task)
+  if task.kind == "choice":
+    return extract_choice(text, task.options)
+  if task.kind == "number":
+    return extract_number(text)
+  return normalize_text(text)
 
 
 def parse_gold(task: Task | str, answer: str) -> str | float:
-    """The gold answer in the form `extract_prediction` returns; ValueError if it cannot be read."""
-    task = get_task(task)
-    if task.kind == "choice":
-        gold = answer.strip().lower()
-        if gold not in task.options:
-            raise ValueError(f"gold answer {answer!r} is not an option of {task.name}: {task.options}")
-        return gold
-    if task.kind == "number":
-        gold = extract_number(answer)
-        if gold is None:
-            raise ValueError(f"gold answer {answer!r} of {task.name} contains no number")
-        return gold
-    return normalize_text(answer)
+  """The gold answer in the form `extract_prediction` returns; ValueError if it cannot be read."""
+  task = get_task(task)
+  if task.kind == "choice":
+    gold = answer.strip().lower()
+    if gold not in task.options:
+      raise ValueError(f"gold answer {answer!r} is not an option of {task.name}: {task.options}")
+    return gold
+  if task.kind == "number":
+    gold = extract_number(answer)
+    if gold is None:
+      raise ValueError(f"gold answer {answer!r} of {task.name} contains no number")
+    return gold
+  return normalize_text(answer)
 
 
 def is_correct(task: Task | str, prediction: str | float | None, gold: str | float) -> bool:
-    """Whether `prediction` matches `gold` (numbers within 1e-3; None is always wrong)."""
-    task = get_task(task)
-    if prediction is None:
-        return False
-    if task.kind == "number":
-        return abs(float(prediction) - float(gold)) <= 1e-3
-    return prediction == gold
+  """Whether `prediction` matches `gold` (numbers within 1e-3; None is always wrong)."""
+  task = get_task(task)
+  if prediction is None:
+    return False
+  if task.kind == "number":
+    return abs(float(prediction) - float(gold)) <= 1e-3
+  return prediction == gold

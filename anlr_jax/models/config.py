@@ -16,6 +16,7 @@ and the rotary frequencies are ``inv_freq_i = rope_theta^{-2i / head_dim}`` for
 Named presets follow the public Hugging Face ``config.json`` of each model; :meth:`ModelConfig.tiny`
 is a ~160K-parameter model for tests.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,7 +30,12 @@ import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
-_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_LLAMA3_ROPE_KEYS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+)
 
 
 def _canonical_rope_scaling(rope_scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -103,8 +109,15 @@ class ModelConfig:
   remat: bool = False
 
   def __post_init__(self):
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+    ):
       value = getattr(self, name)
       if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}.")
@@ -181,8 +194,11 @@ class ModelConfig:
 
   def num_params(self) -> int:
     """Number of parameters of the model this config describes."""
-    d, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, (
-        self.num_key_value_heads * self.head_dim)
+    d, q, kv = (
+        self.hidden_size,
+        self.num_attention_heads * self.head_dim,
+        (self.num_key_value_heads * self.head_dim),
+    )
     attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.attention_bias else 0)
     layer = attn + 3 * d * self.intermediate_size + 2 * d
     head = 0 if self.tie_word_embeddings else self.vocab_size * d
@@ -194,42 +210,109 @@ class ModelConfig:
   @classmethod
   def llama2_7b(cls, **overrides) -> "ModelConfig":
     """LLaMA-2-7B (``meta-llama/Llama-2-7b-hf``)."""
-    return cls(**{**dict(
-        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-5, rope_theta=10000.0,
-        max_position_embeddings=4096, model_type="llama"), **overrides})
+    return cls(
+        **{
+            **dict(
+                vocab_size=32000,
+                hidden_size=4096,
+                intermediate_size=11008,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=32,
+                rms_norm_eps=1e-5,
+                rope_theta=10000.0,
+                max_position_embeddings=4096,
+                model_type="llama",
+            ),
+            **overrides,
+        }
+    )
 
   @classmethod
   def llama3_8b(cls, **overrides) -> "ModelConfig":
     """LLaMA-3-8B (``meta-llama/Meta-Llama-3-8B``): GQA with 8 key/value heads."""
-    return cls(**{**dict(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
-        max_position_embeddings=8192, model_type="llama"), **overrides})
+    return cls(
+        **{
+            **dict(
+                vocab_size=128256,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                rms_norm_eps=1e-5,
+                rope_theta=500000.0,
+                max_position_embeddings=8192,
+                model_type="llama",
+            ),
+            **overrides,
+        }
+    )
 
   @classmethod
   def qwen2_5_7b(cls, **overrides) -> "ModelConfig":
     """Qwen2.5-7B (``Qwen/Qwen2.5-7B``): q/k/v bias, 4 key/value heads, untied head."""
-    return cls(**{**dict(
-        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-        num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        max_position_embeddings=131072, attention_bias=True, model_type="qwen2"), **overrides})
+    return cls(
+        **{
+            **dict(
+                vocab_size=152064,
+                hidden_size=3584,
+                intermediate_size=18944,
+                num_hidden_layers=28,
+                num_attention_heads=28,
+                num_key_value_heads=4,
+                rms_norm_eps=1e-6,
+                rope_theta=1000000.0,
+                max_position_embeddings=131072,
+                attention_bias=True,
+                model_type="qwen2",
+            ),
+            **overrides,
+        }
+    )
 
   @classmethod
   def qwen2_5_14b(cls, **overrides) -> "ModelConfig":
     """Qwen2.5-14B (``Qwen/Qwen2.5-14B``): q/k/v bias, 8 key/value heads, untied head."""
-    return cls(**{**dict(
-        vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
-        num_attention_heads=40, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1000000.0,
-        max_position_embeddings=131072, attention_bias=True, model_type="qwen2"), **overrides})
+    return cls(
+        **{
+            **dict(
+                vocab_size=152064,
+                hidden_size=5120,
+                intermediate_size=13824,
+                num_hidden_layers=48,
+                num_attention_heads=40,
+                num_key_value_heads=8,
+                rms_norm_eps=1e-5,
+                rope_theta=1000000.0,
+                max_position_embeddings=131072,
+                attention_bias=True,
+                model_type="qwen2",
+            ),
+            **overrides,
+        }
+    )
 
   @classmethod
   def tiny(cls, **overrides) -> "ModelConfig":
     """A ~160K-parameter LLaMA-style model with GQA (4 query / 2 key-value heads) for tests."""
-    return cls(**{**dict(
-        vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0,
-        max_position_embeddings=256, model_type="llama"), **overrides})
+    return cls(
+        **{
+            **dict(
+                vocab_size=512,
+                hidden_size=64,
+                intermediate_size=192,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                rms_norm_eps=1e-6,
+                rope_theta=10000.0,
+                max_position_embeddings=256,
+                model_type="llama",
+            ),
+            **overrides,
+        }
+    )
 
   # ----------------------------------------------------------------------------------------------
   # Hugging Face config.json
@@ -247,8 +330,13 @@ class ModelConfig:
       raise ValueError(
           f"Unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}."
       )
-    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads")
+    required = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    )
     missing = [k for k in required if k not in hf_config]
     if missing:
       raise KeyError(f"config.json is missing required keys {missing}.")
@@ -269,7 +357,8 @@ class ModelConfig:
         intermediate_size=hf_config["intermediate_size"],
         num_hidden_layers=hf_config["num_hidden_layers"],
         num_attention_heads=hf_config["num_attention_heads"],
-        num_key_value_heads=hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"],
+        num_key_value_heads=hf_config.get("num_key_value_heads")
+        or hf_config["num_attention_heads"],
         head_dim=hf_config.get("head_dim"),
         rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope_theta),
@@ -299,8 +388,11 @@ class ModelConfig:
   def to_hf_config(self) -> dict[str, Any]:
     """The ``config.json`` dict that transformers reads back into this architecture."""
     architectures = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.model_type]
-    rope_parameters = {"rope_type": "default", **(self.rope_scaling or {}),
-                       "rope_theta": self.rope_theta}
+    rope_parameters = {
+        "rope_type": "default",
+        **(self.rope_scaling or {}),
+        "rope_theta": self.rope_theta,
+    }
     out = dict(
         architectures=[architectures],
         model_type=self.model_type,
@@ -324,5 +416,7 @@ class ModelConfig:
     if self.model_type == "llama":
       out.update(attention_bias=self.attention_bias, mlp_bias=False)
     elif not self.attention_bias:
-      raise ValueError("Qwen2 checkpoints always have q/k/v bias; attention_bias=False can't be saved.")
+      raise ValueError(
+          "Qwen2 checkpoints always have q/k/v bias; attention_bias=False can't be saved."
+      )
     return out

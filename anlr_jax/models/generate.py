@@ -13,6 +13,7 @@ Both jitted functions live at module level, keyed only on the model's graph defi
 sampling (temperature, top_k, top_p, eos and pad ids are traced), so the step compiles once
 per prompt/cache shape and is reused across tokens and calls.
 """
+
 from __future__ import annotations
 
 import functools
@@ -91,22 +92,36 @@ def _prefill(graphdef, state, prompt_ids, prompt_mask, cache, rng, params, *, gr
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
-def _decode_step(graphdef, state, token, cache: KVCache, done, position, rng, step, params, *,
-                 greedy):
+def _decode_step(
+    graphdef, state, token, cache: KVCache, done, position, rng, step, params, *, greedy
+):
   """Feeds one token per row at ``position + 1`` and chooses the following one."""
   TRACE_COUNTS["decode_step"] += 1
   model = nnx.merge(graphdef, state)
   position = position + 1
-  logits, cache = model(token[:, None], positions=position[:, None],
-                        attention_mask=jnp.ones_like(token)[:, None], cache=cache)
+  logits, cache = model(
+      token[:, None],
+      positions=position[:, None],
+      attention_mask=jnp.ones_like(token)[:, None],
+      cache=cache,
+  )
   token, done = _next_token(logits[:, -1], done, rng, step, params, greedy=greedy)
   return token, cache, done, position
 
 
-def generate(model: LlamaForCausalLM, prompt_ids: jax.Array, prompt_mask: jax.Array, *,
-             max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, eos_token_id: int | None = None, pad_token_id: int = 0,
-             rng: jax.Array | None = None) -> jax.Array:
+def generate(
+    model: LlamaForCausalLM,
+    prompt_ids: jax.Array,
+    prompt_mask: jax.Array,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int = 0,
+    rng: jax.Array | None = None,
+) -> jax.Array:
   """Generates ``max_new_tokens`` tokens after a left-padded prompt batch.
 
   Args:
@@ -127,8 +142,10 @@ def generate(model: LlamaForCausalLM, prompt_ids: jax.Array, prompt_mask: jax.Ar
   prompt_ids = jnp.asarray(prompt_ids, jnp.int32)
   prompt_mask = jnp.asarray(prompt_mask, jnp.int32)
   if prompt_ids.ndim != 2 or prompt_mask.shape != prompt_ids.shape:
-    raise ValueError(f"prompt_ids {prompt_ids.shape} and prompt_mask {prompt_mask.shape} must "
-                     "share one (B, P) shape.")
+    raise ValueError(
+        f"prompt_ids {prompt_ids.shape} and prompt_mask {prompt_mask.shape} must "
+        "share one (B, P) shape."
+    )
   if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
     raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}.")
   if temperature < 0:
@@ -149,11 +166,19 @@ def generate(model: LlamaForCausalLM, prompt_ids: jax.Array, prompt_mask: jax.Ar
       top_k=jnp.asarray(0 if top_k is None else top_k, jnp.int32),
       top_p=jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
       eos_token_id=jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32),
-      pad_token_id=jnp.asarray(pad_token_id, jnp.int32))
+      pad_token_id=jnp.asarray(pad_token_id, jnp.int32),
+  )
   cache = init_cache(model.config, batch, prompt_len + max_new_tokens)
   token, cache, done, position = _prefill(
-      graphdef=graphdef, state=state, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
-      cache=cache, rng=rng, params=params, **static)
+      graphdef=graphdef,
+      state=state,
+      prompt_ids=prompt_ids,
+      prompt_mask=prompt_mask,
+      cache=cache,
+      rng=rng,
+      params=params,
+      **static,
+  )
   tokens = [token]
   for step in range(1, max_new_tokens):
     # Stop early once every row has ended; checked every 16 steps to keep dispatch asynchronous.
@@ -161,7 +186,16 @@ def generate(model: LlamaForCausalLM, prompt_ids: jax.Array, prompt_mask: jax.Ar
       tokens.append(jnp.full((batch, max_new_tokens - step), pad_token_id, jnp.int32))
       break
     token, cache, done, position = _decode_step(
-        graphdef=graphdef, state=state, token=token, cache=cache, done=done, position=position,
-        rng=rng, step=jnp.asarray(step, jnp.int32), params=params, **static)
+        graphdef=graphdef,
+        state=state,
+        token=token,
+        cache=cache,
+        done=done,
+        position=position,
+        rng=rng,
+        step=jnp.asarray(step, jnp.int32),
+        params=params,
+        **static,
+    )
     tokens.append(token)
   return jnp.concatenate([t if t.ndim == 2 else t[:, None] for t in tokens], axis=1)

@@ -21,6 +21,7 @@ Projections replaced by LoRA wrappers (objects with a ``base`` ``nnx.Linear`` an
 ``lora_b``) are saved merged through their ``merged_kernel()`` (``merge_lora=True``) or as the bare
 base weights (``merge_lora=False``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,11 +65,18 @@ def hf_param_table(config: ModelConfig) -> list[ParamEntry]:
   d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
   q_dim = config.num_attention_heads * config.head_dim
   kv_dim = config.num_key_value_heads * config.head_dim
-  entries = [ParamEntry("model.embed_tokens.weight", ("model", "embed_tokens"), "embedding",
-                        (v, d), False)]
-  linears = {"self_attn.q_proj": (q_dim, d), "self_attn.k_proj": (kv_dim, d),
-             "self_attn.v_proj": (kv_dim, d), "self_attn.o_proj": (d, q_dim),
-             "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d), "mlp.down_proj": (d, f)}
+  entries = [
+      ParamEntry("model.embed_tokens.weight", ("model", "embed_tokens"), "embedding", (v, d), False)
+  ]
+  linears = {
+      "self_attn.q_proj": (q_dim, d),
+      "self_attn.k_proj": (kv_dim, d),
+      "self_attn.v_proj": (kv_dim, d),
+      "self_attn.o_proj": (d, q_dim),
+      "mlp.gate_proj": (f, d),
+      "mlp.up_proj": (f, d),
+      "mlp.down_proj": (d, f),
+  }
   biased = set()
   if config.attention_bias:
     biased = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}
@@ -82,8 +90,9 @@ def hf_param_table(config: ModelConfig) -> list[ParamEntry]:
       if name in biased:
         entries.append(ParamEntry(f"{prefix}.{name}.bias", path, "bias", (shape[0],), False))
     for norm in ("input_layernorm", "post_attention_layernorm"):
-      entries.append(ParamEntry(f"{prefix}.{norm}.weight", ("model", "layers", i, norm), "weight",
-                                (d,), False))
+      entries.append(
+          ParamEntry(f"{prefix}.{norm}.weight", ("model", "layers", i, norm), "weight", (d,), False)
+      )
   entries.append(ParamEntry("model.norm.weight", ("model", "norm"), "weight", (d,), False))
   if not config.tie_word_embeddings:
     entries.append(ParamEntry("lm_head.weight", ("lm_head",), "kernel", (v, d), True))
@@ -110,7 +119,8 @@ def _place(value: jax.Array, sharding) -> jax.Array:
   if sharding is None:
     return value
   if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
-      sharding.mesh, jax.sharding.AbstractMesh):
+      sharding.mesh, jax.sharding.AbstractMesh
+  ):
     mesh = jax.sharding.get_mesh()
     if mesh is None or getattr(mesh, "empty", False):
       return value
@@ -130,7 +140,9 @@ def _weight_map(path: str) -> dict[str, str]:
       raise ValueError(f"{index_path} is not a valid safetensors index ({e}).") from e
     for file in sorted(set(weight_map.values())):
       if not os.path.isfile(os.path.join(path, file)):
-        raise FileNotFoundError(f"Shard {os.path.join(path, file)} listed in {index_path} is missing.")
+        raise FileNotFoundError(
+            f"Shard {os.path.join(path, file)} listed in {index_path} is missing."
+        )
     return dict(weight_map)
   if os.path.isfile(single_path):
     with safe_open(single_path, framework="numpy") as f:
@@ -138,8 +150,9 @@ def _weight_map(path: str) -> dict[str, str]:
   raise FileNotFoundError(f"No {SINGLE_FILE} or {INDEX_FILE} found in {path}.")
 
 
-def load_hf_model(path: str | os.PathLike, *, dtype=jnp.float32,
-                  compute_dtype=None) -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_hf_model(
+    path: str | os.PathLike, *, dtype=jnp.float32, compute_dtype=None
+) -> tuple[LlamaForCausalLM, ModelConfig]:
   """Loads a local Hugging Face LLaMA / Qwen2 checkpoint into a :class:`LlamaForCausalLM`.
 
   Args:
@@ -162,24 +175,34 @@ def load_hf_model(path: str | os.PathLike, *, dtype=jnp.float32,
   if not os.path.isfile(config_path):
     raise FileNotFoundError(f"No {CONFIG_FILE} found at {config_path}.")
   config = ModelConfig.from_pretrained(
-      path, param_dtype=dtype, dtype=dtype if compute_dtype is None else compute_dtype)
+      path, param_dtype=dtype, dtype=dtype if compute_dtype is None else compute_dtype
+  )
   weight_map = _weight_map(path)
   table = hf_param_table(config)
   expected = {e.hf_key for e in table}
-  unexpected = sorted(k for k in weight_map if k not in expected and not _IGNORED_KEY.match(k)
-                      and not (config.tie_word_embeddings and k == "lm_head.weight"))
+  unexpected = sorted(
+      k
+      for k in weight_map
+      if k not in expected
+      and not _IGNORED_KEY.match(k)
+      and not (config.tie_word_embeddings and k == "lm_head.weight")
+  )
   if unexpected:
-    raise ValueError(f"Checkpoint {path} holds tensors the {config.model_type} architecture of "
-                     f"{config_path} does not have: {unexpected[:8]}"
-                     f"{' ...' if len(unexpected) > 8 else ''}.")
+    raise ValueError(
+        f"Checkpoint {path} holds tensors the {config.model_type} architecture of "
+        f"{config_path} does not have: {unexpected[:8]}"
+        f"{' ...' if len(unexpected) > 8 else ''}."
+    )
 
   model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
   by_file: dict[str, list[ParamEntry]] = {}
   for entry in table:
     if entry.hf_key not in weight_map:
       files = sorted(set(weight_map.values())) or [SINGLE_FILE]
-      raise KeyError(f"Tensor {entry.hf_key!r} not found in {os.path.join(path, files[0])}"
-                     f"{f' (or the other {len(files) - 1} shards)' if len(files) > 1 else ''}.")
+      raise KeyError(
+          f"Tensor {entry.hf_key!r} not found in {os.path.join(path, files[0])}"
+          f"{f' (or the other {len(files) - 1} shards)' if len(files) > 1 else ''}."
+      )
     by_file.setdefault(weight_map[entry.hf_key], []).append(entry)
 
   for file, entries in by_file.items():
@@ -191,8 +214,10 @@ def load_hf_model(path: str | os.PathLike, *, dtype=jnp.float32,
           raise KeyError(f"Tensor {entry.hf_key!r} not found in {file_path}.")
         found = tuple(f.get_slice(entry.hf_key).get_shape())
         if found != entry.hf_shape:
-          raise ValueError(f"{file_path}: tensor {entry.hf_key!r} has shape {found}, expected "
-                           f"{entry.hf_shape}.")
+          raise ValueError(
+              f"{file_path}: tensor {entry.hf_key!r} has shape {found}, expected "
+              f"{entry.hf_shape}."
+          )
         array = f.get_tensor(entry.hf_key)
         if entry.transpose:
           array = array.T
@@ -200,8 +225,11 @@ def load_hf_model(path: str | os.PathLike, *, dtype=jnp.float32,
         value = jnp.asarray(array).astype(dtype)
         del array
         variable.set_value(_place(value, getattr(variable.get_value(), "sharding", None)))
-  unfilled = [".".join(map(str, p)) for p, v in nnx.to_flat_state(nnx.state(model))
-              if isinstance(v.get_value(), jax.ShapeDtypeStruct)]
+  unfilled = [
+      ".".join(map(str, p))
+      for p, v in nnx.to_flat_state(nnx.state(model))
+      if isinstance(v.get_value(), jax.ShapeDtypeStruct)
+  ]
   if unfilled:  # the key table and the model disagree: a bug, not a user error
     raise RuntimeError(f"hf_param_table does not cover model variables {unfilled}.")
   return model, config
@@ -210,8 +238,15 @@ def load_hf_model(path: str | os.PathLike, *, dtype=jnp.float32,
 # --------------------------------------------------------------------------------------------------
 # Saving
 
-_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
-               "GIB": 2**30}
+_SIZE_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
 
 
 def _parse_size(size: int | str) -> int:
@@ -229,15 +264,18 @@ def _parse_size(size: int | str) -> int:
   return value
 
 
-def _torch_layout_tensor(model: LlamaForCausalLM, entry: ParamEntry, merge_lora: bool,
-                         dtype) -> np.ndarray:
+def _torch_layout_tensor(
+    model: LlamaForCausalLM, entry: ParamEntry, merge_lora: bool, dtype
+) -> np.ndarray:
   """The checkpoint tensor of ``entry`` as a contiguous NumPy array in torch layout."""
   module = _submodule(model, entry.module_path)
   if _is_lora_wrapper(module):
     if merge_lora and entry.attr == "kernel":
       if not hasattr(module, "merged_kernel"):
-        raise AttributeError(f"LoRA wrapper at {'.'.join(map(str, entry.module_path))} has no "
-                             "merged_kernel() method; save with merge_lora=False.")
+        raise AttributeError(
+            f"LoRA wrapper at {'.'.join(map(str, entry.module_path))} has no "
+            "merged_kernel() method; save with merge_lora=False."
+        )
       value = module.merged_kernel()
     else:
       value = getattr(module.base, entry.attr)[...]
@@ -247,14 +285,22 @@ def _torch_layout_tensor(model: LlamaForCausalLM, entry: ParamEntry, merge_lora:
   if dtype is not None:
     value = value.astype(jnp.dtype(dtype))
   if value.shape != (entry.hf_shape[::-1] if entry.transpose else entry.hf_shape):
-    raise ValueError(f"Model tensor for {entry.hf_key!r} has shape {value.shape}; its config "
-                     f"expects {entry.hf_shape} in HF layout.")
+    raise ValueError(
+        f"Model tensor for {entry.hf_key!r} has shape {value.shape}; its config "
+        f"expects {entry.hf_shape} in HF layout."
+    )
   return np.ascontiguousarray(value.T if entry.transpose else value)
 
 
-def save_hf_model(model: LlamaForCausalLM, config: ModelConfig, out_dir: str | os.PathLike, *,
-                  max_shard_size: int | str = "5GB", merge_lora: bool = True,
-                  dtype=None) -> list[str]:
+def save_hf_model(
+    model: LlamaForCausalLM,
+    config: ModelConfig,
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    merge_lora: bool = True,
+    dtype=None,
+) -> list[str]:
   """Writes ``config.json`` and safetensors weights that transformers can load.
 
   Args:
@@ -290,8 +336,9 @@ def save_hf_model(model: LlamaForCausalLM, config: ModelConfig, out_dir: str | o
     shard_bytes += sizes[entry.hf_key]
 
   n = len(shards)
-  names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                                        for i in range(n)]
+  names = (
+      [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+  )
   weight_map = {}
   for name, entries in zip(names, shards):
     tensors = {e.hf_key: _torch_layout_tensor(model, e, merge_lora, dtype) for e in entries}
@@ -321,7 +368,8 @@ def load_tokenizer(path: str | os.PathLike):
   import transformers
 
   path = os.fspath(path)
-  if not os.path.isdir(path) or not any(os.path.isfile(os.path.join(path, f))
-                                        for f in _TOKENIZER_FILES):
+  if not os.path.isdir(path) or not any(
+      os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES
+  ):
     raise FileNotFoundError(f"No tokenizer files ({', '.join(_TOKENIZER_FILES)}) found in {path}.")
   return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)

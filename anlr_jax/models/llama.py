@@ -36,6 +36,7 @@ gives no ``out_sharding`` hints, so fully ``Explicit`` meshes are not supported.
 Decoding uses a :class:`KVCache` of fixed length: one ``(B, S, H_kv, D)`` key and value array per
 layer, a ``(B, S)`` slot mask and the next write index, so a jitted step keeps one shape.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -63,12 +64,21 @@ def _axes(*names: str) -> dict:
   return {"out_sharding": names, "eager_sharding": not jax.sharding.get_abstract_mesh().empty}
 
 
-def _linear(config: ModelConfig, d_in: int, d_out: int, axes: tuple[str, str], bias: bool,
-            rngs: nnx.Rngs) -> nnx.Linear:
+def _linear(
+    config: ModelConfig, d_in: int, d_out: int, axes: tuple[str, str], bias: bool, rngs: nnx.Rngs
+) -> nnx.Linear:
   return nnx.Linear(
-      d_in, d_out, use_bias=bias, dtype=config.dtype, param_dtype=config.param_dtype,
-      kernel_init=nnx.initializers.normal(_INIT_STD), bias_init=nnx.initializers.zeros_init(),
-      kernel_metadata=_axes(*axes), bias_metadata=_axes(axes[1]), rngs=rngs)
+      d_in,
+      d_out,
+      use_bias=bias,
+      dtype=config.dtype,
+      param_dtype=config.param_dtype,
+      kernel_init=nnx.initializers.normal(_INIT_STD),
+      bias_init=nnx.initializers.zeros_init(),
+      kernel_metadata=_axes(*axes),
+      bias_metadata=_axes(axes[1]),
+      rngs=rngs,
+  )
 
 
 class KVCache(NamedTuple):
@@ -168,7 +178,7 @@ class Attention(nnx.Module):
       k, v = k.astype(self.dtype), v.astype(self.dtype)
     groups = self.num_heads // self.num_kv_heads
     q = q.reshape(b, t, self.num_kv_heads, groups, self.head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k) * (self.head_dim ** -0.5)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k) * (self.head_dim**-0.5)
     scores = scores.astype(jnp.float32)
     scores = jnp.where(allowed[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
@@ -215,13 +225,20 @@ class LlamaModel(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     self.embed_tokens = nnx.Embed(
-        config.vocab_size, config.hidden_size, dtype=config.dtype, param_dtype=config.param_dtype,
+        config.vocab_size,
+        config.hidden_size,
+        dtype=config.dtype,
+        param_dtype=config.param_dtype,
         embedding_init=nnx.initializers.normal(_INIT_STD),
-        embedding_metadata=_axes(AXIS_VOCAB, AXIS_EMBED), rngs=rngs)
-    self.layers = nnx.List([DecoderLayer(config, rngs=rngs)
-                            for _ in range(config.num_hidden_layers)])
-    self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=config.dtype,
-                        param_dtype=config.param_dtype)
+        embedding_metadata=_axes(AXIS_VOCAB, AXIS_EMBED),
+        rngs=rngs,
+    )
+    self.layers = nnx.List(
+        [DecoderLayer(config, rngs=rngs) for _ in range(config.num_hidden_layers)]
+    )
+    self.norm = RMSNorm(
+        config.hidden_size, config.rms_norm_eps, dtype=config.dtype, param_dtype=config.param_dtype
+    )
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -233,11 +250,18 @@ class LlamaForCausalLM(nnx.Module):
     self.config = config
     self.model = LlamaModel(config, rngs=rngs)
     if not config.tie_word_embeddings:
-      self.lm_head = _linear(config, config.hidden_size, config.vocab_size,
-                             (AXIS_EMBED, AXIS_VOCAB), False, rngs)
+      self.lm_head = _linear(
+          config, config.hidden_size, config.vocab_size, (AXIS_EMBED, AXIS_VOCAB), False, rngs
+      )
 
-  def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
-               attention_mask: jax.Array | None = None, cache: KVCache | None = None):
+  def __call__(
+      self,
+      input_ids: jax.Array,
+      *,
+      positions: jax.Array | None = None,
+      attention_mask: jax.Array | None = None,
+      cache: KVCache | None = None,
+  ):
     """Logits ``(B, T, V)`` float32 for ``input_ids`` ``(B, T)``.
 
     Args:
@@ -295,6 +319,7 @@ class LlamaForCausalLM(nnx.Module):
     logits = logits.astype(jnp.float32)
     if cache is None:
       return logits
-    new_cache = KVCache(keys=tuple(new_keys), values=tuple(new_values), mask=key_mask,
-                        index=cache.index + t)
+    new_cache = KVCache(
+        keys=tuple(new_keys), values=tuple(new_values), mask=key_mask, index=cache.index + t
+    )
     return logits, new_cache

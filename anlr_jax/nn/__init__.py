@@ -1,6 +1,13 @@
 """LoRA layers for Flax NNX: LoRA/rsLoRA/PiSSA/MiLoRA/DoRA, injection by name, PEFT adapter I/O."""
-from anlr_jax.nn.inject import (PAPER_TARGET_MODULES, inject_lora, iter_lora_layers, lora_state,
-                                merge_all, unmerge_all)
+
+from anlr_jax.nn.inject import (
+    PAPER_TARGET_MODULES,
+    inject_lora,
+    iter_lora_layers,
+    lora_state,
+    merge_all,
+    unmerge_all,
+)
 from anlr_jax.nn.lora import LORA_INITS, LoRALinear, lora_scale
 from anlr_jax.nn.peft_io import export_peft_adapter, import_peft_adapter
 

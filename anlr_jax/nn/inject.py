@@ -6,6 +6,7 @@ in ``model.layers.3.self_attn.q_proj``) is in ``target_modules`` is replaced in 
 marked with ``nnx.data`` are all walked. Paths are ``'.'.join`` of the NNX path, which for the
 project's LLaMA/Qwen2 model equals the Hugging Face module name.
 """
+
 from __future__ import annotations
 
 import typing as tp
@@ -38,7 +39,9 @@ def get_submodule(model: nnx.Module, path: PathParts) -> tp.Any:
     try:
       node = _child(node, key)
     except (AttributeError, KeyError, IndexError, TypeError) as err:
-      raise KeyError(f"no submodule at '{path_str(path[: i + 1])}' in {type(model).__name__}") from err
+      raise KeyError(
+          f"no submodule at '{path_str(path[: i + 1])}' in {type(model).__name__}"
+      ) from err
   return node
 
 
@@ -69,14 +72,17 @@ def _target_linears(model: nnx.Module, target_modules: tp.Sequence[str]):
     if not path or not isinstance(path[-1], str) or path[-1] not in targets:
       continue
     if isinstance(module, LoRALinear):
-      raise ValueError(f"'{path_str(path)}' already holds a LoRALinear; inject_lora runs once per model")
+      raise ValueError(
+          f"'{path_str(path)}' already holds a LoRALinear; inject_lora runs once per model"
+      )
     if isinstance(module, nnx.Linear):
       linears.append(tuple(path))
       matched.add(path[-1])
   missing = [t for t in target_modules if t not in matched]
   if missing:
     raise ValueError(
-        f"target_modules {missing} match no nnx.Linear attribute in {type(model).__name__}")
+        f"target_modules {missing} match no nnx.Linear attribute in {type(model).__name__}"
+    )
   return sorted(linears, key=path_str)
 
 
@@ -123,15 +129,28 @@ def inject_lora(
     ('LoRALinear', 'Linear')
   """
   if isinstance(target_modules, str):
-    raise ValueError(f"target_modules must be a sequence of names, got the string {target_modules!r}")
+    raise ValueError(
+        f"target_modules must be a sequence of names, got the string {target_modules!r}"
+    )
   target_modules = tuple(target_modules)
   if not target_modules:
     raise ValueError("target_modules is empty")
   for path in _target_linears(model, target_modules):
     linear = get_submodule(model, path)
-    set_submodule(model, path, LoRALinear(
-        linear, rank=rank, alpha=alpha, dropout=dropout, use_rslora=use_rslora, init=init,
-        use_dora=use_dora, rngs=rngs))
+    set_submodule(
+        model,
+        path,
+        LoRALinear(
+            linear,
+            rank=rank,
+            alpha=alpha,
+            dropout=dropout,
+            use_rslora=use_rslora,
+            init=init,
+            use_dora=use_dora,
+            rngs=rngs,
+        ),
+    )
   return model
 
 

@@ -36,6 +36,7 @@ References:
   Finetuning", 2024.
   Liu et al., "DoRA: Weight-Decomposed Low-Rank Adaptation", 2024.
 """
+
 from __future__ import annotations
 
 import math
@@ -163,7 +164,8 @@ class LoRALinear(nnx.Module):
       raise ValueError(f"init must be one of {LORA_INITS}, got {init!r}")
     if init != "default" and rank > min(d_in, d_out):
       raise ValueError(
-          f"rank={rank} exceeds min(d_in, d_out)={min(d_in, d_out)}, needed by init={init!r}")
+          f"rank={rank} exceeds min(d_in, d_out)={min(d_in, d_out)}, needed by init={init!r}"
+      )
 
     self.base = base
     self.in_features = d_in
@@ -194,7 +196,8 @@ class LoRALinear(nnx.Module):
       b = jnp.zeros((rank, d_out), ADAPTER_DTYPE)
     else:
       a, b, residual = svd_init_factors(
-          base.kernel[...], rank, self.scale, minor=(init == "milora"))
+          base.kernel[...], rank, self.scale, minor=(init == "milora")
+      )
       base.kernel[...] = residual.astype(base.kernel.dtype)
       self.init_lora_a = InitialAdapter(a, **axes(0, None))
       self.init_lora_b = InitialAdapter(b, **axes(None, 1))
@@ -202,13 +205,16 @@ class LoRALinear(nnx.Module):
     self.lora_b = nnx.LoRAParam(b, **axes(None, 1))
     if self.use_dora:
       self.lora_magnitude = nnx.LoRAParam(
-          dora_column_norm(base.kernel[...], self.scale * (a @ b)).astype(ADAPTER_DTYPE), **axes(1))
+          dora_column_norm(base.kernel[...], self.scale * (a @ b)).astype(ADAPTER_DTYPE), **axes(1)
+      )
       self.dora_merged_norm = DoRAMergedNorm(jnp.zeros((d_out,), jnp.float32), **axes(1))
 
   # ------------------------------------------------------------------ maths helpers
   def delta_kernel(self) -> jax.Array:
     r"""``c A B`` in float32, shape ``(d_in, d_out)``."""
-    return self.scale * (self.lora_a[...].astype(jnp.float32) @ self.lora_b[...].astype(jnp.float32))
+    return self.scale * (
+        self.lora_a[...].astype(jnp.float32) @ self.lora_b[...].astype(jnp.float32)
+    )
 
   def _unmerged_kernel(self) -> jax.Array:
     """``W0`` (float32) whether or not the adapter is currently merged."""
@@ -259,7 +265,8 @@ class LoRALinear(nnx.Module):
   def _adapter_out(self, x: jax.Array) -> jax.Array:
     """``x A B`` (unscaled) in the promoted compute dtype."""
     x, a, b = nnx.nn.dtypes.promote_dtype(
-        (x, self.lora_a[...], self.lora_b[...]), dtype=self.base.dtype)
+        (x, self.lora_a[...], self.lora_b[...]), dtype=self.base.dtype
+    )
     precision = self.base.precision
     return jnp.matmul(jnp.matmul(x, a, precision=precision), b, precision=precision)
 
@@ -275,7 +282,8 @@ class LoRALinear(nnx.Module):
 
     kernel = self.base.kernel[...]
     norm = jax.lax.stop_gradient(
-        dora_column_norm(kernel, jax.lax.stop_gradient(self.delta_kernel())))
+        dora_column_norm(kernel, jax.lax.stop_gradient(self.delta_kernel()))
+    )
     mag_norm_scale = self.lora_magnitude[...].astype(jnp.float32) / norm
     if dropout_active:
       xd, k = nnx.nn.dtypes.promote_dtype((x_adapter, kernel), dtype=self.base.dtype)
@@ -284,6 +292,7 @@ class LoRALinear(nnx.Module):
       kernel_out = base_out
       if self.base.bias is not None:
         kernel_out = base_out - self.base.bias[...].astype(base_out.dtype)
-    dora_out = ((mag_norm_scale - 1.0) * kernel_out.astype(jnp.float32)
-                + mag_norm_scale * self.scale * lora_out.astype(jnp.float32))
+    dora_out = (mag_norm_scale - 1.0) * kernel_out.astype(
+        jnp.float32
+    ) + mag_norm_scale * self.scale * lora_out.astype(jnp.float32)
     return base_out + dora_out.astype(base_out.dtype)

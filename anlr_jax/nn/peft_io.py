@@ -25,6 +25,7 @@ on the original weights.
 Tensors are written as the float32 arrays the layers hold; a re-export of an imported adapter is
 byte-identical.
 """
+
 from __future__ import annotations
 
 import json
@@ -72,8 +73,17 @@ def _target_names(model: nnx.Module, lora_paths: list[str]) -> list[str]:
   names = sorted({p.rsplit(".", 1)[-1] for p in lora_paths})
   selected = set()
   for path, module in nnx.iter_modules(model):
-    if path and isinstance(path[-1], str) and path[-1] in names and isinstance(module, (nnx.Linear, LoRALinear)):
-      if len(path) >= 2 and path[-1] == "base" and isinstance(get_submodule(model, path[:-1]), LoRALinear):
+    if (
+        path
+        and isinstance(path[-1], str)
+        and path[-1] in names
+        and isinstance(module, (nnx.Linear, LoRALinear))
+    ):
+      if (
+          len(path) >= 2
+          and path[-1] == "base"
+          and isinstance(get_submodule(model, path[:-1]), LoRALinear)
+      ):
         continue
       selected.add(path_str(path))
   return names if selected == set(lora_paths) else sorted(lora_paths)
@@ -119,7 +129,9 @@ def export_peft_adapter(
     tensors[KEY_PREFIX + path + LORA_A_SUFFIX] = np.ascontiguousarray(a.T)
     tensors[KEY_PREFIX + path + LORA_B_SUFFIX] = np.ascontiguousarray(b.T)
     if use_dora:
-      tensors[KEY_PREFIX + path + MAGNITUDE_SUFFIX] = np.ascontiguousarray(layer.lora_magnitude[...])
+      tensors[KEY_PREFIX + path + MAGNITUDE_SUFFIX] = np.ascontiguousarray(
+          layer.lora_magnitude[...]
+      )
 
   config = {
       "peft_type": "LORA",
@@ -163,14 +175,25 @@ def _read_config(config_path: str) -> dict:
   if config.get("peft_type", "LORA") != "LORA":
     raise ValueError(f"{config_path}: peft_type {config['peft_type']!r} is not 'LORA'")
   unsupported = {
-      "fan_in_fan_out": (False, None), "rank_pattern": ({}, None), "alpha_pattern": ({}, None),
-      "bias": ("none", None), "lora_bias": (False, None), "modules_to_save": (None, []),
-      "init_lora_weights": (True, False, "gaussian", None),  # inits that leave the base weights as they are
+      "fan_in_fan_out": (False, None),
+      "rank_pattern": ({}, None),
+      "alpha_pattern": ({}, None),
+      "bias": ("none", None),
+      "lora_bias": (False, None),
+      "modules_to_save": (None, []),
+      "init_lora_weights": (
+          True,
+          False,
+          "gaussian",
+          None,
+      ),  # inits that leave the base weights as they are
   }
   for key, allowed in unsupported.items():
     if key in config and config[key] not in allowed:
-      raise ValueError(f"{config_path}: {key}={config[key]!r} is not supported (expected one of {allowed}); "
-                       "PiSSA-style adapters must be converted to plain LoRA first")
+      raise ValueError(
+          f"{config_path}: {key}={config[key]!r} is not supported (expected one of {allowed}); "
+          "PiSSA-style adapters must be converted to plain LoRA first"
+      )
   return config
 
 
@@ -214,8 +237,11 @@ def import_peft_adapter(
   with safe_open(weights_path, framework="numpy") as f:
     tensors = {key: f.get_tensor(key) for key in f.keys()}
   expected_keys = set()
-  module_paths = sorted(k[len(KEY_PREFIX):-len(LORA_A_SUFFIX)] for k in tensors
-                        if k.startswith(KEY_PREFIX) and k.endswith(LORA_A_SUFFIX))
+  module_paths = sorted(
+      k[len(KEY_PREFIX) : -len(LORA_A_SUFFIX)]
+      for k in tensors
+      if k.startswith(KEY_PREFIX) and k.endswith(LORA_A_SUFFIX)
+  )
   if not module_paths:
     raise KeyError(f"{weights_path} has no '{KEY_PREFIX}<module>{LORA_A_SUFFIX}' key")
 
@@ -223,7 +249,9 @@ def import_peft_adapter(
     if key not in tensors:
       raise KeyError(f"{weights_path} has no key '{key}'")
     if tuple(tensors[key].shape) != shape:
-      raise ValueError(f"{weights_path}: '{key}' has shape {tuple(tensors[key].shape)}, expected {shape}")
+      raise ValueError(
+          f"{weights_path}: '{key}' has shape {tuple(tensors[key].shape)}, expected {shape}"
+      )
     expected_keys.add(key)
     return tensors[key]
 
@@ -232,22 +260,47 @@ def import_peft_adapter(
     try:
       module = get_submodule(model, path)
     except KeyError as err:
-      raise KeyError(f"{weights_path}: key '{KEY_PREFIX}{dotted}{LORA_A_SUFFIX}' names no module "
-                     f"of {type(model).__name__} ({err.args[0]})") from err
+      raise KeyError(
+          f"{weights_path}: key '{KEY_PREFIX}{dotted}{LORA_A_SUFFIX}' names no module "
+          f"of {type(model).__name__} ({err.args[0]})"
+      ) from err
     if isinstance(module, LoRALinear):
-      settings = dict(rank=module.rank, alpha=module.alpha, use_rslora=module.use_rslora,
-                      use_dora=module.use_dora, init=module.init, merged=module.merged)
-      wanted = dict(rank=rank, alpha=alpha, use_rslora=use_rslora, use_dora=use_dora, init="default",
-                    merged=False)
+      settings = dict(
+          rank=module.rank,
+          alpha=module.alpha,
+          use_rslora=module.use_rslora,
+          use_dora=module.use_dora,
+          init=module.init,
+          merged=module.merged,
+      )
+      wanted = dict(
+          rank=rank,
+          alpha=alpha,
+          use_rslora=use_rslora,
+          use_dora=use_dora,
+          init="default",
+          merged=False,
+      )
       if settings != wanted:
-        raise ValueError(f"LoRALinear at '{dotted}' has settings {settings}, the adapter in "
-                         f"{adapter_dir} needs {wanted}")
+        raise ValueError(
+            f"LoRALinear at '{dotted}' has settings {settings}, the adapter in "
+            f"{adapter_dir} needs {wanted}"
+        )
       layer = module
     elif isinstance(module, nnx.Linear):
-      layer = LoRALinear(module, rank=rank, alpha=alpha, dropout=dropout, use_rslora=use_rslora,
-                         use_dora=use_dora, rngs=rngs)
+      layer = LoRALinear(
+          module,
+          rank=rank,
+          alpha=alpha,
+          dropout=dropout,
+          use_rslora=use_rslora,
+          use_dora=use_dora,
+          rngs=rngs,
+      )
     else:
-      raise ValueError(f"'{dotted}' in {weights_path} is a {type(module).__name__}, not an nnx.Linear")
+      raise ValueError(
+          f"'{dotted}' in {weights_path} is a {type(module).__name__}, not an nnx.Linear"
+      )
     d_in, d_out = layer.in_features, layer.out_features
     a = tensor(KEY_PREFIX + dotted + LORA_A_SUFFIX, (rank, d_in))
     b = tensor(KEY_PREFIX + dotted + LORA_B_SUFFIX, (d_out, rank))
@@ -265,6 +318,8 @@ def import_peft_adapter(
   loaded = set(module_paths)
   uncovered = [p for p, _ in iter_lora_layers(model) if p not in loaded]
   if uncovered:
-    raise ValueError(f"LoRALinear layers {uncovered[:5]} of {type(model).__name__} have no tensors in "
-                     f"{weights_path}")
+    raise ValueError(
+        f"LoRALinear layers {uncovered[:5]} of {type(model).__name__} have no tensors in "
+        f"{weights_path}"
+    )
   return model

@@ -1,4 +1,5 @@
 """The AnLR-LoRA optimizer family: optax transformations and diagnostics."""
+
 from anlr_jax.optim.diagnostics import (
     cumulative_energy,
     diagnostics,

@@ -10,6 +10,7 @@ r"""Read-outs of AnLR state and spectra of LoRA updates (METHOD.md, "What to log
 Singular values of :math:`AB` come from the ``r x r`` core :math:`R_A R_B^\top` of the QR factorisations
 :math:`A = Q_A R_A`, :math:`B^\top = Q_B R_B`, so the ``d_in x d_out`` product is never formed.
 """
+
 from __future__ import annotations
 
 import jax
@@ -17,92 +18,100 @@ import jax.numpy as jnp
 
 from anlr_jax.optim.transform import AnLRState
 
-__all__ = ["find_anlr_state", "diagnostics", "singular_values", "effective_rank", "cumulative_energy"]
+__all__ = [
+    "find_anlr_state",
+    "diagnostics",
+    "singular_values",
+    "effective_rank",
+    "cumulative_energy",
+]
 
 
 def _value(x):
-    return x.get_value() if hasattr(x, "get_value") else x
+  return x.get_value() if hasattr(x, "get_value") else x
 
 
 def find_anlr_state(opt_state) -> AnLRState:
-    """The (single) :class:`AnLRState` inside any optimizer state: a chain, a wrapper such as
-    ``optax.apply_if_finite`` / ``optax.MultiSteps``, or ``nnx.Optimizer.opt_state``."""
-    found = [
-        x
-        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, AnLRState))
-        if isinstance(x, AnLRState)
-    ]
-    if len(found) != 1:
-        raise ValueError(f"expected exactly one AnLRState in the optimizer state, found {len(found)}")
-    s = found[0]
-    unwrap = lambda tree: jax.tree.map(_value, tree, is_leaf=lambda x: hasattr(x, "get_value"))
-    return AnLRState(
-        count=_value(s.count),
-        inner_state=s.inner_state,
-        nu_bar=unwrap(s.nu_bar),
-        snr=unwrap(s.snr),
-        multipliers=unwrap(s.multipliers),
-        sensitivity=unwrap(s.sensitivity),
-    )
+  """The (single) :class:`AnLRState` inside any optimizer state: a chain, a wrapper such as
+  ``optax.apply_if_finite`` / ``optax.MultiSteps``, or ``nnx.Optimizer.opt_state``."""
+  found = [
+      x
+      for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, AnLRState))
+      if isinstance(x, AnLRState)
+  ]
+  if len(found) != 1:
+    raise ValueError(f"expected exactly one AnLRState in the optimizer state, found {len(found)}")
+  s = found[0]
+  unwrap = lambda tree: jax.tree.map(_value, tree, is_leaf=lambda x: hasattr(x, "get_value"))
+  return AnLRState(
+      count=_value(s.count),
+      inner_state=s.inner_state,
+      nu_bar=unwrap(s.nu_bar),
+      snr=unwrap(s.snr),
+      multipliers=unwrap(s.multipliers),
+      sensitivity=unwrap(s.sensitivity),
+  )
 
 
 def diagnostics(opt_state) -> dict:
-    """Per-module summaries of the AnLR state (jittable; no recomputation).
+  """Per-module summaries of the AnLR state (jittable; no recomputation).
 
-    Returns:
-      ``{"modules": {name: {...}}, "mean": {...}}`` where each module entry has
-      ``velocity_cv``, ``velocity_max_min``, ``multiplier_max_min``, ``multiplier_min``,
-      ``multiplier_max`` (averaged over leading batch axes, e.g. stacked layers) and the raw per-rank
-      ``nu_bar``, ``snr``, ``multipliers`` arrays; ``mean`` averages the scalar summaries over modules.
-    """
-    state = find_anlr_state(opt_state)
-    tiny = jnp.finfo(jnp.float32).tiny
-    modules = {}
-    for name, nu in state.nu_bar.items():
-        s = state.multipliers[name]
-        mean = jnp.mean(nu, axis=-1)
-        modules[name] = dict(
-            velocity_cv=jnp.mean(jnp.std(nu, axis=-1) / jnp.maximum(mean, tiny)),
-            velocity_max_min=jnp.mean(jnp.max(nu, axis=-1) / jnp.maximum(jnp.min(nu, axis=-1), tiny)),
-            multiplier_max_min=jnp.mean(jnp.max(s, axis=-1) / jnp.min(s, axis=-1)),
-            multiplier_min=jnp.min(s),
-            multiplier_max=jnp.max(s),
-            nu_bar=nu,
-            snr=state.snr[name],
-            multipliers=s,
-        )
-    keys = ("velocity_cv", "velocity_max_min", "multiplier_max_min")
-    summary = {k: jnp.mean(jnp.stack([m[k] for m in modules.values()])) for k in keys} if modules else {}
-    return {"modules": modules, "mean": summary, "count": state.count}
+  Returns:
+    ``{"modules": {name: {...}}, "mean": {...}}`` where each module entry has
+    ``velocity_cv``, ``velocity_max_min``, ``multiplier_max_min``, ``multiplier_min``,
+    ``multiplier_max`` (averaged over leading batch axes, e.g. stacked layers) and the raw per-rank
+    ``nu_bar``, ``snr``, ``multipliers`` arrays; ``mean`` averages the scalar summaries over modules.
+  """
+  state = find_anlr_state(opt_state)
+  tiny = jnp.finfo(jnp.float32).tiny
+  modules = {}
+  for name, nu in state.nu_bar.items():
+    s = state.multipliers[name]
+    mean = jnp.mean(nu, axis=-1)
+    modules[name] = dict(
+        velocity_cv=jnp.mean(jnp.std(nu, axis=-1) / jnp.maximum(mean, tiny)),
+        velocity_max_min=jnp.mean(jnp.max(nu, axis=-1) / jnp.maximum(jnp.min(nu, axis=-1), tiny)),
+        multiplier_max_min=jnp.mean(jnp.max(s, axis=-1) / jnp.min(s, axis=-1)),
+        multiplier_min=jnp.min(s),
+        multiplier_max=jnp.max(s),
+        nu_bar=nu,
+        snr=state.snr[name],
+        multipliers=s,
+    )
+  keys = ("velocity_cv", "velocity_max_min", "multiplier_max_min")
+  summary = (
+      {k: jnp.mean(jnp.stack([m[k] for m in modules.values()])) for k in keys} if modules else {}
+  )
+  return {"modules": modules, "mean": summary, "count": state.count}
 
 
 def singular_values(a, b):
-    """Singular values of ``A @ B`` for ``A (..., d_in, r)``, ``B (..., r, d_out)``, descending,
-    ``(..., r)`` (``min(d_in, d_out, r)`` of them are meaningful; the rest are ~0)."""
-    a = jnp.asarray(a, jnp.float32)
-    b = jnp.asarray(b, jnp.float32)
-    _, ra = jnp.linalg.qr(a)  # (..., r, r) when d_in >= r
-    _, rb = jnp.linalg.qr(jnp.swapaxes(b, -1, -2))
-    core = ra @ jnp.swapaxes(rb, -1, -2)
-    return jnp.linalg.svd(core, compute_uv=False)
+  """Singular values of ``A @ B`` for ``A (..., d_in, r)``, ``B (..., r, d_out)``, descending,
+  ``(..., r)`` (``min(d_in, d_out, r)`` of them are meaningful; the rest are ~0)."""
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+  _, ra = jnp.linalg.qr(a)  # (..., r, r) when d_in >= r
+  _, rb = jnp.linalg.qr(jnp.swapaxes(b, -1, -2))
+  core = ra @ jnp.swapaxes(rb, -1, -2)
+  return jnp.linalg.svd(core, compute_uv=False)
 
 
 def _energy(a, b):
-    sq = singular_values(a, b) ** 2
-    total = jnp.sum(sq, axis=-1, keepdims=True)
-    return sq / jnp.where(total > 0, total, 1.0), total
+  sq = singular_values(a, b) ** 2
+  total = jnp.sum(sq, axis=-1, keepdims=True)
+  return sq / jnp.where(total > 0, total, 1.0), total
 
 
 def effective_rank(a, b):
-    """Effective rank of ``A @ B``: exp of the Shannon entropy of the normalised squared singular
-    values; ``0`` for a zero product. Shape ``(...)``."""
-    p, total = _energy(a, b)
-    ent = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), axis=-1)
-    return jnp.where(total[..., 0] > 0, jnp.exp(ent), 0.0)
+  """Effective rank of ``A @ B``: exp of the Shannon entropy of the normalised squared singular
+  values; ``0`` for a zero product. Shape ``(...)``."""
+  p, total = _energy(a, b)
+  ent = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), axis=-1)
+  return jnp.where(total[..., 0] > 0, jnp.exp(ent), 0.0)
 
 
 def cumulative_energy(a, b):
-    """Cumulative share of squared singular energy of ``A @ B`` over the top-j directions,
-    ``(..., r)``, non-decreasing, ending at 1 (all zeros for a zero product)."""
-    p, _ = _energy(a, b)
-    return jnp.cumsum(p, axis=-1)
+  """Cumulative share of squared singular energy of ``A @ B`` over the top-j directions,
+  ``(..., r)``, non-decreasing, ending at 1 (all zeros for a zero product)."""
+  p, _ = _energy(a, b)
+  return jnp.cumsum(p, axis=-1)

@@ -4,6 +4,7 @@ Since the AdamW delta is :math:`-\eta_t u`, giving ``B`` the learning rate :math
 same as multiplying its delta (weight decay included) by :math:`\lambda`; that is what this does, on the
 modules found by :func:`anlr_jax.find_lora_modules`.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -18,19 +19,19 @@ __all__ = ["scale_lora_b", "loraplus"]
 
 
 def scale_lora_b(ratio: float, lora_dims: LoraDimsSpec = None) -> optax.GradientTransformation:
-    """Multiplies the updates of every LoRA ``B`` factor by ``ratio``; other leaves pass through."""
-    if not callable(ratio) and not isinstance(ratio, jax.core.Tracer) and float(ratio) <= 0:
-        raise ValueError(f"lr_ratio must be > 0, got {ratio!r}")
+  """Multiplies the updates of every LoRA ``B`` factor by ``ratio``; other leaves pass through."""
+  if not callable(ratio) and not isinstance(ratio, jax.core.Tracer) and float(ratio) <= 0:
+    raise ValueError(f"lr_ratio must be > 0, got {ratio!r}")
 
-    def update_fn(updates, state, params=None):
-        del params
-        leaves, treedef = jax.tree.flatten(updates)
-        for mod in find_lora_modules(updates, lora_dims):
-            u = leaves[mod.b_index]
-            leaves[mod.b_index] = (u.astype(jnp.float32) * ratio).astype(u.dtype)
-        return treedef.unflatten(leaves), state
+  def update_fn(updates, state, params=None):
+    del params
+    leaves, treedef = jax.tree.flatten(updates)
+    for mod in find_lora_modules(updates, lora_dims):
+      u = leaves[mod.b_index]
+      leaves[mod.b_index] = (u.astype(jnp.float32) * ratio).astype(u.dtype)
+    return treedef.unflatten(leaves), state
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
 def loraplus(
@@ -44,18 +45,18 @@ def loraplus(
     *,
     lora_dims: LoraDimsSpec = None,
 ) -> optax.GradientTransformation:
-    r"""The LoRA+ baseline: ``optax.adamw`` with :math:`\eta_B = \lambda \eta_A`.
+  r"""The LoRA+ baseline: ``optax.adamw`` with :math:`\eta_B = \lambda \eta_A`.
 
-    Args:
-      learning_rate: learning rate (or schedule) of the ``A`` factors and of every non-LoRA leaf.
-      lr_ratio: :math:`\lambda = \eta_B / \eta_A` (LoRA+ recommends 16).
-      b1, b2, eps, weight_decay, mask: as in ``optax.adamw``.
-      lora_dims: how to find LoRA factors (see :func:`anlr_jax.find_lora_modules`).
+  Args:
+    learning_rate: learning rate (or schedule) of the ``A`` factors and of every non-LoRA leaf.
+    lr_ratio: :math:`\lambda = \eta_B / \eta_A` (LoRA+ recommends 16).
+    b1, b2, eps, weight_decay, mask: as in ``optax.adamw``.
+    lora_dims: how to find LoRA factors (see :func:`anlr_jax.find_lora_modules`).
 
-    References:
-      Hayou, Ghosh, Yu, *LoRA+: Efficient Low Rank Adaptation of Large Models*, 2024.
-    """
-    return optax.chain(
-        optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask),
-        scale_lora_b(lr_ratio, lora_dims),
-    )
+  References:
+    Hayou, Ghosh, Yu, *LoRA+: Efficient Low Rank Adaptation of Large Models*, 2024.
+  """
+  return optax.chain(
+      optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask),
+      scale_lora_b(lr_ratio, lora_dims),
+  )

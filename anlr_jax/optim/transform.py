@@ -14,6 +14,7 @@ and the AdamW delta of component ``k`` (weight decay included) is multiplied by 
 ``t <= warmup_steps``, ``s_k = 1``. Every other leaf gets the plain AdamW update. See
 ``METHOD.md`` for the rule this follows to the letter.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple, Optional
@@ -47,47 +48,47 @@ DEFAULTS = dict(
 
 
 class AnLRState(NamedTuple):
-    """State of :func:`scale_by_anlr`: the inner state and per-module ``(..., r)`` statistics."""
+  """State of :func:`scale_by_anlr`: the inner state and per-module ``(..., r)`` statistics."""
 
-    count: jax.Array  # int32, number of updates applied so far
-    inner_state: optax.OptState
-    nu_bar: dict  # module name -> EMA velocity (..., r), float32
-    snr: dict  # module name -> Adam SNR of the last update (..., r), float32
-    multipliers: dict  # module name -> s_k applied at the last update (..., r), float32
-    sensitivity: dict  # module name -> EMA sensitivity (only for signal="sensitivity", else empty)
+  count: jax.Array  # int32, number of updates applied so far
+  inner_state: optax.OptState
+  nu_bar: dict  # module name -> EMA velocity (..., r), float32
+  snr: dict  # module name -> Adam SNR of the last update (..., r), float32
+  multipliers: dict  # module name -> s_k applied at the last update (..., r), float32
+  sensitivity: dict  # module name -> EMA sensitivity (only for signal="sensitivity", else empty)
 
 
 def _is_tracer(x) -> bool:
-    return isinstance(x, jax.core.Tracer)
+  return isinstance(x, jax.core.Tracer)
 
 
 def _check(name: str, value, ok: Callable[[float], bool], requirement: str):
-    """Validates a concrete hyperparameter (traced ones, e.g. under inject_hyperparams, pass)."""
-    if value is None or callable(value) or _is_tracer(value):
-        return
-    v = float(np.asarray(value))
-    if not ok(v):
-        raise ValueError(f"{name} must be {requirement}, got {value!r}")
+  """Validates a concrete hyperparameter (traced ones, e.g. under inject_hyperparams, pass)."""
+  if value is None or callable(value) or _is_tracer(value):
+    return
+  v = float(np.asarray(value))
+  if not ok(v):
+    raise ValueError(f"{name} must be {requirement}, got {value!r}")
 
 
 def _validate(signal, kappa, rho, warmup_steps, alpha, beta):
-    if signal not in SIGNALS:
-        raise ValueError(f"signal must be one of {SIGNALS}, got {signal!r}")
-    _check("kappa", kappa, lambda v: v > 1.0, "> 1")
-    _check("rho", rho, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
-    _check("warmup_steps", warmup_steps, lambda v: v >= 0 and v == int(v), "a non-negative integer")
-    _check("alpha", alpha, np.isfinite, "finite")
-    _check("beta", beta, np.isfinite, "finite")
+  if signal not in SIGNALS:
+    raise ValueError(f"signal must be one of {SIGNALS}, got {signal!r}")
+  _check("kappa", kappa, lambda v: v > 1.0, "> 1")
+  _check("rho", rho, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+  _check("warmup_steps", warmup_steps, lambda v: v >= 0 and v == int(v), "a non-negative integer")
+  _check("alpha", alpha, np.isfinite, "finite")
+  _check("beta", beta, np.isfinite, "finite")
 
 
 def _unwrap(x):
-    return x.get_value() if hasattr(x, "get_value") else x
+  return x.get_value() if hasattr(x, "get_value") else x
 
 
 def _per_rank_zeros(leaf, feature_axis):
-    # Reduce a zeros_like of the parameter so the state's placement follows the parameter's.
-    x = _unwrap(leaf)
-    return jnp.sum(jnp.zeros_like(x, dtype=rank_stats.stat_dtype(x)), axis=feature_axis)
+  # Reduce a zeros_like of the parameter so the state's placement follows the parameter's.
+  x = _unwrap(leaf)
+  return jnp.sum(jnp.zeros_like(x, dtype=rank_stats.stat_dtype(x)), axis=feature_axis)
 
 
 def scale_by_anlr(
@@ -106,158 +107,170 @@ def scale_by_anlr(
     lora_dims: LoraDimsSpec = None,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
-    r"""Wraps an Adam-family transformation with AnLR per-rank-one multipliers.
+  r"""Wraps an Adam-family transformation with AnLR per-rank-one multipliers.
 
-    ``inner`` computes the full update (e.g. ``optax.adamw(...)``, ``optax.inject_hyperparams(
-    optax.adamw)(...)``); its state must hold Adam moments named ``mu`` and ``nu`` (found with
-    ``optax.tree_utils.tree_get``). The SNR uses the bias-corrected moments
-    :math:`\hat m = \mu/(1-b_1^t)`, :math:`\hat v = \nu/(1-b_2^t)` of the same step, so ``b1``, ``b2``,
-    ``eps`` and ``eps_root`` must equal the inner optimizer's. The inner update of each LoRA
-    component is multiplied by its :math:`s_k` (post-step delta scaling, paper Prop. 2).
+  ``inner`` computes the full update (e.g. ``optax.adamw(...)``, ``optax.inject_hyperparams(
+  optax.adamw)(...)``); its state must hold Adam moments named ``mu`` and ``nu`` (found with
+  ``optax.tree_utils.tree_get``). The SNR uses the bias-corrected moments
+  :math:`\hat m = \mu/(1-b_1^t)`, :math:`\hat v = \nu/(1-b_2^t)` of the same step, so ``b1``, ``b2``,
+  ``eps`` and ``eps_root`` must equal the inner optimizer's. The inner update of each LoRA
+  component is multiplied by its :math:`s_k` (post-step delta scaling, paper Prop. 2).
 
-    Args:
-      inner: the Adam-family transformation producing the update (learning rate included).
-      b1, b2, eps, eps_root: the inner optimizer's Adam constants.
-      alpha: weight of the velocity term :math:`\alpha`.
-      beta: weight of the SNR term :math:`\beta`.
-      kappa: clamp bound :math:`\kappa > 1` on :math:`s_k` before normalisation.
-      rho: velocity EMA coefficient :math:`\rho \in [0, 1)`.
-      warmup_steps: updates with :math:`s = 1`; update ``warmup_steps + 1`` is the first anisotropic.
-      signal: ``"anlr"`` (velocity + SNR), ``"velocity"`` (:math:`\beta = 0`), ``"snr"``
-        (:math:`\alpha = 0`), ``"uniform"`` (:math:`s = 1`, plain LoRA), ``"random"`` (log-uniform in
-        :math:`[-\log\kappa, \log\kappa]`, redrawn every step from ``seed`` and the step, mean-normalised)
-        or ``"sensitivity"`` (EMA of :math:`\sum |g \odot \theta|` per component in place of the fused
-        score). Velocity and SNR are tracked for diagnostics whatever the signal.
-      lora_dims: how to find LoRA factors (see :func:`anlr_jax.find_lora_modules`).
-      seed: seed of the ``"random"`` control.
+  Args:
+    inner: the Adam-family transformation producing the update (learning rate included).
+    b1, b2, eps, eps_root: the inner optimizer's Adam constants.
+    alpha: weight of the velocity term :math:`\alpha`.
+    beta: weight of the SNR term :math:`\beta`.
+    kappa: clamp bound :math:`\kappa > 1` on :math:`s_k` before normalisation.
+    rho: velocity EMA coefficient :math:`\rho \in [0, 1)`.
+    warmup_steps: updates with :math:`s = 1`; update ``warmup_steps + 1`` is the first anisotropic.
+    signal: ``"anlr"`` (velocity + SNR), ``"velocity"`` (:math:`\beta = 0`), ``"snr"``
+      (:math:`\alpha = 0`), ``"uniform"`` (:math:`s = 1`, plain LoRA), ``"random"`` (log-uniform in
+      :math:`[-\log\kappa, \log\kappa]`, redrawn every step from ``seed`` and the step, mean-normalised)
+      or ``"sensitivity"`` (EMA of :math:`\sum |g \odot \theta|` per component in place of the fused
+      score). Velocity and SNR are tracked for diagnostics whatever the signal.
+    lora_dims: how to find LoRA factors (see :func:`anlr_jax.find_lora_modules`).
+    seed: seed of the ``"random"`` control.
 
-    Returns:
-      An ``optax.GradientTransformationExtraArgs``; extra args are passed to ``inner``.
-    """
-    _validate(signal, kappa, rho, warmup_steps, alpha, beta)
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; extra args are passed to ``inner``.
+  """
+  _validate(signal, kappa, rho, warmup_steps, alpha, beta)
 
-    def inner_update(updates, inner_state, params, count, **extra_args):
-        new_updates, new_state = inner.update(updates, inner_state, params, **extra_args)
-        # Keep the inner state's dtypes fixed step to step (float32 injected hyperparameters would
-        # otherwise promote bf16 moments, changing the state type and forcing a recompile).
-        new_state = optax.tree.cast_like(new_state, inner_state)
-        mu = optax.tree_utils.tree_get(new_state, "mu")
-        nu = optax.tree_utils.tree_get(new_state, "nu")
-        if mu is None or nu is None:
-            raise ValueError(
-                "scale_by_anlr: the inner optimizer's state has no Adam moments 'mu' and 'nu'; "
-                "wrap an Adam-family transformation such as optax.adamw"
-            )
-        m, v = jax.tree.leaves(mu), jax.tree.leaves(nu)
-        if len(m) != len(jax.tree.leaves(updates)):
-            raise ValueError(
-                f"scale_by_anlr: the inner state's 'mu' has {len(m)} leaves, the updates have "
-                f"{len(jax.tree.leaves(updates))}; the inner optimizer must keep one moment per parameter"
-            )
+  def inner_update(updates, inner_state, params, count, **extra_args):
+    new_updates, new_state = inner.update(updates, inner_state, params, **extra_args)
+    # Keep the inner state's dtypes fixed step to step (float32 injected hyperparameters would
+    # otherwise promote bf16 moments, changing the state type and forcing a recompile).
+    new_state = optax.tree.cast_like(new_state, inner_state)
+    mu = optax.tree_utils.tree_get(new_state, "mu")
+    nu = optax.tree_utils.tree_get(new_state, "nu")
+    if mu is None or nu is None:
+      raise ValueError(
+          "scale_by_anlr: the inner optimizer's state has no Adam moments 'mu' and 'nu'; "
+          "wrap an Adam-family transformation such as optax.adamw"
+      )
+    m, v = jax.tree.leaves(mu), jax.tree.leaves(nu)
+    if len(m) != len(jax.tree.leaves(updates)):
+      raise ValueError(
+          f"scale_by_anlr: the inner state's 'mu' has {len(m)} leaves, the updates have "
+          f"{len(jax.tree.leaves(updates))}; the inner optimizer must keep one moment per parameter"
+      )
 
-        def direction(i):  # recomputed from the bias-corrected moments
-            dt = rank_stats.stat_dtype(m[i], v[i])
-            t = count.astype(dt)
-            m_hat = m[i].astype(dt) / (1.0 - jnp.asarray(b1, dt) ** t)
-            v_hat = v[i].astype(dt) / (1.0 - jnp.asarray(b2, dt) ** t)
-            return m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
+    def direction(i):  # recomputed from the bias-corrected moments
+      dt = rank_stats.stat_dtype(m[i], v[i])
+      t = count.astype(dt)
+      m_hat = m[i].astype(dt) / (1.0 - jnp.asarray(b1, dt) ** t)
+      v_hat = v[i].astype(dt) / (1.0 - jnp.asarray(b2, dt) ** t)
+      return m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
 
-        return new_updates, new_state, direction
+    return new_updates, new_state, direction
 
-    return _anlr_transform(
-        inner.init, inner_update, alpha=alpha, beta=beta, kappa=kappa, rho=rho,
-        warmup_steps=warmup_steps, signal=signal, lora_dims=lora_dims, seed=seed,
+  return _anlr_transform(
+      inner.init,
+      inner_update,
+      alpha=alpha,
+      beta=beta,
+      kappa=kappa,
+      rho=rho,
+      warmup_steps=warmup_steps,
+      signal=signal,
+      lora_dims=lora_dims,
+      seed=seed,
+  )
+
+
+def _anlr_transform(
+    inner_init, inner_update, *, alpha, beta, kappa, rho, warmup_steps, signal, lora_dims, seed
+):
+  """The AnLR machinery around an inner update that also exposes the Adam direction per leaf."""
+  if signal == "velocity":
+    beta = 0.0
+  elif signal == "snr":
+    alpha = 0.0
+
+  def init_fn(params):
+    modules = find_lora_modules(params, lora_dims)
+    _check_unique(modules)
+    leaves = jax.tree.leaves(params)
+    zeros = {m.name: _per_rank_zeros(leaves[m.a_index], m.a_feature_axis) for m in modules}
+    return AnLRState(
+        count=jnp.zeros([], jnp.int32),
+        inner_state=inner_init(params),
+        nu_bar=zeros,
+        snr=dict(zeros),
+        multipliers={k: jnp.ones_like(v) for k, v in zeros.items()},
+        sensitivity=dict(zeros) if signal == "sensitivity" else {},
     )
 
-
-def _anlr_transform(inner_init, inner_update, *, alpha, beta, kappa, rho, warmup_steps, signal, lora_dims, seed):
-    """The AnLR machinery around an inner update that also exposes the Adam direction per leaf."""
-    if signal == "velocity":
-        beta = 0.0
-    elif signal == "snr":
-        alpha = 0.0
-
-    def init_fn(params):
-        modules = find_lora_modules(params, lora_dims)
-        _check_unique(modules)
-        leaves = jax.tree.leaves(params)
-        zeros = {m.name: _per_rank_zeros(leaves[m.a_index], m.a_feature_axis) for m in modules}
-        return AnLRState(
-            count=jnp.zeros([], jnp.int32),
-            inner_state=inner_init(params),
-            nu_bar=zeros,
-            snr=dict(zeros),
-            multipliers={k: jnp.ones_like(v) for k, v in zeros.items()},
-            sensitivity=dict(zeros) if signal == "sensitivity" else {},
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError(optax.NO_PARAMS_MSG)
+    count = optax.safe_increment(state.count)
+    inner_updates, inner_state, direction = inner_update(
+        updates, state.inner_state, params, count, **extra_args
+    )
+    modules = find_lora_modules(updates, lora_dims)
+    grads, treedef = jax.tree.flatten(updates)
+    flat_params = treedef.flatten_up_to(params)
+    out = treedef.flatten_up_to(inner_updates)
+    nu_bar, snr, mults, sens = {}, {}, {}, {}
+    for index, mod in enumerate(modules):
+      ia, ib = mod.a_index, mod.b_index
+      axes = dict(a_axis=mod.a_feature_axis, b_axis=mod.b_feature_axis)
+      a, b, ga, gb = flat_params[ia], flat_params[ib], grads[ia], grads[ib]
+      # A value-level no-op that keeps XLA from merging the statistics' g*g with Adam's (CSE):
+      # merged, the square has two consumers, is materialised as a full-size buffer, and the
+      # per-rank reductions read it back; kept apart, each reduction fuses its own square.
+      ga, gb = jax.lax.optimization_barrier((ga, gb))
+      velocity = rank_stats.rank_velocity(a, b, ga, gb, **axes)
+      nu_bar[mod.name] = rho * state.nu_bar[mod.name] + (1.0 - rho) * velocity
+      snr[mod.name] = rank_stats.rank_snr(direction(ia), direction(ib), **axes)
+      if signal == "uniform":
+        s = jnp.ones_like(velocity)
+      elif signal == "random":
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), count), index)
+        s = rank_stats.random_multipliers(key, velocity.shape, kappa=kappa, dtype=velocity.dtype)
+      elif signal == "sensitivity":
+        score = rank_stats.rank_sensitivity(a, b, ga, gb, **axes)
+        sens[mod.name] = rho * state.sensitivity[mod.name] + (1.0 - rho) * score
+        s = rank_stats.score_multipliers(sens[mod.name], kappa=kappa)
+      else:
+        s = rank_stats.module_multipliers(
+            nu_bar[mod.name], snr[mod.name], alpha=alpha, beta=beta, kappa=kappa
         )
+      s = jnp.where(count <= warmup_steps, jnp.ones_like(s), s)
+      mults[mod.name] = s
+      out[ia] = _scale_along(out[ia], s, mod.a_feature_axis)
+      out[ib] = _scale_along(out[ib], s, mod.b_feature_axis)
 
-    def update_fn(updates, state, params=None, **extra_args):
-        if params is None:
-            raise ValueError(optax.NO_PARAMS_MSG)
-        count = optax.safe_increment(state.count)
-        inner_updates, inner_state, direction = inner_update(
-            updates, state.inner_state, params, count, **extra_args
-        )
-        modules = find_lora_modules(updates, lora_dims)
-        grads, treedef = jax.tree.flatten(updates)
-        flat_params = treedef.flatten_up_to(params)
-        out = treedef.flatten_up_to(inner_updates)
-        nu_bar, snr, mults, sens = {}, {}, {}, {}
-        for index, mod in enumerate(modules):
-            ia, ib = mod.a_index, mod.b_index
-            axes = dict(a_axis=mod.a_feature_axis, b_axis=mod.b_feature_axis)
-            a, b, ga, gb = flat_params[ia], flat_params[ib], grads[ia], grads[ib]
-            # A value-level no-op that keeps XLA from merging the statistics' g*g with Adam's (CSE):
-            # merged, the square has two consumers, is materialised as a full-size buffer, and the
-            # per-rank reductions read it back; kept apart, each reduction fuses its own square.
-            ga, gb = jax.lax.optimization_barrier((ga, gb))
-            velocity = rank_stats.rank_velocity(a, b, ga, gb, **axes)
-            nu_bar[mod.name] = rho * state.nu_bar[mod.name] + (1.0 - rho) * velocity
-            snr[mod.name] = rank_stats.rank_snr(direction(ia), direction(ib), **axes)
-            if signal == "uniform":
-                s = jnp.ones_like(velocity)
-            elif signal == "random":
-                key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), count), index)
-                s = rank_stats.random_multipliers(key, velocity.shape, kappa=kappa, dtype=velocity.dtype)
-            elif signal == "sensitivity":
-                score = rank_stats.rank_sensitivity(a, b, ga, gb, **axes)
-                sens[mod.name] = rho * state.sensitivity[mod.name] + (1.0 - rho) * score
-                s = rank_stats.score_multipliers(sens[mod.name], kappa=kappa)
-            else:
-                s = rank_stats.module_multipliers(
-                    nu_bar[mod.name], snr[mod.name], alpha=alpha, beta=beta, kappa=kappa
-                )
-            s = jnp.where(count <= warmup_steps, jnp.ones_like(s), s)
-            mults[mod.name] = s
-            out[ia] = _scale_along(out[ia], s, mod.a_feature_axis)
-            out[ib] = _scale_along(out[ib], s, mod.b_feature_axis)
+    new_state = AnLRState(
+        count=count,
+        inner_state=inner_state,
+        nu_bar=nu_bar,
+        snr=snr,
+        multipliers=mults,
+        sensitivity=sens,
+    )
+    return treedef.unflatten(out), new_state
 
-        new_state = AnLRState(
-            count=count,
-            inner_state=inner_state,
-            nu_bar=nu_bar,
-            snr=snr,
-            multipliers=mults,
-            sensitivity=sens,
-        )
-        return treedef.unflatten(out), new_state
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _scale_along(update, s, feature_axis):
-    """``update * s`` with ``s (..., r)`` broadcast along the factor's feature axis."""
-    dt = rank_stats.stat_dtype(update, s)
-    scaled = update.astype(dt) * jnp.expand_dims(s, feature_axis).astype(dt)
-    return scaled.astype(update.dtype)
+  """``update * s`` with ``s (..., r)`` broadcast along the factor's feature axis."""
+  dt = rank_stats.stat_dtype(update, s)
+  scaled = update.astype(dt) * jnp.expand_dims(s, feature_axis).astype(dt)
+  return scaled.astype(update.dtype)
 
 
 def _check_unique(modules: list[LoraModule]):
-    seen = set()
-    for m in modules:
-        if m.name in seen:
-            raise ValueError(f"two LoRA modules share the name {m.name!r}; declare lora_dims to separate them")
-        seen.add(m.name)
+  seen = set()
+  for m in modules:
+    if m.name in seen:
+      raise ValueError(
+          f"two LoRA modules share the name {m.name!r}; declare lora_dims to separate them"
+      )
+    seen.add(m.name)
 
 
 def anlr(
@@ -277,58 +290,66 @@ def anlr(
     lora_dims: LoraDimsSpec = None,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
-    r"""AdamW with AnLR-LoRA per-rank-one learning rates.
+  r"""AdamW with AnLR-LoRA per-rank-one learning rates.
 
-    Same arguments and meaning as ``optax.adamw`` (``learning_rate`` may be a schedule, indexed as
-    ``optax.adamw`` indexes it; ``mask`` masks the weight decay), plus the AnLR knobs documented in
-    :func:`scale_by_anlr`. Non-LoRA leaves are updated exactly as ``optax.adamw`` would.
+  Same arguments and meaning as ``optax.adamw`` (``learning_rate`` may be a schedule, indexed as
+  ``optax.adamw`` indexes it; ``mask`` masks the weight decay), plus the AnLR knobs documented in
+  :func:`scale_by_anlr`. Non-LoRA leaves are updated exactly as ``optax.adamw`` would.
 
-    Args:
-      learning_rate: global learning rate :math:`\eta_t` or schedule.
-      b1, b2, eps: Adam constants.
-      weight_decay: decoupled weight decay :math:`\lambda` (scaled by :math:`s_k` with the rest of the
-        delta on LoRA components).
-      mask: weight-decay mask, as in ``optax.adamw``.
-      alpha, beta, kappa, rho, warmup_steps, signal, lora_dims, seed: see :func:`scale_by_anlr`.
-        Defaults: ``alpha=2``, ``beta=1``, ``kappa=3`` (paper); ``rho=0.95`` and
-        ``warmup_steps=100`` (chosen here, see ``DEFAULTS``).
+  Args:
+    learning_rate: global learning rate :math:`\eta_t` or schedule.
+    b1, b2, eps: Adam constants.
+    weight_decay: decoupled weight decay :math:`\lambda` (scaled by :math:`s_k` with the rest of the
+      delta on LoRA components).
+    mask: weight-decay mask, as in ``optax.adamw``.
+    alpha, beta, kappa, rho, warmup_steps, signal, lora_dims, seed: see :func:`scale_by_anlr`.
+      Defaults: ``alpha=2``, ``beta=1``, ``kappa=3`` (paper); ``rho=0.95`` and
+      ``warmup_steps=100`` (chosen here, see ``DEFAULTS``).
 
-    Returns:
-      An ``optax.GradientTransformationExtraArgs``.
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
 
-    Example:
-      >>> import jax.numpy as jnp, optax, anlr_jax
-      >>> params = {"q": {"lora_a": jnp.ones((8, 4)) * 0.1, "lora_b": jnp.ones((4, 6)) * 0.1}}
-      >>> tx = optax.chain(optax.clip_by_global_norm(1.0), anlr_jax.anlr(1e-3, warmup_steps=0))
-      >>> state = tx.init(params)
-      >>> updates, state = tx.update(params, state, params)
-      >>> updates["q"]["lora_a"].shape
-      (8, 4)
+  Example:
+    >>> import jax.numpy as jnp, optax, anlr_jax
+    >>> params = {"q": {"lora_a": jnp.ones((8, 4)) * 0.1, "lora_b": jnp.ones((4, 6)) * 0.1}}
+    >>> tx = optax.chain(optax.clip_by_global_norm(1.0), anlr_jax.anlr(1e-3, warmup_steps=0))
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(params, state, params)
+    >>> updates["q"]["lora_a"].shape
+    (8, 4)
 
-    References:
-      Wang et al., *Adaptive Anisotropic Learning Rates for LoRA Fine-Tuning* (AnLR-LoRA), 2026.
-    """
-    _validate(signal, kappa, rho, warmup_steps, alpha, beta)
-    # optax.adamw is chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate). Running the
-    # three pieces here exposes scale_by_adam's output, the Adam direction m_hat / (sqrt(v_hat) + eps),
-    # to the SNR, so it is computed once; the state has exactly optax.adamw's structure.
-    adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
-    decay = optax.add_decayed_weights(weight_decay, mask)
-    lr = optax.scale_by_learning_rate(learning_rate)
+  References:
+    Wang et al., *Adaptive Anisotropic Learning Rates for LoRA Fine-Tuning* (AnLR-LoRA), 2026.
+  """
+  _validate(signal, kappa, rho, warmup_steps, alpha, beta)
+  # optax.adamw is chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate). Running the
+  # three pieces here exposes scale_by_adam's output, the Adam direction m_hat / (sqrt(v_hat) + eps),
+  # to the SNR, so it is computed once; the state has exactly optax.adamw's structure.
+  adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+  decay = optax.add_decayed_weights(weight_decay, mask)
+  lr = optax.scale_by_learning_rate(learning_rate)
 
-    def inner_init(params):
-        return (adam.init(params), decay.init(params), lr.init(params))
+  def inner_init(params):
+    return (adam.init(params), decay.init(params), lr.init(params))
 
-    def inner_update(updates, inner_state, params, count, **extra_args):
-        del count, extra_args
-        direction, adam_state = adam.update(updates, inner_state[0], params)
-        decayed, decay_state = decay.update(direction, inner_state[1], params)
-        delta, lr_state = lr.update(decayed, inner_state[2], params)
-        new_state = optax.tree.cast_like((adam_state, decay_state, lr_state), inner_state)
-        flat_direction = jax.tree.leaves(direction)
-        return delta, new_state, lambda i: flat_direction[i]
+  def inner_update(updates, inner_state, params, count, **extra_args):
+    del count, extra_args
+    direction, adam_state = adam.update(updates, inner_state[0], params)
+    decayed, decay_state = decay.update(direction, inner_state[1], params)
+    delta, lr_state = lr.update(decayed, inner_state[2], params)
+    new_state = optax.tree.cast_like((adam_state, decay_state, lr_state), inner_state)
+    flat_direction = jax.tree.leaves(direction)
+    return delta, new_state, lambda i: flat_direction[i]
 
-    return _anlr_transform(
-        inner_init, inner_update, alpha=alpha, beta=beta, kappa=kappa, rho=rho,
-        warmup_steps=warmup_steps, signal=signal, lora_dims=lora_dims, seed=seed,
-    )
+  return _anlr_transform(
+      inner_init,
+      inner_update,
+      alpha=alpha,
+      beta=beta,
+      kappa=kappa,
+      rho=rho,
+      warmup_steps=warmup_steps,
+      signal=signal,
+      lora_dims=lora_dims,
+      seed=seed,
+  )

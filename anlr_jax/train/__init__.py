@@ -7,18 +7,36 @@ int32 ``(b, T)`` and ``loss_mask`` float32 ``(b, T)``; the loss is the mean next
 over every response token of the global batch (``logits[:, :-1]`` predict ``input_ids[:, 1:]``,
 weighted by ``loss_mask[:, 1:]``).
 """
+
 from anlr_jax.train.checkpoint import TrainCheckpointer
 from anlr_jax.train.distributed import global_batch_array, initialize_distributed
-from anlr_jax.train.mesh import (DEFAULT_LOGICAL_AXIS_RULES, batch_sharding, make_mesh,
-                                 state_shardings)
+from anlr_jax.train.mesh import (
+    DEFAULT_LOGICAL_AXIS_RULES,
+    batch_sharding,
+    make_mesh,
+    state_shardings,
+)
 from anlr_jax.train.metrics import MetricsWriter
 from anlr_jax.train.schedule import linear_warmup_decay
 from anlr_jax.train.step import TrainState, make_train_step, next_token_loss_sum, split_model
 from anlr_jax.train.trainer import Trainer, TrainerConfig, default_optimizer, train
 
 __all__ = [
-    'DEFAULT_LOGICAL_AXIS_RULES', 'MetricsWriter', 'TrainCheckpointer', 'TrainState', 'Trainer',
-    'TrainerConfig', 'batch_sharding', 'default_optimizer', 'global_batch_array',
-    'initialize_distributed', 'linear_warmup_decay', 'make_mesh', 'make_train_step',
-    'next_token_loss_sum', 'split_model', 'state_shardings', 'train',
+    'DEFAULT_LOGICAL_AXIS_RULES',
+    'MetricsWriter',
+    'TrainCheckpointer',
+    'TrainState',
+    'Trainer',
+    'TrainerConfig',
+    'batch_sharding',
+    'default_optimizer',
+    'global_batch_array',
+    'initialize_distributed',
+    'linear_warmup_decay',
+    'make_mesh',
+    'make_train_step',
+    'next_token_loss_sum',
+    'split_model',
+    'state_shardings',
+    'train',
 ]

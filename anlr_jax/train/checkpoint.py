@@ -12,6 +12,7 @@ Trees are stored as flat ``{"a.b.0.c": array}`` dicts (integer layer keys and Na
 states survive unchanged), typed PRNG keys as their raw ``uint32`` data. Restore always goes into
 an abstract target (``jax.ShapeDtypeStruct`` with the live shardings), never target-less.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,8 +53,10 @@ def _named_leaves(tree) -> tuple[list[tuple[str, Any]], Any]:
 
 def flatten_for_checkpoint(tree) -> dict[str, Any]:
   """``{"path.to.leaf": leaf}``; typed PRNG keys become ``key_data`` (``uint32``)."""
-  return {name: jax.random.key_data(leaf) if _is_prng_key(leaf) else leaf
-          for name, leaf in _named_leaves(tree)[0]}
+  return {
+      name: jax.random.key_data(leaf) if _is_prng_key(leaf) else leaf
+      for name, leaf in _named_leaves(tree)[0]
+  }
 
 
 def abstract_for_checkpoint(tree) -> dict[str, jax.ShapeDtypeStruct]:
@@ -61,11 +64,13 @@ def abstract_for_checkpoint(tree) -> dict[str, jax.ShapeDtypeStruct]:
 
   ``tree`` may hold live arrays or ``jax.ShapeDtypeStruct`` leaves with shardings.
   """
+
   def abstract(x):
     sharding = getattr(x, 'sharding', None)
     if _is_prng_key(x):
       x = jax.eval_shape(jax.random.key_data, x)
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
   return {name: abstract(leaf) for name, leaf in _named_leaves(tree)[0]}
 
 
@@ -101,8 +106,14 @@ class TrainCheckpointer:
     async_save: write in a background thread (the next save or :meth:`wait` joins it).
   """
 
-  def __init__(self, directory: str | os.PathLike, *, save_every: int = 0, keep: int = 3,
-               async_save: bool = True):
+  def __init__(
+      self,
+      directory: str | os.PathLike,
+      *,
+      save_every: int = 0,
+      keep: int = 3,
+      async_save: bool = True,
+  ):
     if keep < 1:
       raise ValueError(f'keep={keep} must be >= 1')
     if save_every < 0:
@@ -110,8 +121,12 @@ class TrainCheckpointer:
     self.directory = os.path.abspath(os.fspath(directory))
     self.save_every = save_every
     options = ocp.CheckpointManagerOptions(
-        save_interval_steps=max(save_every, 1), max_to_keep=keep, create=True,
-        enable_async_checkpointing=async_save, cleanup_tmp_directories=True)
+        save_interval_steps=max(save_every, 1),
+        max_to_keep=keep,
+        create=True,
+        enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=True,
+    )
     self.manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:
@@ -126,8 +141,10 @@ class TrainCheckpointer:
       return False
     if step in self.manager.all_steps():
       return False
-    items = {'state': ocp.args.StandardSave(flatten_for_checkpoint(state)),
-             'meta': ocp.args.JsonSave(dict(meta, step=int(step)))}
+    items = {
+        'state': ocp.args.StandardSave(flatten_for_checkpoint(state)),
+        'meta': ocp.args.JsonSave(dict(meta, step=int(step))),
+    }
     if frozen is not None:
       items['frozen'] = ocp.args.StandardSave(flatten_for_checkpoint(frozen))
     return self.manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -141,14 +158,19 @@ class TrainCheckpointer:
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f'no complete checkpoint under {self.directory}')
-    items = {'state': ocp.args.StandardRestore(abstract_for_checkpoint(state_template)),
-             'meta': ocp.args.JsonRestore()}
+    items = {
+        'state': ocp.args.StandardRestore(abstract_for_checkpoint(state_template)),
+        'meta': ocp.args.JsonRestore(),
+    }
     if frozen_template is not None:
       items['frozen'] = ocp.args.StandardRestore(abstract_for_checkpoint(frozen_template))
     restored = self.manager.restore(step, args=ocp.args.Composite(**items))
     state = unflatten_from_checkpoint(restored['state'], state_template, key_source)
-    frozen = (unflatten_from_checkpoint(restored['frozen'], frozen_template)
-              if frozen_template is not None else None)
+    frozen = (
+        unflatten_from_checkpoint(restored['frozen'], frozen_template)
+        if frozen_template is not None
+        else None
+    )
     return state, dict(restored['meta']), frozen
 
   def wait(self) -> None:
@@ -158,5 +180,9 @@ class TrainCheckpointer:
     self.manager.close()
 
 
-__all__ = ['TrainCheckpointer', 'flatten_for_checkpoint', 'unflatten_from_checkpoint',
-           'abstract_for_checkpoint']
+__all__ = [
+    'TrainCheckpointer',
+    'flatten_for_checkpoint',
+    'unflatten_from_checkpoint',
+    'abstract_for_checkpoint',
+]

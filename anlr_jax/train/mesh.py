@@ -6,6 +6,7 @@ parameters are split by their *logical* axis names through a rules table, e.g. `
 ``mlp/heads/vocab -> tensor``. A logical axis that maps to mesh axes whose total size does not divide
 the dimension is left replicated (so tiny test models shard wherever they can and never fail).
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,9 @@ DEFAULT_LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
 )
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
-              devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
+def make_mesh(
+    data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[jax.Device] | None = None
+) -> jax.sharding.Mesh:
   """Builds the ``('data', 'fsdp', 'tensor')`` mesh; one size may be ``-1`` (takes the rest).
 
   Args:
@@ -58,11 +60,13 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
       raise ValueError(f'{len(devices)} devices are not divisible by the fixed mesh sizes {sizes}')
     sizes[free[0]] = len(devices) // fixed
   if math.prod(sizes.values()) != len(devices):
-    raise ValueError(f'mesh sizes {sizes} need {math.prod(sizes.values())} devices, '
-                     f'have {len(devices)}')
+    raise ValueError(
+        f'mesh sizes {sizes} need {math.prod(sizes.values())} devices, ' f'have {len(devices)}'
+    )
   shape = tuple(sizes[a] for a in MESH_AXES)
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
-                       devices=devices)
+  return jax.make_mesh(
+      shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices
+  )
 
 
 def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
@@ -78,15 +82,18 @@ def _fit_spec(spec: P, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> P:
   """Drops mesh axes from dims they do not divide (and pads the spec to the rank)."""
   entries = list(spec) + [None] * (len(shape) - len(spec))
   fitted = []
-  for dim, entry in zip(shape, entries[:len(shape)]):
+  for dim, entry in zip(shape, entries[: len(shape)]):
     axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
     size = math.prod(mesh.shape[a] for a in axes)
     fitted.append(entry if axes and dim % size == 0 else None)
   return P(*fitted)
 
 
-def state_shardings(state: nnx.State, mesh: jax.sharding.Mesh,
-                    rules: Sequence[tuple[str, Any]] = DEFAULT_LOGICAL_AXIS_RULES) -> dict:
+def state_shardings(
+    state: nnx.State,
+    mesh: jax.sharding.Mesh,
+    rules: Sequence[tuple[str, Any]] = DEFAULT_LOGICAL_AXIS_RULES,
+) -> dict:
   """Pure-dict tree of ``NamedSharding`` for an ``nnx.State`` whose Variables carry logical names.
 
   Uses ``nnx.get_partition_spec`` under ``nnx.logical_axis_rules(rules)``; dims that a mesh axis does
@@ -97,7 +104,10 @@ def state_shardings(state: nnx.State, mesh: jax.sharding.Mesh,
   shapes = nnx.to_pure_dict(state)
   return jax.tree.map(
       lambda spec, x: NamedSharding(mesh, _fit_spec(spec, np.shape(x), mesh)),
-      specs, shapes, is_leaf=lambda x: isinstance(x, P))
+      specs,
+      shapes,
+      is_leaf=lambda x: isinstance(x, P),
+  )
 
 
 def matching_shardings(tree, params, param_shardings, mesh: jax.sharding.Mesh):

@@ -7,6 +7,7 @@ scalars, fetched only every ``log_every`` steps, so no host sync per step) and
 every ``diag_every`` steps, their scalar summaries into the same JSONL/CSV/TensorBoard rows.
 Only process 0 writes; the other processes' writer is inert.
 """
+
 from __future__ import annotations
 
 import csv
@@ -38,8 +39,15 @@ def _scalar_items(tree: Mapping[str, Any], prefix: str = '') -> dict[str, float]
 class MetricsWriter:
   """Writes metric rows; call :meth:`record` every step with the step's device metrics."""
 
-  def __init__(self, run_dir: str | None, *, total_steps: int, log_every: int = 1,
-               progress: bool | None = None, is_writer: bool | None = None):
+  def __init__(
+      self,
+      run_dir: str | None,
+      *,
+      total_steps: int,
+      log_every: int = 1,
+      progress: bool | None = None,
+      is_writer: bool | None = None,
+  ):
     if log_every < 1:
       raise ValueError(f'log_every={log_every} must be >= 1')
     self.is_writer = jax.process_index() == 0 if is_writer is None else is_writer
@@ -55,10 +63,12 @@ class MetricsWriter:
       os.makedirs(run_dir, exist_ok=True)
       self._jsonl = open(os.path.join(run_dir, 'metrics.jsonl'), 'a')
       from tensorboardX import SummaryWriter
+
       self._tb = SummaryWriter(os.path.join(run_dir, 'tensorboard'))
     use_bar = sys.stderr.isatty() if progress is None else progress
     if self.is_writer and use_bar:
       from tqdm.auto import tqdm
+
       self._bar = tqdm(total=total_steps, dynamic_ncols=True)
 
   def start(self, step: int) -> None:
@@ -68,8 +78,14 @@ class MetricsWriter:
       self._bar.n = step
       self._bar.refresh()
 
-  def record(self, step: int, metrics: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
-             *, flush: bool = False):
+  def record(
+      self,
+      step: int,
+      metrics: Mapping[str, Any],
+      extra: Mapping[str, Any] | None = None,
+      *,
+      flush: bool = False,
+  ):
     """Queues update ``step``'s (1-based) device metrics; writes a row every ``log_every`` steps,
     at the last step, or when ``flush``. ``extra``: more (nested) scalars for the row."""
     self._pending.append(metrics)
@@ -98,12 +114,15 @@ class MetricsWriter:
       for key, value in row.items():
         if key != 'step':
           self._tb.add_scalar(key, value, row['step'])
-    message = f"step {row['step']}/{self.total_steps} loss {row.get('loss', float('nan')):.4f} " \
-              f"tok/s {row['tokens_per_s']:.0f}"
+    message = (
+        f"step {row['step']}/{self.total_steps} loss {row.get('loss', float('nan')):.4f} "
+        f"tok/s {row['tokens_per_s']:.0f}"
+    )
     if self._bar is not None:
       self._bar.n = row['step']
-      self._bar.set_postfix(loss=f"{row.get('loss', float('nan')):.4f}",
-                            tok_s=f"{row['tokens_per_s']:.0f}")
+      self._bar.set_postfix(
+          loss=f"{row.get('loss', float('nan')):.4f}", tok_s=f"{row['tokens_per_s']:.0f}"
+      )
     else:
       logger.info(message)
 
@@ -136,8 +155,10 @@ class MetricsWriter:
     """Saves the full per-module diagnostics tree (``s_k``, ``nu_bar_k``, ``snr_k``...) as .npz."""
     if not self.is_writer or self.run_dir is None:
       return
-    flat = {jax.tree_util.keystr(p): np.asarray(v)
-            for p, v in jax.tree_util.tree_flatten_with_path(jax.device_get(diagnostics))[0]}
+    flat = {
+        jax.tree_util.keystr(p): np.asarray(v)
+        for p, v in jax.tree_util.tree_flatten_with_path(jax.device_get(diagnostics))[0]
+    }
     os.makedirs(os.path.join(self.run_dir, 'diagnostics'), exist_ok=True)
     np.savez(os.path.join(self.run_dir, 'diagnostics', f'step_{step:08d}.npz'), **flat)
 

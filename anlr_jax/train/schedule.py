@@ -7,12 +7,15 @@ r"""The paper's learning-rate schedule: linear warmup, then linear decay to 0 (A
 with ``t`` the optax update count (0 for the first update), ``w`` = ``warmup_steps`` and
 ``T`` = ``total_steps``. This matches ``transformers.get_linear_schedule_with_warmup``.
 """
+
 from __future__ import annotations
 
 import optax
 
 
-def linear_warmup_decay(peak_value: float, total_steps: int, warmup_steps: int = 0) -> optax.Schedule:
+def linear_warmup_decay(
+    peak_value: float, total_steps: int, warmup_steps: int = 0
+) -> optax.Schedule:
   """Linear 0 -> ``peak_value`` over ``warmup_steps``, then linear -> 0 at ``total_steps``."""
   if total_steps < 1:
     raise ValueError(f'total_steps={total_steps} must be >= 1')

@@ -12,6 +12,7 @@ up to float summation order. Only ``nnx.LoRAParam`` leaves get gradients; base w
 that is never differentiated (and may be stored in bf16). LoRA params are cast to ``compute_dtype``
 inside the loss, so gradients, params and optimizer state stay float32.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
@@ -32,14 +33,16 @@ REMAT_POLICIES = {
 
 class TrainState(NamedTuple):
   """Everything the step updates: update count, LoRA params, optimizer state, other model state (RNG)."""
+
   step: jax.Array
   lora: Any
   opt_state: Any
   extra: Any
 
 
-def next_token_loss_sum(logits: jax.Array, input_ids: jax.Array,
-                        loss_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+def next_token_loss_sum(
+    logits: jax.Array, input_ids: jax.Array, loss_mask: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """Returns ``(sum_t m[t+1] CE(logits[t], ids[t+1]), sum_t m[t+1])`` in float32."""
   logits = logits[:, :-1].astype(jnp.float32)
   targets = input_ids[:, 1:]
@@ -58,7 +61,8 @@ def _cast_floats(tree, dtype):
   if dtype is None:
     return tree
   return jax.tree.map(
-      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+  )
 
 
 def make_train_step(
@@ -97,7 +101,7 @@ def make_train_step(
     *_, new_extra = nnx.split(model, nnx.LoRAParam, nnx.Param, ...)
     return total, (count, nnx.to_pure_dict(new_extra))
 
-  if remat != "none":
+  if remat != 'none':
     loss_sum = jax.checkpoint(loss_sum, policy=REMAT_POLICIES[remat])
   grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
 
@@ -131,8 +135,11 @@ def make_train_step(
     grads = jax.tree.map(lambda g: g / denom, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.lora)
     lora = optax.apply_updates(state.lora, updates)
-    lr = (jnp.asarray(schedule(state.step), jnp.float32) if schedule is not None
-          else jnp.full((), jnp.nan, jnp.float32))
+    lr = (
+        jnp.asarray(schedule(state.step), jnp.float32)
+        if schedule is not None
+        else jnp.full((), jnp.nan, jnp.float32)
+    )
     metrics = {
         'loss': total / denom,
         'grad_norm': optax.tree.norm(grads),

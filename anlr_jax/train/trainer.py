@@ -11,6 +11,7 @@ over the LoRA params ``\theta`` only, with ``L`` the mean response-token cross-e
 or ``optimizer='adamw'``), ``eta_t`` the linear warmup/decay schedule of the paper (App. B).
 Everything the step touches is placed on the mesh before the first step, so it compiles once.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,8 +27,15 @@ from flax import nnx
 
 from anlr_jax.train.checkpoint import TrainCheckpointer
 from anlr_jax.train.distributed import global_batch_array
-from anlr_jax.train.mesh import (BATCH_AXES, DEFAULT_LOGICAL_AXIS_RULES, batch_sharding, make_mesh,
-                                 matching_shardings, replicated, state_shardings)
+from anlr_jax.train.mesh import (
+    BATCH_AXES,
+    DEFAULT_LOGICAL_AXIS_RULES,
+    batch_sharding,
+    make_mesh,
+    matching_shardings,
+    replicated,
+    state_shardings,
+)
 from anlr_jax.train.metrics import MetricsWriter
 from anlr_jax.train.schedule import linear_warmup_decay
 from anlr_jax.train.step import BATCH_KEYS, TrainState, init_train_state, make_train_step
@@ -38,7 +46,8 @@ _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.floa
 @dataclasses.dataclass
 class TrainerConfig:
   """Trainer settings; defaults follow the paper's App. B (lr 3e-4, batch 16, 3 epochs, linear)."""
-  steps: int | None = None            # number of updates; if None, from `epochs`
+
+  steps: int | None = None  # number of updates; if None, from `epochs`
   epochs: float | None = 3.0
   global_batch: int = 16
   micro_batches: int = 1
@@ -49,13 +58,13 @@ class TrainerConfig:
   b2: float = 0.999
   eps: float = 1e-8
   clip_norm: float | None = 1.0
-  optimizer: str = 'auto'             # 'auto' (anlr if importable), 'anlr' or 'adamw'
+  optimizer: str = 'auto'  # 'auto' (anlr if importable), 'anlr' or 'adamw'
   mesh_data: int = 1
   mesh_fsdp: int = -1
   mesh_tensor: int = 1
-  compute_dtype: str = 'bfloat16'     # forward/backward dtype; LoRA params + opt state stay f32
-  base_dtype: str | None = None       # storage dtype of the frozen base weights (None: as built)
-  remat: str = 'none'                 # 'none' | 'full' | 'dots'
+  compute_dtype: str = 'bfloat16'  # forward/backward dtype; LoRA params + opt state stay f32
+  base_dtype: str | None = None  # storage dtype of the frozen base weights (None: as built)
+  remat: str = 'none'  # 'none' | 'full' | 'dots'
   run_dir: str | None = None
   ckpt_dir: str | None = None
   save_every: int = 0
@@ -65,7 +74,7 @@ class TrainerConfig:
   resume: bool = True
   log_every: int = 1
   diag_every: int = 0
-  progress: bool | None = None        # None: a tqdm bar only on a terminal
+  progress: bool | None = None  # None: a tqdm bar only on a terminal
   seed: int = 0
 
   def __post_init__(self):
@@ -78,14 +87,18 @@ class TrainerConfig:
     if self.steps is None and self.epochs is None:
       raise ValueError('TrainerConfig needs `steps` or `epochs`')
     if self.global_batch % self.micro_batches:
-      raise ValueError(f'TrainerConfig.global_batch={self.global_batch} is not divisible by '
-                       f'micro_batches={self.micro_batches}')
+      raise ValueError(
+          f'TrainerConfig.global_batch={self.global_batch} is not divisible by '
+          f'micro_batches={self.micro_batches}'
+      )
     for name in ('compute_dtype', 'base_dtype'):
       value = getattr(self, name)
       if value is not None and value not in _DTYPES:
         raise ValueError(f'TrainerConfig.{name}={value!r} must be one of {sorted(_DTYPES)}')
     if self.optimizer not in ('auto', 'anlr', 'adamw'):
-      raise ValueError(f"TrainerConfig.optimizer={self.optimizer!r} must be 'auto', 'anlr' or 'adamw'")
+      raise ValueError(
+          f"TrainerConfig.optimizer={self.optimizer!r} must be 'auto', 'anlr' or 'adamw'"
+      )
     if self.learning_rate <= 0:
       raise ValueError(f'TrainerConfig.learning_rate={self.learning_rate} must be > 0')
 
@@ -100,7 +113,9 @@ def _find_anlr():
   return getattr(package, 'anlr', None), getattr(package, 'diagnostics', None)
 
 
-def default_optimizer(config: TrainerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+def default_optimizer(
+    config: TrainerConfig, schedule: optax.Schedule
+) -> optax.GradientTransformation:
   """``clip_by_global_norm(clip_norm)`` then ``anlr_jax.anlr`` (or ``optax.adamw``) on ``schedule``."""
   anlr, _ = _find_anlr()
   if config.optimizer == 'anlr' and anlr is None:
@@ -129,11 +144,18 @@ class Trainer:
     logical_axis_rules: logical name -> mesh axis table.
   """
 
-  def __init__(self, model: nnx.Module, batches, config: TrainerConfig,
-               tx: optax.GradientTransformation | None = None, *,
-               schedule: optax.Schedule | None = None, mesh: jax.sharding.Mesh | None = None,
-               devices: Sequence[jax.Device] | None = None,
-               logical_axis_rules=DEFAULT_LOGICAL_AXIS_RULES):
+  def __init__(
+      self,
+      model: nnx.Module,
+      batches,
+      config: TrainerConfig,
+      tx: optax.GradientTransformation | None = None,
+      *,
+      schedule: optax.Schedule | None = None,
+      mesh: jax.sharding.Mesh | None = None,
+      devices: Sequence[jax.Device] | None = None,
+      logical_axis_rules=DEFAULT_LOGICAL_AXIS_RULES,
+  ):
     if not hasattr(batches, 'get_batch') or not hasattr(batches, '__len__'):
       raise TypeError(f'batches={batches!r} must have __len__ and get_batch(step, ...)')
     self.config = config
@@ -143,8 +165,11 @@ class Trainer:
       schedule = linear_warmup_decay(config.learning_rate, self.total_steps, config.warmup_steps)
       tx = default_optimizer(config, schedule)
     self.tx, self.schedule = tx, schedule
-    self.mesh = mesh if mesh is not None else make_mesh(
-        config.mesh_data, config.mesh_fsdp, config.mesh_tensor, devices=devices)
+    self.mesh = (
+        mesh
+        if mesh is not None
+        else make_mesh(config.mesh_data, config.mesh_fsdp, config.mesh_tensor, devices=devices)
+    )
     self.model = model
 
     graphdef, lora, frozen, extra = nnx.split(model, nnx.LoRAParam, nnx.Param, ...)
@@ -157,21 +182,32 @@ class Trainer:
     extra_sh = state_shardings(extra, self.mesh, rules)
     base_dtype = _DTYPES[config.base_dtype] if config.base_dtype else None
     frozen = jax.tree.map(
-        lambda x: x.astype(base_dtype) if base_dtype and jnp.issubdtype(x.dtype, jnp.floating) else x,
-        nnx.to_pure_dict(frozen))
+        lambda x: x.astype(base_dtype)
+        if base_dtype and jnp.issubdtype(x.dtype, jnp.floating)
+        else x,
+        nnx.to_pure_dict(frozen),
+    )
     self.frozen = jax.device_put(frozen, self.frozen_shardings)
-    lora, extra = jax.device_put((nnx.to_pure_dict(lora), nnx.to_pure_dict(extra)), (lora_sh, extra_sh))
+    lora, extra = jax.device_put(
+        (nnx.to_pure_dict(lora), nnx.to_pure_dict(extra)), (lora_sh, extra_sh)
+    )
 
     init_fn = lambda l, e: init_train_state(l, e, tx)  # noqa: E731
-    self.state_shardings = matching_shardings(jax.eval_shape(init_fn, lora, extra),
-                                              lora, lora_sh, self.mesh)
+    self.state_shardings = matching_shardings(
+        jax.eval_shape(init_fn, lora, extra), lora, lora_sh, self.mesh
+    )
     with jax.set_mesh(self.mesh):
       self.state = jax.jit(init_fn, out_shardings=self.state_shardings)(lora, extra)
     self.batch_sharding = batch_sharding(self.mesh)
     step_fn = make_train_step(
-        graphdef, tx, schedule=schedule, micro_batches=config.micro_batches,
-        compute_dtype=_DTYPES[config.compute_dtype], remat=config.remat,
-        batch_spec=jax.sharding.PartitionSpec(BATCH_AXES))
+        graphdef,
+        tx,
+        schedule=schedule,
+        micro_batches=config.micro_batches,
+        compute_dtype=_DTYPES[config.compute_dtype],
+        remat=config.remat,
+        batch_spec=jax.sharding.PartitionSpec(BATCH_AXES),
+    )
     self.step_traces = 0  # how many times the step was traced (= compiled); 1 in a healthy run
 
     def counted_step(state, frozen, batch):
@@ -180,15 +216,23 @@ class Trainer:
 
     self.step_fn = jax.jit(
         counted_step,
-        in_shardings=(self.state_shardings, self.frozen_shardings,
-                      {k: self.batch_sharding for k in BATCH_KEYS}),
+        in_shardings=(
+            self.state_shardings,
+            self.frozen_shardings,
+            {k: self.batch_sharding for k in BATCH_KEYS},
+        ),
         out_shardings=(self.state_shardings, replicated(self.mesh)),
-        donate_argnums=(0,))
+        donate_argnums=(0,),
+    )
 
     self.checkpointer = None
     if config.ckpt_dir is not None:
-      self.checkpointer = TrainCheckpointer(config.ckpt_dir, save_every=config.save_every,
-                                            keep=config.keep, async_save=config.async_save)
+      self.checkpointer = TrainCheckpointer(
+          config.ckpt_dir,
+          save_every=config.save_every,
+          keep=config.keep,
+          async_save=config.async_save,
+      )
       if config.resume and self.checkpointer.latest_step() is not None:
         self.restore()
 
@@ -200,18 +244,26 @@ class Trainer:
 
   def abstract_state(self):
     """Restore target: ``jax.eval_shape`` of the state init, with the live shardings."""
-    shapes = jax.eval_shape(lambda l, e: init_train_state(l, e, self.tx),
-                            self.state.lora, self.state.extra)
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        shapes, self.state_shardings)
+    shapes = jax.eval_shape(
+        lambda l, e: init_train_state(l, e, self.tx), self.state.lora, self.state.extra
+    )
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        shapes,
+        self.state_shardings,
+    )
 
   def save(self, *, force: bool = True) -> bool:
     """Starts a checkpoint of the current state (collective: every process must call it)."""
     if self.checkpointer is None:
       raise ValueError('TrainerConfig.ckpt_dir is not set: nothing to save to')
     step = self.step
-    meta = {'data_step': step, 'seed': self.config.seed, 'total_steps': self.total_steps,
-            'config': dataclasses.asdict(self.config)}
+    meta = {
+        'data_step': step,
+        'seed': self.config.seed,
+        'total_steps': self.total_steps,
+        'config': dataclasses.asdict(self.config),
+    }
     frozen = self.frozen if self.config.save_full_model else None
     return self.checkpointer.save(step, self.state, meta, frozen, force=force)
 
@@ -220,9 +272,11 @@ class Trainer:
     frozen_target = None
     if self.config.save_full_model:
       frozen_target = jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.frozen)
-    state, meta, frozen = self.checkpointer.restore(step, self.abstract_state(), frozen_target,
-                                                   key_source=self.state)
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.frozen
+      )
+    state, meta, frozen = self.checkpointer.restore(
+        step, self.abstract_state(), frozen_target, key_source=self.state
+    )
     self.state = state
     if frozen is not None:
       self.frozen = frozen
@@ -262,11 +316,15 @@ class Trainer:
     rows = self.config.global_batch // pc
     for key in BATCH_KEYS:
       if np.shape(local[key])[0] != rows:
-        raise ValueError(f'batches.get_batch({step})[{key!r}] has {np.shape(local[key])[0]} rows, '
-                         f'expected global_batch/process_count = {rows}')
-    local = {'input_ids': np.asarray(local['input_ids'], np.int32),
-             'attention_mask': np.asarray(local['attention_mask'], np.int32),
-             'loss_mask': np.asarray(local['loss_mask'], np.float32)}
+        raise ValueError(
+            f'batches.get_batch({step})[{key!r}] has {np.shape(local[key])[0]} rows, '
+            f'expected global_batch/process_count = {rows}'
+        )
+    local = {
+        'input_ids': np.asarray(local['input_ids'], np.int32),
+        'attention_mask': np.asarray(local['attention_mask'], np.int32),
+        'loss_mask': np.asarray(local['loss_mask'], np.float32),
+    }
     return global_batch_array(local, self.batch_sharding, self.config.global_batch)
 
   def train_step(self) -> dict[str, jax.Array]:
@@ -280,8 +338,12 @@ class Trainer:
     """Trains until ``steps`` (default: the config's total) updates are done; returns logged rows."""
     end = self.total_steps if steps is None else min(steps, self.total_steps)
     diagnostics = self._diagnostics_fn()
-    writer = MetricsWriter(self.config.run_dir, total_steps=self.total_steps,
-                           log_every=self.config.log_every, progress=self.config.progress)
+    writer = MetricsWriter(
+        self.config.run_dir,
+        total_steps=self.total_steps,
+        log_every=self.config.log_every,
+        progress=self.config.progress,
+    )
     step = self.step
     writer.start(step)
     try:
@@ -307,8 +369,13 @@ class Trainer:
     return writer.rows
 
 
-def train(model: nnx.Module, batches, config: TrainerConfig,
-          tx: optax.GradientTransformation | None = None, **kwargs) -> Trainer:
+def train(
+    model: nnx.Module,
+    batches,
+    config: TrainerConfig,
+    tx: optax.GradientTransformation | None = None,
+    **kwargs,
+) -> Trainer:
   """Builds a :class:`Trainer`, runs it to the end (resuming from ``ckpt_dir`` if possible)."""
   trainer = Trainer(model, batches, config, tx, **kwargs)
   trainer.run()

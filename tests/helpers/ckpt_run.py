@@ -1,5 +1,6 @@
 """Subprocess entry point for the checkpoint tests: trains the toy LM on 8 fake CPU devices with
 checkpoints; can SIGKILL itself right after a save starts; writes final LoRA params and losses."""
+
 import argparse
 import os
 import signal
@@ -24,9 +25,19 @@ def main(argv=None):
   parser.add_argument('--kill-at', type=int, default=-1)
   parser.add_argument('--out')
   args = parser.parse_args(argv)
-  cfg = TrainerConfig(steps=args.steps, global_batch=8, compute_dtype='float32', progress=False,
-                      mesh_data=2, mesh_fsdp=2, mesh_tensor=2, ckpt_dir=args.ckpt,
-                      save_every=args.save_every, keep=3, save_full_model=True)
+  cfg = TrainerConfig(
+      steps=args.steps,
+      global_batch=8,
+      compute_dtype='float32',
+      progress=False,
+      mesh_data=2,
+      mesh_fsdp=2,
+      mesh_tensor=2,
+      ckpt_dir=args.ckpt,
+      save_every=args.save_every,
+      keep=3,
+      save_full_model=True,
+  )
   trainer = Trainer(make_toy_model(d=64, f=256, dropout=0.1), ToyBatches(), cfg, optax.adamw(1e-2))
   print(f'resumed at step {trainer.step}', flush=True)
   save = trainer.checkpointer.save
@@ -42,8 +53,10 @@ def main(argv=None):
   rows = trainer.run()
   trainer.checkpointer.close()
   if args.out:
-    out = {f'lora.{k}': np.asarray(v) for k, v in flatten_for_checkpoint(
-        jax.device_get(trainer.state)).items()}
+    out = {
+        f'lora.{k}': np.asarray(v)
+        for k, v in flatten_for_checkpoint(jax.device_get(trainer.state)).items()
+    }
     out.update({f"loss.{int(r['step'])}": np.float32(r['loss']) for r in rows})
     np.savez(args.out, **out)
 

@@ -1,6 +1,7 @@
 """Subprocess entry point for the multi-host test: one of P processes with D CPU devices each,
 joined with jax.distributed (gloo); trains the toy LM on the global (2, 2, 2) mesh, each process
 feeding only its own batch rows; process 0 writes the losses."""
+
 import argparse
 import sys
 
@@ -24,8 +25,16 @@ def main():
 
   initialize_distributed()  # JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
   assert jax.device_count() == 8 and jax.local_device_count() == args.devices
-  cfg = TrainerConfig(steps=args.steps, global_batch=8, micro_batches=2, compute_dtype='float32',
-                      progress=False, mesh_data=2, mesh_fsdp=2, mesh_tensor=2)
+  cfg = TrainerConfig(
+      steps=args.steps,
+      global_batch=8,
+      micro_batches=2,
+      compute_dtype='float32',
+      progress=False,
+      mesh_data=2,
+      mesh_fsdp=2,
+      mesh_tensor=2,
+  )
   trainer = Trainer(make_toy_model(), ToyBatches(), cfg, optax.adamw(1e-2))
   losses = [float(trainer.train_step()['loss']) for _ in range(args.steps)]
   if jax.process_index() == 0:

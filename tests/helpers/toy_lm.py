@@ -6,6 +6,7 @@ h_0 = E[x];  h_{l+1} = h_l + W_down gelu(W_up h_l + c A_up B_up h_l) + c A_down 
 logits = h_L W_head.  Base weights are `nnx.Param`, adapters `nnx.LoRAParam` (`lora_a (in, r)`,
 `lora_b (r, out)`), every leaf carries logical axis names (`vocab, embed, mlp`) in `out_sharding`.
 """
+
 from __future__ import annotations
 
 import jax
@@ -22,7 +23,8 @@ class LoRALinear(nnx.Module):
     self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out)), out_sharding=axes)
     self.lora_a = nnx.LoRAParam(init(rngs.params(), (d_in, rank)), out_sharding=(axes[0], None))
     self.lora_b = nnx.LoRAParam(
-        0.1 * jax.random.normal(rngs.params(), (rank, d_out)), out_sharding=(None, axes[1]))
+        0.1 * jax.random.normal(rngs.params(), (rank, d_out)), out_sharding=(None, axes[1])
+    )
     self.scale = alpha / rank
 
   def __call__(self, x):
@@ -33,6 +35,7 @@ class LoRALinear(nnx.Module):
 
 
 class Block(nnx.Module):
+
   def __init__(self, d, f, *, rank, alpha, rngs, dropout=0.0):
     kw = dict(rank=rank, alpha=alpha, rngs=rngs, dropout=dropout)
     self.up = LoRALinear(d, f, ('embed', 'mlp'), **kw)
@@ -49,12 +52,28 @@ class ToyCausalLM(nnx.Module):
   because every position sees only its own token.
   """
 
-  def __init__(self, vocab=32, d=16, f=32, n_layers=2, rank=4, alpha=8.0, *, rngs,
-               dtype=jnp.float32, dropout=0.0):
-    self.embed = nnx.Param(jax.random.normal(rngs.params(), (vocab, d)), out_sharding=('vocab', 'embed'))
-    self.blocks = nnx.List([Block(d, f, rank=rank, alpha=alpha, rngs=rngs, dropout=dropout) for _ in range(n_layers)])
-    self.head = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d, vocab)),
-                          out_sharding=('embed', 'vocab'))
+  def __init__(
+      self,
+      vocab=32,
+      d=16,
+      f=32,
+      n_layers=2,
+      rank=4,
+      alpha=8.0,
+      *,
+      rngs,
+      dtype=jnp.float32,
+      dropout=0.0,
+  ):
+    self.embed = nnx.Param(
+        jax.random.normal(rngs.params(), (vocab, d)), out_sharding=('vocab', 'embed')
+    )
+    self.blocks = nnx.List(
+        [Block(d, f, rank=rank, alpha=alpha, rngs=rngs, dropout=dropout) for _ in range(n_layers)]
+    )
+    self.head = nnx.Param(
+        nnx.initializers.lecun_normal()(rngs.params(), (d, vocab)), out_sharding=('embed', 'vocab')
+    )
     self.dtype = dtype
 
   def __call__(self, input_ids, attention_mask=None):
@@ -71,8 +90,14 @@ class ToyBatches:
 
   def __init__(self, global_batch=8, seq_len=8, vocab=32, n_batches=4, seed=0):
     import numpy as np
+
     self.global_batch, self.seq_len, self.vocab, self.n_batches, self.seed = (
-        global_batch, seq_len, vocab, n_batches, seed)
+        global_batch,
+        seq_len,
+        vocab,
+        n_batches,
+        seed,
+    )
     self._np = np
 
   def __len__(self):
