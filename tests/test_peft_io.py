@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import anlr_jax
 import torch
 from flax import nnx
 from safetensors.numpy import load_file, save_file
@@ -358,8 +360,9 @@ def test_import_errors_name_the_problem(tmp_path):
 
 
 # ---------------------------------------------------------------------------- real LLaMA
-def test_llama_train_export_load_in_peft(tmp_path):
-  """Tiny HF LLaMA -> Flax, LoRA (paper targets) trained 3 steps, exported, loaded by PEFT on torch."""
+@pytest.mark.parametrize("variant", ["lora", "dora"])
+def test_llama_train_export_load_in_peft(tmp_path, variant):
+  """Tiny HF LLaMA -> Flax, LoRA (paper targets) trained 3 steps with AnLR, exported, loaded by PEFT."""
   import optax
   import transformers
   from peft import PeftModel
@@ -383,10 +386,10 @@ def test_llama_train_export_load_in_peft(tmp_path):
   hf_model = transformers.LlamaForCausalLM(hf_config).eval()
   hf_model.save_pretrained(tmp_path / "base")
   model, _ = load_hf_model(tmp_path / "base")
-  inject_lora(model, rank=4, alpha=8.0, dropout=0.1, use_dora=True, rngs=nnx.Rngs(0))
+  inject_lora(model, rank=4, alpha=8.0, dropout=0.1, use_dora=variant == "dora", rngs=nnx.Rngs(0))
   tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, hf_config.vocab_size)
 
-  optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.LoRAParam)
+  optimizer = nnx.Optimizer(model, anlr_jax.anlr(1e-2, warmup_steps=1), wrt=nnx.LoRAParam)
 
   @nnx.jit
   def train_step(model, optimizer, tokens):
