@@ -55,6 +55,7 @@ QUICKSTART_DEFAULT = {
         "clip_norm": 1.0,
         "compute_dtype": "float32",
         "log_every": 1,
+        "diag_every": 10,
     },
     "eval": {
         "tasks": {QUICKSTART_TASK: "asset://quickstart/test.json"},
@@ -102,6 +103,10 @@ def cmd_train(args) -> int:
   summary = train_run(config)
   print(f"\n{summary['table']}\n", flush=True)
   print(f"run directory: {summary['run_dir']} ({time.perf_counter() - start:.0f}s)", flush=True)
+  methods = list(config.compare)
+  if config.trainer.diag_every and len(methods) == 2:
+    runs = " ".join(f"{summary['run_dir']}/{m}" for m in methods)
+    print(f"per-rank analysis (the paper's figures): anlr analyze {runs}", flush=True)
   return 0
 
 
