@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from anlr_jax.optim.dims import LoraDimsSpec, find_lora_modules
+from anlr_jax.optim.diagnostics import rank_magnitudes  # noqa: F401 (re-exported)
 
 __all__ = [
     'CONCENTRATED_BELOW',
@@ -237,32 +237,3 @@ def rank_magnitudes_np(a, b, *, a_rank_axis: int = -1, b_rank_axis: int = -2) ->
   a_feature = -2 if a_rank_axis == -1 else -1
   b_feature = -2 if b_rank_axis == -1 else -1
   return np.linalg.norm(a, axis=a_feature) * np.linalg.norm(b, axis=b_feature)
-
-
-def _value(x):
-  return x.get_value() if hasattr(x, 'get_value') else x
-
-
-def rank_magnitudes(lora_params: Any, lora_dims: LoraDimsSpec = None) -> dict[str, jax.Array]:
-  r"""Per-rank contribution magnitude of every LoRA module, :math:`\lVert A_{:,k} B_{k,:}\rVert_F =
-  \lVert A_{:,k}\rVert\,\lVert B_{k,:}\rVert` (Sec. 3 "per-rank-one magnitude"), jittable.
-
-  Args:
-    lora_params: any pytree holding ``lora_a``/``lora_b`` siblings (``nnx.state(model, nnx.LoRAParam)``,
-      a nested dict, ...).
-    lora_dims: the layout spec of :func:`anlr_jax.find_lora_modules` (``None``: Flax layout).
-
-  Returns:
-    ``{module name: (..., r)}`` in float32, with the module names of :func:`anlr_jax.diagnostics`.
-  """
-  leaves = [
-      _value(x) for x in jax.tree.leaves(lora_params)
-  ]  # the flattening find_lora_modules indexes
-  out = {}
-  for module in find_lora_modules(lora_params, lora_dims):
-    a = jnp.asarray(leaves[module.a_index], jnp.float32)
-    b = jnp.asarray(leaves[module.b_index], jnp.float32)
-    out[module.name] = jnp.linalg.norm(a, axis=module.a_feature_axis) * jnp.linalg.norm(
-        b, axis=module.b_feature_axis
-    )
-  return out

@@ -5,6 +5,7 @@ from anlr_jax.optim.diagnostics import (
     diagnostics,
     effective_rank,
     find_anlr_state,
+    rank_magnitudes,
     singular_values,
 )
 from anlr_jax.optim.dims import FLAX, PEFT, LoraDims, LoraModule, find_lora_modules

@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from anlr_jax.optim.dims import LoraDimsSpec, find_lora_modules
 from anlr_jax.optim.transform import AnLRState
 
 __all__ = [
@@ -115,3 +116,27 @@ def cumulative_energy(a, b):
   ``(..., r)``, non-decreasing, ending at 1 (all zeros for a zero product)."""
   p, _ = _energy(a, b)
   return jnp.cumsum(p, axis=-1)
+
+
+def rank_magnitudes(lora_params, lora_dims: LoraDimsSpec = None) -> dict:
+  r"""Per-rank contribution magnitude of every LoRA module,
+  :math:`\lVert A_{:,k} B_{k,:}\rVert_F = \lVert A_{:,k}\rVert\,\lVert B_{k,:}\rVert` (the paper's
+  "per-rank-one magnitude", Sec. 3), jittable.
+
+  Args:
+    lora_params: any pytree holding LoRA factor siblings (``nnx.state(model, nnx.LoRAParam)``, a
+      nested dict, ...).
+    lora_dims: the layout spec of :func:`anlr_jax.find_lora_modules` (``None``: Flax layout).
+
+  Returns:
+    ``{module name: (..., r)}`` in float32, with the module names of :func:`diagnostics`.
+  """
+  leaves = [_value(x) for x in jax.tree.leaves(lora_params)]  # the order find_lora_modules indexes
+  out = {}
+  for module in find_lora_modules(lora_params, lora_dims):
+    a = jnp.asarray(leaves[module.a_index], jnp.float32)
+    b = jnp.asarray(leaves[module.b_index], jnp.float32)
+    out[module.name] = jnp.linalg.norm(a, axis=module.a_feature_axis) * jnp.linalg.norm(
+        b, axis=module.b_feature_axis
+    )
+  return out

@@ -15,7 +15,6 @@ Everything the step touches is placed on the mesh before the first step, so it c
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 from typing import Any, Sequence
 
@@ -25,6 +24,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from anlr_jax import optim as anlr_optim
 from anlr_jax.train.checkpoint import TrainCheckpointer
 from anlr_jax.train.distributed import global_batch_array
 from anlr_jax.train.mesh import (
@@ -58,7 +58,7 @@ class TrainerConfig:
   b2: float = 0.999
   eps: float = 1e-8
   clip_norm: float | None = 1.0
-  optimizer: str = 'auto'  # 'auto' (anlr if importable), 'anlr' or 'adamw'
+  optimizer: str = 'auto'  # 'auto' or 'anlr' (anlr_jax.anlr), or 'adamw'
   mesh_data: int = 1
   mesh_fsdp: int = -1
   mesh_tensor: int = 1
@@ -108,23 +108,16 @@ class TrainerConfig:
     return max(1, math.ceil(self.epochs * batches_per_epoch))
 
 
-def _find_anlr():
-  package = importlib.import_module('anlr_jax')
-  return getattr(package, 'anlr', None), getattr(package, 'diagnostics', None)
-
-
 def default_optimizer(
     config: TrainerConfig, schedule: optax.Schedule
 ) -> optax.GradientTransformation:
-  """``clip_by_global_norm(clip_norm)`` then ``anlr_jax.anlr`` (or ``optax.adamw``) on ``schedule``."""
-  anlr, _ = _find_anlr()
-  if config.optimizer == 'anlr' and anlr is None:
-    raise ImportError("TrainerConfig.optimizer='anlr' but anlr_jax.anlr is not available")
+  """``clip_by_global_norm(clip_norm)`` then ``anlr_jax.anlr`` (``optimizer`` 'auto' or 'anlr') or
+  ``optax.adamw`` (``optimizer='adamw'``) on ``schedule``."""
   kwargs = dict(b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay)
-  if anlr is not None and config.optimizer != 'adamw':
-    inner = anlr(schedule, **kwargs)
-  else:
+  if config.optimizer == 'adamw':
     inner = optax.adamw(schedule, **kwargs)
+  else:
+    inner = anlr_optim.anlr(schedule, **kwargs)
   if config.clip_norm is None:
     return inner
   return optax.chain(optax.clip_by_global_norm(config.clip_norm), inner)
@@ -286,17 +279,13 @@ class Trainer:
     """``(opt_state, lora) -> anlr_jax.diagnostics(opt_state)`` plus the per-rank contribution
     magnitudes ``|A_k| |B_k|`` of the current LoRA params (for the analysis of
     :mod:`anlr_jax.analysis`), jitted; None if the optimizer state holds no AnLR state."""
-    _, diagnostics = _find_anlr()
-    if diagnostics is None:
-      return None
     try:
-      diagnostics(self.state.opt_state)
+      anlr_optim.find_anlr_state(self.state.opt_state)
     except ValueError:  # no AnLRState in this optimizer
       return None
-    from anlr_jax.analysis.measures import rank_magnitudes  # noqa: PLC0415 (optional dependency)
 
     def with_magnitudes(opt_state, lora):
-      return {**diagnostics(opt_state), 'magnitudes': rank_magnitudes(lora)}
+      return {**anlr_optim.diagnostics(opt_state), 'magnitudes': anlr_optim.rank_magnitudes(lora)}
 
     return jax.jit(with_magnitudes)
 
