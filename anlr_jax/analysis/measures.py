@@ -27,7 +27,6 @@ Leading axes of every array are batch axes (modules, steps, ...); the rank axis 
 
 from __future__ import annotations
 
-from typing import Any
 
 import jax
 import jax.numpy as jnp
