@@ -164,7 +164,8 @@ class Attention(nnx.Module):
 
     Returns the attention output (B, T, d) and the updated ``(k, v)`` (None without a cache).
     """
-    b, t, _ = x.shape
+    b, t, d = x.shape
+    x = x.reshape(b * t, d)  # 2-D GEMMs (see MLP)
     q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
     k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -182,8 +183,8 @@ class Attention(nnx.Module):
     scores = scores.astype(jnp.float32)
     scores = jnp.where(allowed[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, self.num_heads * self.head_dim)
-    return self.o_proj(out), new_kv
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b * t, self.num_heads * self.head_dim)
+    return self.o_proj(out).reshape(b, t, -1), new_kv
 
 
 class MLP(nnx.Module):
@@ -196,7 +197,11 @@ class MLP(nnx.Module):
     self.down_proj = _linear(config, f, d, (AXIS_MLP, AXIS_EMBED), False, rngs)
 
   def __call__(self, x):
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    # Projections on (tokens, features): XLA CPU runs 2-D GEMMs faster than (B, T, d) ones, more so
+    # in the backward pass (see docs/benchmarks.md).
+    h = x.reshape(-1, x.shape[-1])
+    h = self.down_proj(jax.nn.silu(self.gate_proj(h)) * self.up_proj(h))
+    return h.reshape(*x.shape[:-1], h.shape[-1])
 
 
 class DecoderLayer(nnx.Module):
@@ -312,11 +317,12 @@ class LlamaForCausalLM(nnx.Module):
         new_keys.append(k)
         new_values.append(v)
     h = self.model.norm(h)
+    flat = h.reshape(-1, h.shape[-1])  # 2-D GEMM (see MLP)
     if config.tie_word_embeddings:
-      logits = self.model.embed_tokens.attend(h)
+      logits = self.model.embed_tokens.attend(flat)
     else:
-      logits = self.lm_head(h)
-    logits = logits.astype(jnp.float32)
+      logits = self.lm_head(flat)
+    logits = logits.reshape(*h.shape[:-1], logits.shape[-1]).astype(jnp.float32)
     if cache is None:
       return logits
     new_cache = KVCache(
