@@ -178,12 +178,14 @@ class Attention(nnx.Module):
       new_kv = (k, v)
       k, v = k.astype(self.dtype), v.astype(self.dtype)
     groups = self.num_heads // self.num_kv_heads
-    q = q.reshape(b, t, self.num_kv_heads, groups, self.head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k) * (self.head_dim**-0.5)
+    if groups > 1:  # GQA: kv head j serves query heads j*groups .. j*groups + groups - 1
+      k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    # 4-D einsums: XLA CPU runs these ~2x faster (forward and backward) than a grouped 5-D form.
+    scores = jnp.einsum("btnd,bsnd->bnts", q, k) * (self.head_dim**-0.5)
     scores = scores.astype(jnp.float32)
-    scores = jnp.where(allowed[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(allowed[:, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b * t, self.num_heads * self.head_dim)
+    out = jnp.einsum("bnts,bsnd->btnd", probs, v).reshape(b * t, self.num_heads * self.head_dim)
     return self.o_proj(out).reshape(b, t, -1), new_kv
 
 
