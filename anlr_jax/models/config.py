@@ -210,108 +210,98 @@ class ModelConfig:
   @classmethod
   def llama2_7b(cls, **overrides) -> "ModelConfig":
     """LLaMA-2-7B (``meta-llama/Llama-2-7b-hf``)."""
-    return cls(
-        **{
-            **dict(
-                vocab_size=32000,
-                hidden_size=4096,
-                intermediate_size=11008,
-                num_hidden_layers=32,
-                num_attention_heads=32,
-                num_key_value_heads=32,
-                rms_norm_eps=1e-5,
-                rope_theta=10000.0,
-                max_position_embeddings=4096,
-                model_type="llama",
-            ),
-            **overrides,
-        }
+    return dataclasses.replace(
+        cls(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            max_position_embeddings=4096,
+            model_type="llama",
+        ),
+        **overrides,
     )
 
   @classmethod
   def llama3_8b(cls, **overrides) -> "ModelConfig":
     """LLaMA-3-8B (``meta-llama/Meta-Llama-3-8B``): GQA with 8 key/value heads."""
-    return cls(
-        **{
-            **dict(
-                vocab_size=128256,
-                hidden_size=4096,
-                intermediate_size=14336,
-                num_hidden_layers=32,
-                num_attention_heads=32,
-                num_key_value_heads=8,
-                rms_norm_eps=1e-5,
-                rope_theta=500000.0,
-                max_position_embeddings=8192,
-                model_type="llama",
-            ),
-            **overrides,
-        }
+    return dataclasses.replace(
+        cls(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            max_position_embeddings=8192,
+            model_type="llama",
+        ),
+        **overrides,
     )
 
   @classmethod
   def qwen2_5_7b(cls, **overrides) -> "ModelConfig":
     """Qwen2.5-7B (``Qwen/Qwen2.5-7B``): q/k/v bias, 4 key/value heads, untied head."""
-    return cls(
-        **{
-            **dict(
-                vocab_size=152064,
-                hidden_size=3584,
-                intermediate_size=18944,
-                num_hidden_layers=28,
-                num_attention_heads=28,
-                num_key_value_heads=4,
-                rms_norm_eps=1e-6,
-                rope_theta=1000000.0,
-                max_position_embeddings=131072,
-                attention_bias=True,
-                model_type="qwen2",
-            ),
-            **overrides,
-        }
+    return dataclasses.replace(
+        cls(
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            max_position_embeddings=131072,
+            attention_bias=True,
+            model_type="qwen2",
+        ),
+        **overrides,
     )
 
   @classmethod
   def qwen2_5_14b(cls, **overrides) -> "ModelConfig":
     """Qwen2.5-14B (``Qwen/Qwen2.5-14B``): q/k/v bias, 8 key/value heads, untied head."""
-    return cls(
-        **{
-            **dict(
-                vocab_size=152064,
-                hidden_size=5120,
-                intermediate_size=13824,
-                num_hidden_layers=48,
-                num_attention_heads=40,
-                num_key_value_heads=8,
-                rms_norm_eps=1e-5,
-                rope_theta=1000000.0,
-                max_position_embeddings=131072,
-                attention_bias=True,
-                model_type="qwen2",
-            ),
-            **overrides,
-        }
+    return dataclasses.replace(
+        cls(
+            vocab_size=152064,
+            hidden_size=5120,
+            intermediate_size=13824,
+            num_hidden_layers=48,
+            num_attention_heads=40,
+            num_key_value_heads=8,
+            rms_norm_eps=1e-5,
+            rope_theta=1000000.0,
+            max_position_embeddings=131072,
+            attention_bias=True,
+            model_type="qwen2",
+        ),
+        **overrides,
     )
 
   @classmethod
   def tiny(cls, **overrides) -> "ModelConfig":
     """A ~160K-parameter LLaMA-style model with GQA (4 query / 2 key-value heads) for tests."""
-    return cls(
-        **{
-            **dict(
-                vocab_size=512,
-                hidden_size=64,
-                intermediate_size=192,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                rms_norm_eps=1e-6,
-                rope_theta=10000.0,
-                max_position_embeddings=256,
-                model_type="llama",
-            ),
-            **overrides,
-        }
+    return dataclasses.replace(
+        cls(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=192,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            max_position_embeddings=256,
+            model_type="llama",
+        ),
+        **overrides,
     )
 
   # ----------------------------------------------------------------------------------------------
