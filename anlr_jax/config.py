@@ -39,6 +39,7 @@ from typing import Any, Callable, Mapping, Sequence
 import yaml
 
 from anlr_jax.methods import METHOD_NAMES
+from anlr_jax.models.config import ATTENTION_IMPLS
 from anlr_jax.nn.inject import PAPER_TARGET_MODULES
 from anlr_jax.optim.transform import DEFAULTS as ANLR_DEFAULTS
 from anlr_jax.train.trainer import TrainerConfig
@@ -59,6 +60,7 @@ class ModelSection:
   path: str = ""  # local HF model directory (config.json + *.safetensors)
   tokenizer: str | None = None  # tokenizer directory; None: the model directory
   dtype: str = "float32"  # dtype the base weights are loaded in
+  attention: str = "einsum"  # attention kernel: 'einsum' (CPU), 'xla', 'cudnn' (NVIDIA flash)
 
 
 @dataclasses.dataclass
@@ -199,6 +201,7 @@ CHECKS: dict[str, Callable[[], tuple[Callable[[Any], bool], str]]] = {
     "compare[]": lambda: _one_of(METHOD_NAMES),
     "seed": lambda: _in_range(0, None),
     "model.dtype": lambda: _one_of(DTYPES),
+    "model.attention": lambda: _one_of(ATTENTION_IMPLS),
     "lora.rank": lambda: _in_range(1, None),
     "lora.alpha": lambda: _in_range(0, None, lo_open=True),
     "lora.dropout": lambda: _in_range(0, 1, hi_open=True),

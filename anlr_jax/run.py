@@ -72,7 +72,9 @@ def load_base(config: RunConfig, model_path: str | None = None):
   from anlr_jax.models import load_hf_model, load_tokenizer
 
   path = _require_path(model_path or config.model.path, "model.path", kind="HF model directory")
-  model, model_config = load_hf_model(path, dtype=_DTYPES[config.model.dtype])
+  model, model_config = load_hf_model(
+      path, dtype=_DTYPES[config.model.dtype], attention_impl=config.model.attention
+  )
   tokenizer_path = resolve_path(config.model.tokenizer) or path
   tokenizer = load_tokenizer(tokenizer_path)
   return model, model_config, tokenizer

@@ -166,6 +166,7 @@ def test_from_pretrained_and_round_trip_through_transformers(tmp_path):
         (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "yarn"),
         (dict(rope_scaling={"rope_type": "llama3", "factor": 2.0}), "low_freq_factor"),
         (dict(dtype=jnp.int32), "dtype"),
+        (dict(attention_impl="flash"), "attention_impl"),
     ],
 )
 def test_invalid_config_names_the_field(kwargs, match):
@@ -284,6 +285,32 @@ def test_cached_decoding_matches_full_forward(hf_and_flax):
   assert int(cache.index) == 12
   real = mask.astype(bool)
   np.testing.assert_allclose(np.concatenate(pieces, 1)[real], np.asarray(full)[real], atol=1e-5)
+
+
+def test_fused_attention_path_matches_einsum_on_right_padded_rows():
+  """'xla' runs jax.nn.dot_product_attention with the arguments 'cudnn' gets (causal + key lengths).
+
+  On right-padded rows (what anlr_jax.data produces) it must give the einsum path's logits on every
+  real token and the same LoRA-free gradients of a loss masked to real tokens.
+  """
+  kw = dict(num_hidden_layers=2, vocab_size=64, num_attention_heads=4, num_key_value_heads=2)
+  einsum = LlamaForCausalLM(ModelConfig.tiny(**kw), rngs=nnx.Rngs(5))
+  fused = LlamaForCausalLM(ModelConfig.tiny(attention_impl="xla", **kw), rngs=nnx.Rngs(5))
+  rng = np.random.default_rng(1)
+  ids = jnp.asarray(rng.integers(0, 64, (3, 9)))
+  mask = jnp.asarray((np.arange(9)[None, :] < np.array([[9], [5], [1]])).astype(np.int32))
+  real = np.asarray(mask).astype(bool)
+  a = einsum(ids, attention_mask=mask)
+  b = fused(ids, attention_mask=mask)
+  assert np.all(np.isfinite(np.asarray(b)))
+  np.testing.assert_allclose(np.asarray(b)[real], np.asarray(a)[real], atol=2e-5)
+
+  def loss(m):
+    logp = jax.nn.log_softmax(m(ids, attention_mask=mask))[..., 0]
+    return jnp.sum(logp * mask) / jnp.sum(mask)
+
+  grad = nnx.jit(nnx.grad(loss))
+  chex.assert_trees_all_close(grad(einsum), grad(fused), atol=2e-5)
 
 
 def test_remat_gives_same_logits_and_gradients():

@@ -30,6 +30,7 @@ import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
 _LLAMA3_ROPE_KEYS = (
     "factor",
     "low_freq_factor",
@@ -88,6 +89,12 @@ class ModelConfig:
     dtype: compute dtype (activations, matmuls); float32 or bfloat16.
     param_dtype: storage dtype of the parameters.
     remat: wrap every decoder layer in ``nnx.remat`` (recompute activations in the backward pass).
+    attention_impl: how the cache-free forward pass (training, scoring) computes attention:
+      ``'einsum'`` (explicit scores and mask; fastest on CPU), ``'xla'`` or ``'cudnn'``
+      (``jax.nn.dot_product_attention`` with a causal mask and per-row key lengths; ``'cudnn'`` is
+      the fused flash-attention kernel on NVIDIA GPUs). The last two assume right padding (every
+      row's real tokens first), which is what :mod:`anlr_jax.data` produces. Decoding with a
+      :class:`~anlr_jax.models.llama.KVCache` always uses ``'einsum'``.
   """
 
   vocab_size: int
@@ -107,6 +114,7 @@ class ModelConfig:
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   remat: bool = False
+  attention_impl: str = "einsum"
 
   def __post_init__(self):
     for name in (
@@ -143,6 +151,10 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}.")
     if not self.rope_theta > 0:
       raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}.")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(
+          f"ModelConfig.attention_impl={self.attention_impl!r} must be one of {ATTENTION_IMPLS}."
+      )
     object.__setattr__(self, "rope_scaling", _canonical_rope_scaling(self.rope_scaling))
     for name in ("dtype", "param_dtype"):
       try:

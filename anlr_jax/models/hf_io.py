@@ -151,7 +151,7 @@ def _weight_map(path: str) -> dict[str, str]:
 
 
 def load_hf_model(
-    path: str | os.PathLike, *, dtype=jnp.float32, compute_dtype=None
+    path: str | os.PathLike, *, dtype=jnp.float32, compute_dtype=None, **config_overrides
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
   """Loads a local Hugging Face LLaMA / Qwen2 checkpoint into a :class:`LlamaForCausalLM`.
 
@@ -160,6 +160,8 @@ def load_hf_model(
       with ``model.safetensors.index.json``.
     dtype: parameter dtype (checkpoint tensors are cast to it).
     compute_dtype: activation dtype; defaults to ``dtype``.
+    **config_overrides: other :class:`ModelConfig` fields, e.g. ``attention_impl='cudnn'``,
+      ``remat=True``.
 
   Returns:
     ``(model, config)``.
@@ -175,7 +177,10 @@ def load_hf_model(
   if not os.path.isfile(config_path):
     raise FileNotFoundError(f"No {CONFIG_FILE} found at {config_path}.")
   config = ModelConfig.from_pretrained(
-      path, param_dtype=dtype, dtype=dtype if compute_dtype is None else compute_dtype
+      path,
+      param_dtype=dtype,
+      dtype=dtype if compute_dtype is None else compute_dtype,
+      **config_overrides,
   )
   weight_map = _weight_map(path)
   table = hf_param_table(config)

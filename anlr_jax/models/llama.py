@@ -158,9 +158,13 @@ class Attention(nnx.Module):
     self.num_kv_heads = config.num_key_value_heads
     self.head_dim = dh
     self.dtype = config.dtype
+    self.attention_impl = config.attention_impl
 
-  def __call__(self, x, cos, sin, allowed, kv=None, index=None):
+  def __call__(self, x, cos, sin, allowed, kv=None, index=None, lengths=None):
     """``x`` (B, T, d); ``allowed`` (B, T, S) bool; ``kv`` the layer's cached (k, v) or None.
+
+    ``lengths`` (B,) int32 real tokens per row, used instead of ``allowed`` by the fused
+    attention implementations (``config.attention_impl`` other than ``'einsum'``).
 
     Returns the attention output (B, T, d) and the updated ``(k, v)`` (None without a cache).
     """
@@ -177,6 +181,18 @@ class Attention(nnx.Module):
       v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, index, 0, 0))
       new_kv = (k, v)
       k, v = k.astype(self.dtype), v.astype(self.dtype)
+    if kv is None and self.attention_impl != "einsum":
+      # Causal attention over each row's first ``lengths`` keys (right padding): the fused kernel
+      # handles GQA itself. Pad queries still see real keys, so no row is fully masked.
+      out = jax.nn.dot_product_attention(
+          q,
+          k,
+          v,
+          is_causal=True,
+          key_value_seq_lengths=lengths,
+          implementation=self.attention_impl,
+      ).reshape(b * t, self.num_heads * self.head_dim)
+      return self.o_proj(out).reshape(b, t, -1), new_kv
     groups = self.num_heads // self.num_kv_heads
     if groups > 1:  # GQA: kv head j serves query heads j*groups .. j*groups + groups - 1
       k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
@@ -216,15 +232,15 @@ class DecoderLayer(nnx.Module):
     self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm_kw)
     self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm_kw)
 
-  def __call__(self, x, cos, sin, allowed, kv=None, index=None):
-    attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, allowed, kv, index)
+  def __call__(self, x, cos, sin, allowed, kv=None, index=None, lengths=None):
+    attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, allowed, kv, index, lengths)
     h = x + attn
     return h + self.mlp(self.post_attention_layernorm(h)), new_kv
 
 
-def _layer_forward(layer: DecoderLayer, x, cos, sin, allowed):
+def _layer_forward(layer: DecoderLayer, x, cos, sin, allowed, lengths):
   """Cache-free layer application; module-level so ``nnx.remat`` can wrap it."""
-  return layer(x, cos, sin, allowed)[0]
+  return layer(x, cos, sin, allowed, lengths=lengths)[0]
 
 
 class LlamaModel(nnx.Module):
@@ -306,6 +322,10 @@ class LlamaForCausalLM(nnx.Module):
       query_slots = cache.index + jnp.arange(t)
     key_slots = jnp.arange(key_mask.shape[1])
     allowed = (key_slots[None, :] <= query_slots[:, None])[None] & (key_mask[:, None, :] > 0)
+    lengths = None
+    if cache is None and config.attention_impl != "einsum":
+      # Fused attention: causal + per-row key lengths, exact for right-padded rows.
+      allowed, lengths = None, jnp.maximum(jnp.sum(attention_mask, axis=-1), 1).astype(jnp.int32)
 
     h = self.model.embed_tokens(input_ids.astype(jnp.int32)).astype(config.dtype)
     cos, sin = rope_cos_sin(config.rope_inv_freq(), positions, config.dtype)
@@ -313,7 +333,7 @@ class LlamaForCausalLM(nnx.Module):
     for i, layer in enumerate(self.model.layers):
       if cache is None:
         forward = nnx.remat(_layer_forward) if config.remat else _layer_forward
-        h = forward(layer, h, cos, sin, allowed)
+        h = forward(layer, h, cos, sin, allowed, lengths)
       else:
         h, (k, v) = layer(h, cos, sin, allowed, (cache.keys[i], cache.values[i]), cache.index)
         new_keys.append(k)
