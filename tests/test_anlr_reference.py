@@ -22,6 +22,7 @@ def _schedule(count):
 def _params(rng, dtype=np.float64):
   shapes = {
       "attn/q": ((6, 4), (4, 5)),
+      "attn/k": ((6, 4), (4, 5)),  # same shapes as q: batched with it (batch_modules=True)
       "mlp/up": ((3, 5, 3), (3, 3, 7)),  # stacked (3 layers), rank 3
       "mlp/down": ((7, 8), (8, 2)),  # r = 8 > d_out: still well defined
   }
@@ -54,12 +55,13 @@ def _grads(rng, params, scale_by_rank=True):
   return jax.tree_util.tree_map_with_path(g, params)
 
 
-def test_trajectory_matches_numpy_reference():
-  """25 steps (warmup 4, weight decay, a schedule, 3 modules incl. stacked, one plain leaf)."""
+@pytest.mark.parametrize("batch_modules", [True, False])
+def test_trajectory_matches_numpy_reference(batch_modules):
+  """25 steps (warmup 4, weight decay, a schedule, 4 modules incl. stacked, one plain leaf)."""
   rng = np.random.default_rng(0)
   with jax.enable_x64(True):
     params = _params(rng)
-    tx = anlr_jax.anlr(_schedule, **HP, **ANLR, warmup_steps=4)
+    tx = anlr_jax.anlr(_schedule, **HP, **ANLR, warmup_steps=4, batch_modules=batch_modules)
     state = tx.init(params)
     update = jax.jit(tx.update)
     flat0 = _flat(params)
