@@ -77,9 +77,20 @@ def main(argv=None):
   )
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument(
+      "--window",
+      type=int,
+      default=1,
+      help="steps per timing sample, dispatched back to back (1: wait after every step)",
+  )
+  ap.add_argument(
       "--stacked", action="store_true", help="stack layers on a leading axis (nnx.scan layout)"
   )
   ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  ap.add_argument(
+      "--unbatched",
+      action="store_true",
+      help="also time anlr(batch_modules=False): statistics module by module",
+  )
   ap.add_argument("--json", help="also write the results to this JSON file")
   args = ap.parse_args(argv)
   dtype = jnp.dtype(args.dtype)
@@ -91,6 +102,10 @@ def main(argv=None):
       # warmup_steps=0: the timed steps are all anisotropic (the full AnLR computation).
       "anlr": anlr_jax.anlr(1e-4, weight_decay=1e-4, warmup_steps=0),
   }
+  if args.unbatched:
+    optimizers["anlr-unbatched"] = anlr_jax.anlr(
+        1e-4, weight_decay=1e-4, warmup_steps=0, batch_modules=False
+    )
   runs = {}
   for name, tx in optimizers.items():
     p = jax.tree.map(jnp.copy, params)
@@ -100,9 +115,10 @@ def main(argv=None):
   def one(name):
     r = runs[name]
     t0 = time.perf_counter()
-    r["params"], r["state"] = r["step"](grads, r["state"], r["params"])
+    for _ in range(args.window):  # dispatched back to back; one wait at the end
+      r["params"], r["state"] = r["step"](grads, r["state"], r["params"])
     jax.block_until_ready((r["params"], r["state"]))
-    return time.perf_counter() - t0
+    return (time.perf_counter() - t0) / args.window
 
   for _ in range(args.warmup):
     for name in runs:
@@ -122,6 +138,7 @@ def main(argv=None):
       dtype=args.dtype,
       lora_params=param_count,
       runs=args.runs,
+      window=args.window,
       adamw_ms=1e3 * med["adamw"],
       anlr_ms=1e3 * med["anlr"],
       time_ratio=med["anlr"] / med["adamw"],
@@ -129,6 +146,9 @@ def main(argv=None):
       anlr_state_bytes=state_bytes["anlr"],
       extra_state_pct=100.0 * (state_bytes["anlr"] - state_bytes["adamw"]) / state_bytes["adamw"],
   )
+  if args.unbatched:
+    result["anlr_unbatched_ms"] = 1e3 * med["anlr-unbatched"]
+    result["unbatched_time_ratio"] = med["anlr-unbatched"] / med["adamw"]
   print(
       f"LoRA tree: {args.layers} layers x (q,k,v,up,down), r={args.rank}, {param_count/1e6:.1f}M params, "
       f"{args.dtype}, {'stacked' if args.stacked else 'per-layer'}; backend {result['backend']}"
@@ -136,6 +156,12 @@ def main(argv=None):
   print(
       f"median of {args.runs} interleaved runs: adamw {result['adamw_ms']:.2f} ms, "
       f"anlr {result['anlr_ms']:.2f} ms, ratio {result['time_ratio']:.3f}"
+      + (
+          f"; anlr(batch_modules=False) {result['anlr_unbatched_ms']:.2f} ms, ratio "
+          f"{result['unbatched_time_ratio']:.3f}"
+          if args.unbatched
+          else ""
+      )
   )
   print(
       f"optimizer state: adamw {state_bytes['adamw']/2**20:.2f} MiB, anlr {state_bytes['anlr']/2**20:.2f} MiB, "

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from benchmarks import scaling, train_step
+from benchmarks import gpu_train_step, scaling, train_step
 from benchmarks.common import BenchConfig
 
 TINY = [
@@ -123,3 +123,36 @@ def test_scaling_width_config_and_bad_lists():
     scaling.width_config(BenchConfig(), 100)
   with pytest.raises(ValueError, match="--ranks"):
     scaling.main(["--ranks", "4,x"])
+
+
+def test_gpu_train_step_flops_count_matches_the_model_parameter_count():
+  from anlr_jax.models.config import ModelConfig
+
+  cfg = gpu_train_step.LLAMA2_7B
+  fl = gpu_train_step.flops_per_token(cfg)
+  ref = ModelConfig.llama2_7b()
+  norms = (2 * ref.num_hidden_layers + 1) * ref.hidden_size
+  # Every matmul weight = all parameters - embedding table - RMSNorm weights (lm_head included).
+  assert fl["matmul_weights"] == ref.num_params() - ref.vocab_size * ref.hidden_size - norms
+  assert fl["lora_step"] < fl["palm_6n"]  # no weight gradients of the frozen matrices
+
+
+def test_gpu_train_step_runs_on_cpu_and_reports_consistent_figures(tmp_path, capsys):
+  out_json = tmp_path / "gpu.json"
+  args = TINY + ["--dtype", "float32", "--attention", "xla", "--runs", "2", "--warmup", "1"]
+  summary = gpu_train_step.main(
+      args + ["--frameworks", "jax,torch", "--windows", "1,2", "--json", str(out_json)]
+  )
+  jax_part, torch_part = summary["results"]["jax"], summary["results"]["torch"]
+  assert "error" not in jax_part and "error" not in torch_part, summary["report"]
+  a, b, t = jax_part["jax-adamw"], jax_part["jax-anlr"], torch_part["torch"]
+  for r in (a, b, t):
+    assert len(r["step_ms"]) == 2 and all(x > 0 for x in r["step_ms"])
+    assert r["tokens_per_s"] == pytest.approx(2 * 16 / (r["median_ms"] / 1e3))
+  assert set(a["step_ms_by_window"]) == {"1", "2"}
+  assert jax_part["lora_params"] == t["lora_params"] == 2 * 4 * (3 * 128 + 192 + 192)
+  printed = capsys.readouterr().out
+  match = re.search(r"AnLR / AdamW: step time ([0-9.]+)", printed)
+  assert match and float(match.group(1)) == pytest.approx(b["median_ms"] / a["median_ms"], abs=1e-3)
+  assert re.search(r"tokens/s jax-adamw / torch: [0-9.]+", printed)
+  assert json.loads(out_json.read_text())["config"]["seq"] == 16

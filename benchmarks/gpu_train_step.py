@@ -1,0 +1,537 @@
+r"""LoRA train step on an accelerator: tokens/s, model FLOPs utilisation, AnLR overhead, peak memory.
+
+Default: a LLaMA-2-7B-shaped model (hidden 4096, 32 layers, 32 heads, FFN 11008, vocab 32000) with
+random weights in bfloat16, LoRA r = 32 (alpha 64) on q, k, v, up, down, batch 4 x 1024 tokens.
+
+    (a) jax-adamw   anlr_jax.train.make_train_step + optax.adamw, jitted, train state donated
+    (b) jax-anlr    the same step with anlr_jax.anlr(warmup_steps=0): every timed step anisotropic
+    (c) torch       transformers.LlamaForCausalLM (sdpa attention) + PEFT + torch.optim.AdamW
+    (d) torch-compile  (c) with torch.compile on the PEFT model
+
+(a) and (b) share one process and one copy of the frozen weights and are timed interleaved
+(a, b, a, b, ...). Each framework runs in its own subprocess, one after the other, so each has the
+whole accelerator memory; device peak memory is the framework's own counter
+(``memory_stats()['peak_bytes_in_use']``, ``torch.cuda.max_memory_allocated``), and for JAX also
+XLA's exact per-executable account (arguments + outputs - aliased + temporaries).
+
+FLOPs per token (``N`` = weights of every matmul, lm_head included, embedding excluded; ``L``
+layers, ``d_attn`` = heads x head_dim, ``T`` sequence length, LoRA modules ``(in, out)``):
+
+    LoRA step  = 4 N                        forward + input gradients (frozen W: no weight gradients)
+               + 3 * 2 L T d_attn           causal attention scores and values: fwd + 2 x bwd
+               + sum 6 r (in + out)         LoRA factors: fwd, input and weight gradients
+    6N (PaLM)  = 6 N + 12 L T d_attn        the full-fine-tuning convention, for comparison only
+
+MFU = FLOPs per token x tokens/s / peak; peak is the datasheet dense bf16 rate of the device
+(H100 SXM / H200: 989.4 TFLOP/s) and, alongside, a bf16 8192^3 matmul measured in the same run.
+
+    python benchmarks/gpu_train_step.py                          # the 7B-shaped default
+    python benchmarks/gpu_train_step.py --frameworks jax --runs 30 --json out.json
+    python benchmarks/gpu_train_step.py --hidden 256 --layers 2 --heads 4 --ffn 688 --vocab 1000 \
+        --batch 2 --seq 128 --rank 8 --attention xla     # a CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+if __package__ in (None, ""):
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import BenchConfig, add_config_flags, config_from_args
+
+FRAMEWORKS = ("jax", "torch", "torch-compile")
+LEARNING_RATE = 1e-4
+WEIGHT_DECAY = 0.01
+DATASHEET_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L4": 121.0}
+LLAMA2_7B = BenchConfig(
+    hidden=4096,
+    layers=32,
+    heads=32,
+    ffn=11008,
+    vocab=32000,
+    batch=4,
+    seq=1024,
+    rank=32,
+    alpha=64.0,
+    dtype="bfloat16",
+)
+
+
+def lora_shapes(cfg: BenchConfig) -> list[tuple[int, int]]:
+  """``(in, out)`` of every LoRA-adapted matmul of the model."""
+  shape = {
+      "q_proj": (cfg.hidden, cfg.hidden),
+      "k_proj": (cfg.hidden, cfg.hidden),
+      "v_proj": (cfg.hidden, cfg.hidden),
+      "o_proj": (cfg.hidden, cfg.hidden),
+      "gate_proj": (cfg.hidden, cfg.ffn),
+      "up_proj": (cfg.hidden, cfg.ffn),
+      "down_proj": (cfg.ffn, cfg.hidden),
+  }
+  return [shape[t] for t in cfg.targets] * cfg.layers
+
+
+def flops_per_token(cfg: BenchConfig) -> dict:
+  """Model FLOPs per trained token (see the module docstring)."""
+  d, f, v, layers, t = cfg.hidden, cfg.ffn, cfg.vocab, cfg.layers, cfg.seq
+  n = layers * (4 * d * d + 3 * d * f) + d * v
+  attn = 2 * layers * t * d  # causal: half of the 4 L T d_attn of full attention, forward
+  lora = sum(6 * cfg.rank * (i + o) for i, o in lora_shapes(cfg))
+  return {
+      "matmul_weights": n,
+      "lora_step": 4 * n + 3 * attn + lora,
+      "palm_6n": 6 * n + 12 * layers * t * d,
+  }
+
+
+def _peak_tflops(device_kind: str) -> float | None:
+  for name, tflops in DATASHEET_BF16_TFLOPS.items():
+    if name in device_kind:
+      return tflops
+  return None
+
+
+def _median(xs):
+  return statistics.median(xs) if xs else float("nan")
+
+
+# ------------------------------------------------------------------------------------------- JAX
+def _build_jax_steps(cfg: BenchConfig, attention: str, unbatched: bool = False):
+  """``(steps, frozen, batch, facts)``: the compiled AdamW and AnLR steps over one frozen model."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from flax import nnx
+
+  import anlr_jax
+  from anlr_jax.models.config import ModelConfig
+  from anlr_jax.models.llama import LlamaForCausalLM
+  from anlr_jax.nn import inject_lora
+  from anlr_jax.train.step import init_train_state, make_train_step, split_model
+
+  dtype = jnp.dtype(cfg.dtype)
+  facts = {}
+  t0 = time.perf_counter()
+  config = ModelConfig(
+      vocab_size=cfg.vocab,
+      hidden_size=cfg.hidden,
+      intermediate_size=cfg.ffn,
+      num_hidden_layers=cfg.layers,
+      num_attention_heads=cfg.heads,
+      num_key_value_heads=cfg.heads,
+      max_position_embeddings=max(4096, cfg.seq),
+      dtype=dtype,
+      param_dtype=dtype,
+      attention_impl=attention,
+  )
+  model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+  inject_lora(
+      model,
+      target_modules=cfg.targets,
+      rank=cfg.rank,
+      alpha=cfg.alpha,
+      dropout=0.0,
+      rngs=nnx.Rngs(1),
+  )
+  graphdef, lora, frozen, extra = split_model(model)
+  del model
+  facts["init_s"] = time.perf_counter() - t0
+  facts["lora_params"] = int(sum(x.size for x in jax.tree.leaves(lora)))
+  facts["frozen_params"] = int(sum(x.size for x in jax.tree.leaves(frozen)))
+  compute_dtype = None if dtype == jnp.float32 else dtype
+  ids = np.random.default_rng(0).integers(0, cfg.vocab, (cfg.batch, cfg.seq), dtype=np.int32)
+  batch = {
+      k: jnp.asarray(ids if k == "input_ids" else np.ones_like(ids))
+      for k in ("input_ids", "attention_mask", "loss_mask")
+  }
+
+  steps = {}
+  for name, tx in (
+      ("jax-adamw", optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)),
+      ("jax-anlr", anlr_jax.anlr(LEARNING_RATE, weight_decay=WEIGHT_DECAY, warmup_steps=0)),
+  ) + (
+      (
+          (
+              "jax-anlr-unbatched",
+              anlr_jax.anlr(
+                  LEARNING_RATE, weight_decay=WEIGHT_DECAY, warmup_steps=0, batch_modules=False
+              ),
+          ),
+      )
+      if unbatched
+      else ()
+  ):
+    train_step = make_train_step(graphdef, tx, compute_dtype=compute_dtype, remat=cfg.remat)
+    state = init_train_state(*jax.tree.map(jnp.copy, (lora, extra)), tx)  # own buffers: donated
+    t0 = time.perf_counter()
+    compiled = jax.jit(train_step, donate_argnums=(0,)).lower(state, frozen, batch).compile()
+    mem = compiled.memory_analysis()
+    xla_peak = (
+        mem.argument_size_in_bytes
+        + mem.output_size_in_bytes
+        - mem.alias_size_in_bytes
+        + mem.temp_size_in_bytes
+    )
+    steps[name] = {
+        "compiled": compiled,
+        "state": state,
+        "times": [],
+        "compile_s": time.perf_counter() - t0,
+        "xla_peak_bytes": int(xla_peak),
+        "xla_temp_bytes": int(mem.temp_size_in_bytes),
+    }
+    print(
+        f"{name}: compiled in {steps[name]['compile_s']:.1f} s, XLA peak "
+        f"{xla_peak / 2**30:.2f} GiB",
+        file=sys.stderr,
+        flush=True,
+    )
+
+  return steps, frozen, batch, facts
+
+
+def jax_worker(
+    cfg: BenchConfig, attention: str, runs: int, warmup: int, unbatched=False, windows=(1,)
+) -> dict:
+  import flax
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  device = jax.devices()[0]
+  out = {
+      "device": getattr(device, "device_kind", str(device)),
+      "backend": jax.default_backend(),
+      "versions": dict(jax=jax.__version__, flax=flax.__version__, optax=optax.__version__),
+      "attention": attention,
+  }
+  # Matmul ceiling measured here, on random data (not zeros), bf16, median of 10.
+  n = 8192 if out["backend"] != "cpu" else 1024
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+  mm = jax.jit(lambda x, y: x @ y)
+  mm(a, b).block_until_ready()
+  times = []
+  for _ in range(10):
+    t0 = time.perf_counter()
+    mm(a, b).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  out["matmul_tflops"] = 2 * n**3 / _median(times) / 1e12
+  del a, b
+
+  built = None
+  try:
+    built = _build_jax_steps(cfg, attention, unbatched)
+  except Exception as e:  # cuDNN's fused attention refuses some shape/dtype/version combinations
+    if attention != "cudnn":
+      raise
+    print(
+        f"attention='cudnn' failed ({type(e).__name__}: {e}); retrying with 'xla'",
+        file=sys.stderr,
+        flush=True,
+    )
+    out["attention_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+  if built is None:  # outside the except block, so the failed attempt's arrays are freed
+    out["attention"] = attention = "xla"
+    built = _build_jax_steps(cfg, attention, unbatched)
+  steps, frozen, batch, facts = built
+  out.update(facts)
+
+  def run(entry, window):
+    # ``window`` steps dispatched back to back, then one wait: as in a training loop, the host
+    # prepares step i+1 while the device runs step i (window 1: host time is not hidden).
+    t0 = time.perf_counter()
+    state = entry["state"]
+    for _ in range(window):
+      state, metrics = entry["compiled"](state, frozen, batch)
+    jax.block_until_ready((state, metrics))
+    dt = (time.perf_counter() - t0) / window
+    entry["state"] = state
+    entry["loss"] = float(metrics["loss"])
+    return dt
+
+  for _ in range(warmup):
+    for entry in steps.values():
+      run(entry, 1)
+  for entry in steps.values():
+    entry["times"] = {w: [] for w in windows}
+  for i in range(runs):
+    for w in windows:
+      for entry in steps.values():
+        entry["times"][w].append(run(entry, w))
+    if i % 5 == 4:
+      print(f"  run {i + 1}/{runs}", file=sys.stderr, flush=True)
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  out["device_peak_bytes"] = int(stats["peak_bytes_in_use"]) if stats else None
+  out["windows"] = list(windows)
+  for name, entry in steps.items():
+    out[name] = {k: entry[k] for k in ("compile_s", "xla_peak_bytes", "xla_temp_bytes", "loss")}
+    out[name]["step_ms"] = [1e3 * t for t in entry["times"][windows[-1]]]
+    out[name]["step_ms_by_window"] = {
+        str(w): [1e3 * t for t in ts] for w, ts in entry["times"].items()
+    }
+  adamw, anlr = steps["jax-adamw"]["times"][windows[-1]], steps["jax-anlr"]["times"][windows[-1]]
+  out["anlr_over_adamw_paired"] = _median([b / a for a, b in zip(adamw, anlr)])
+  return out
+
+
+# ----------------------------------------------------------------------------------------- torch
+def torch_worker(cfg: BenchConfig, compile_model: bool, runs: int, warmup: int) -> dict:
+  import peft
+  import torch
+  import transformers
+
+  cuda = torch.cuda.is_available()
+  dev = torch.device("cuda" if cuda else "cpu")
+  dtype = getattr(torch, cfg.dtype)
+  torch.manual_seed(0)
+  hf_config = transformers.LlamaConfig(
+      vocab_size=cfg.vocab,
+      hidden_size=cfg.hidden,
+      intermediate_size=cfg.ffn,
+      num_hidden_layers=cfg.layers,
+      num_attention_heads=cfg.heads,
+      num_key_value_heads=cfg.heads,
+      max_position_embeddings=max(4096, cfg.seq),
+      rms_norm_eps=1e-6,
+      tie_word_embeddings=False,
+      use_cache=False,
+  )
+  t0 = time.perf_counter()
+  torch.set_default_dtype(dtype)
+  with dev:
+    model = transformers.LlamaForCausalLM(hf_config)
+  torch.set_default_dtype(torch.float32)
+  model = peft.get_peft_model(
+      model,
+      peft.LoraConfig(
+          r=cfg.rank,
+          lora_alpha=cfg.alpha,
+          lora_dropout=0.0,
+          target_modules=list(cfg.targets),
+          bias="none",
+      ),
+  )
+  params = [p for p in model.parameters() if p.requires_grad]
+  for p in params:  # LoRA factors and optimizer state in float32, as in the JAX step
+    p.data = p.data.float()
+  model.train()
+  opt = torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+  forward = torch.compile(model) if compile_model else model
+  ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), device=dev)
+  mask = torch.ones_like(ids)
+  init_s = time.perf_counter() - t0
+
+  def step():
+    t0 = time.perf_counter()
+    with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
+      loss = forward(input_ids=ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if cuda:
+      torch.cuda.synchronize()
+    return time.perf_counter() - t0, float(loss.detach())
+
+  t0 = time.perf_counter()
+  step()
+  first_s = time.perf_counter() - t0
+  for _ in range(max(0, warmup - 1)):
+    step()
+  if cuda:
+    torch.cuda.reset_peak_memory_stats()
+  times = []
+  for _ in range(runs):
+    dt, loss = step()
+    times.append(dt)
+  name = "torch-compile" if compile_model else "torch"
+  return {
+      name: {
+          "step_ms": [1e3 * t for t in times],
+          "first_step_s": first_s,
+          "init_s": init_s,
+          "loss": loss,
+          "device_peak_bytes": int(torch.cuda.max_memory_allocated()) if cuda else None,
+          "attn": model.config._attn_implementation,
+          "lora_params": int(sum(p.numel() for p in params)),
+          "versions": dict(
+              torch=torch.__version__, transformers=transformers.__version__, peft=peft.__version__
+          ),
+          "device": torch.cuda.get_device_name() if cuda else "cpu",
+      }
+  }
+
+
+# ---------------------------------------------------------------------------------------- parent
+def _run_worker(name: str, argv: list[str], timeout: float) -> dict:
+  cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, *argv]
+  t0 = time.perf_counter()
+  try:
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout)
+  except subprocess.TimeoutExpired:
+    return {"error": f"{name}: no result within {timeout:.0f} s"}
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  if proc.returncode or not lines:
+    return {"error": f"{name}: worker exited with code {proc.returncode} and no result"}
+  result = json.loads(lines[-1][len("RESULT ") :])
+  result["wall_s"] = time.perf_counter() - t0
+  return result
+
+
+def report(cfg: BenchConfig, results: dict) -> str:
+  fl = flops_per_token(cfg)
+  jax_part = results.get("jax", {})
+  device = jax_part.get("device", "")
+  peak = _peak_tflops(device)
+  measured = jax_part.get("matmul_tflops")
+  rows, by_name = [], {}
+  for part in results.values():
+    for name, r in part.items():
+      if isinstance(r, dict) and "step_ms" in r:
+        by_name[name] = r
+  lines = [
+      f"device: {device or '?'}; model: hidden {cfg.hidden}, {cfg.layers} layers, {cfg.heads} heads,"
+      f" FFN {cfg.ffn}, vocab {cfg.vocab}, {cfg.dtype}; batch {cfg.batch} x {cfg.seq}; LoRA r "
+      f"{cfg.rank} on {','.join(cfg.targets)}; attention {jax_part.get('attention', '?')}",
+      f"FLOPs/token: LoRA step {fl['lora_step'] / 1e9:.2f} G, 6N convention {fl['palm_6n'] / 1e9:.2f}"
+      f" G; datasheet peak {peak} TFLOP/s; measured bf16 matmul "
+      + (f"{measured:.0f} TFLOP/s" if measured else "n/a"),
+      f"{'framework':<18} {'step ms':>9} {'tokens/s':>10} {'MFU':>7} {'MFU(6N)':>8} "
+      f"{'MFU/mm':>7} {'peak GiB':>9}",
+  ]
+  for name, r in by_name.items():
+    ms = _median(r["step_ms"])
+    tps = cfg.tokens / (ms / 1e3)
+    achieved = fl["lora_step"] * tps / 1e12
+    mfu = f"{achieved / peak:.1%}" if peak else "n/a"
+    mfu6 = f"{fl['palm_6n'] * tps / 1e12 / peak:.1%}" if peak else "n/a"
+    mfu_mm = f"{achieved / measured:.1%}" if measured else "n/a"
+    mem = r.get("xla_peak_bytes") or r.get("device_peak_bytes")
+    mem_s = f"{mem / 2**30:.2f}" if mem else "n/a"
+    lines.append(f"{name:<18} {ms:>9.1f} {tps:>10.0f} {mfu:>7} {mfu6:>8} {mfu_mm:>7} {mem_s:>9}")
+    r["median_ms"], r["tokens_per_s"], r["tflops"] = ms, tps, achieved
+  if "jax-adamw" in by_name and "jax-anlr" in by_name:
+    a, b = by_name["jax-adamw"], by_name["jax-anlr"]
+    lines.append(
+        f"AnLR / AdamW: step time {b['median_ms'] / a['median_ms']:.4f} (paired median "
+        f"{jax_part['anlr_over_adamw_paired']:.4f}), XLA peak memory "
+        f"{b['xla_peak_bytes'] / a['xla_peak_bytes']:.4f}; device peak (both) "
+        f"{(jax_part.get('device_peak_bytes') or 0) / 2**30:.2f} GiB"
+    )
+  windows = jax_part.get("windows", [])
+  if len(windows) > 1 and "jax-adamw" in by_name:
+    for w in windows:
+      med = {
+          n: _median(r["step_ms_by_window"][str(w)])
+          for n, r in by_name.items()
+          if "step_ms_by_window" in r
+      }
+      lines.append(
+          f"window {w}: "
+          + ", ".join(
+              f"{n} {m:.1f} ms ({m / med['jax-adamw']:.4f} x adamw)" for n, m in med.items()
+          )
+      )
+  if "jax-anlr-unbatched" in by_name and "jax-adamw" in by_name:
+    lines.append(
+        "AnLR(batch_modules=False) / AdamW: step time "
+        f"{by_name['jax-anlr-unbatched']['median_ms'] / by_name['jax-adamw']['median_ms']:.4f}"
+    )
+  for t in ("torch", "torch-compile"):
+    if t in by_name and "jax-adamw" in by_name:
+      lines.append(
+          f"tokens/s jax-adamw / {t}: {by_name['jax-adamw']['tokens_per_s'] / by_name[t]['tokens_per_s']:.3f}"
+          f"; jax-anlr / {t}: {by_name['jax-anlr']['tokens_per_s'] / by_name[t]['tokens_per_s']:.3f}"
+      )
+  for name, part in results.items():
+    if "error" in part:
+      lines.append(f"{name}: {part['error']}")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  add_config_flags(ap, LLAMA2_7B)
+  ap.add_argument("--attention", default="cudnn", choices=("einsum", "xla", "cudnn"))
+  ap.add_argument("--frameworks", default="jax,torch", help=f"comma-separated from {FRAMEWORKS}")
+  ap.add_argument("--runs", type=int, default=20)
+  ap.add_argument(
+      "--windows",
+      default="1,5",
+      help="JAX: steps per timing sample, comma-separated; the last one is reported "
+      "in the table (1: wait after every step; >1: dispatch ahead, as training does)",
+  )
+  ap.add_argument(
+      "--unbatched",
+      action="store_true",
+      help="also time anlr(batch_modules=False) (per-module statistics)",
+  )
+  ap.add_argument("--warmup", type=int, default=3)
+  ap.add_argument("--timeout", type=float, default=420.0, help="seconds per framework worker")
+  ap.add_argument("--json", default=None, help="write all step times and facts here")
+  ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  cfg = config_from_args(args)
+  if args.worker:
+    if args.worker == "jax":
+      windows = tuple(int(w) for w in args.windows.split(",") if w)
+      result = jax_worker(cfg, args.attention, args.runs, args.warmup, args.unbatched, windows)
+    else:
+      result = torch_worker(cfg, args.worker == "torch-compile", args.runs, args.warmup)
+    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+    return None
+  frameworks = [f for f in args.frameworks.split(",") if f]
+  bad = [f for f in frameworks if f not in FRAMEWORKS]
+  if bad:
+    ap.error(f"--frameworks has unknown names {bad}; choose from {FRAMEWORKS}")
+  passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
+  passthrough = _strip(passthrough, ("--frameworks", "--json", "--timeout"))
+  results = {}
+  for name in frameworks:
+    print(f"== {name}", file=sys.stderr, flush=True)
+    results[name] = _run_worker(name, passthrough, args.timeout)
+  text = report(cfg, results)
+  print(text)
+  summary = {"results": results, "report": text}
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(
+          {
+              "config": json.loads(cfg.to_json()),
+              "flops_per_token": flops_per_token(cfg),
+              "results": results,
+              "report": text,
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+          },
+          f,
+          indent=1,
+      )
+  return summary
+
+
+def _strip(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+  """``argv`` without the given ``--flag value`` / ``--flag=value`` pairs."""
+  out, skip = [], False
+  for a in argv:
+    if skip:
+      skip = False
+      continue
+    if a in flags:
+      skip = True
+      continue
+    if any(a.startswith(f + "=") for f in flags):
+      continue
+    out.append(a)
+  return out
+
+
+if __name__ == "__main__":
+  main()
