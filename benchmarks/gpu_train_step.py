@@ -103,6 +103,81 @@ def _median(xs):
 
 
 # ------------------------------------------------------------------------------------------- JAX
+def _entry_ops(compiled) -> dict:
+  """Instruction counts by opcode in the executable's entry computation (~ kernels launched)."""
+  import collections
+  import re
+
+  text = compiled.as_text()
+  start = text.find("\nENTRY")
+  if start < 0:
+    return {}
+  entry = text[start + 1 :]
+  end = entry.find("\n}")
+  counts = collections.Counter()
+  for line in entry[:end].splitlines()[1:]:
+    m = re.search(r"\s(\S+?)\(", line.split("=", 1)[-1])
+    if m:
+      counts[m.group(1)] += 1
+  return dict(counts.most_common(8))
+
+
+def _profile_summary(run_steps, n_steps: int, top: int = 25) -> dict:
+  """Device-side profile of ``run_steps()`` (``n_steps`` steps): per-step op counts and times.
+
+  Reads the trace with ``jax.profiler.ProfileData``: for every device plane line, events per step
+  and busy ms per step; for the busiest line, the ``top`` op names by time (ms per step, count).
+  """
+  import collections
+  import glob
+  import tempfile
+
+  import jax
+  from jax.profiler import ProfileData
+
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      run_steps()
+    files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+      return {"error": "no trace written"}
+    data = ProfileData.from_file(files[0])
+    planes = [p for p in data.planes if p.name.startswith("/device:")] or [
+        p for p in data.planes if p.name.startswith("/host:CPU")
+    ]
+    out = {"lines": {}, "top_ops": [], "top_by_line": {}}
+    busiest, busiest_ns = None, -1
+    for plane in planes:
+      for line in plane.lines:
+        events = [(e.name, e.duration_ns) for e in line.events]
+        total = sum(ns for _, ns in events)
+        key = f"{plane.name}/{line.name}"
+        out["lines"][key] = {
+            "events_per_step": len(events) / n_steps,
+            "busy_ms_per_step": total / 1e6 / n_steps,
+        }
+        if "Op" in line.name and total > busiest_ns:
+          busiest, busiest_ns = events, total
+        if len(events) >= 10 * n_steps:
+          agg = collections.defaultdict(lambda: [0, 0])
+          for name, ns in events:
+            agg[name][0] += 1
+            agg[name][1] += ns
+          out["top_by_line"][key] = [
+              (n, c / n_steps, ns / 1e6 / n_steps)
+              for n, (c, ns) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]
+          ]
+    if busiest is None:
+      return out
+    by_name = collections.defaultdict(lambda: [0, 0])
+    for name, ns in busiest:
+      by_name[name][0] += 1
+      by_name[name][1] += ns
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    out["top_ops"] = [(n, c / n_steps, ns / 1e6 / n_steps) for n, (c, ns) in ranked]
+    return out
+
+
 def _build_jax_steps(cfg: BenchConfig, attention: str, unbatched: bool = False):
   """``(steps, frozen, batch, facts)``: the compiled AdamW and AnLR steps over one frozen model."""
   import jax
@@ -153,22 +228,21 @@ def _build_jax_steps(cfg: BenchConfig, attention: str, unbatched: bool = False):
       for k in ("input_ids", "attention_mask", "loss_mask")
   }
 
-  steps = {}
-  for name, tx in (
+  builds = [
       ("jax-adamw", optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)),
       ("jax-anlr", anlr_jax.anlr(LEARNING_RATE, weight_decay=WEIGHT_DECAY, warmup_steps=0)),
-  ) + (
-      (
-          (
-              "jax-anlr-unbatched",
-              anlr_jax.anlr(
-                  LEARNING_RATE, weight_decay=WEIGHT_DECAY, warmup_steps=0, batch_modules=False
-              ),
-          ),
-      )
-      if unbatched
-      else ()
-  ):
+  ]
+  if unbatched:
+    builds.append(
+        (
+            "jax-anlr-unbatched",
+            anlr_jax.anlr(
+                LEARNING_RATE, weight_decay=WEIGHT_DECAY, warmup_steps=0, batch_modules=False
+            ),
+        )
+    )
+  steps = {}
+  for name, tx in builds:
     train_step = make_train_step(graphdef, tx, compute_dtype=compute_dtype, remat=cfg.remat)
     state = init_train_state(*jax.tree.map(jnp.copy, (lora, extra)), tx)  # own buffers: donated
     t0 = time.perf_counter()
@@ -187,10 +261,11 @@ def _build_jax_steps(cfg: BenchConfig, attention: str, unbatched: bool = False):
         "compile_s": time.perf_counter() - t0,
         "xla_peak_bytes": int(xla_peak),
         "xla_temp_bytes": int(mem.temp_size_in_bytes),
+        "entry_ops": _entry_ops(compiled),
     }
     print(
         f"{name}: compiled in {steps[name]['compile_s']:.1f} s, XLA peak "
-        f"{xla_peak / 2**30:.2f} GiB",
+        f"{xla_peak / 2**30:.2f} GiB; entry ops {steps[name]['entry_ops']}",
         file=sys.stderr,
         flush=True,
     )
@@ -199,7 +274,13 @@ def _build_jax_steps(cfg: BenchConfig, attention: str, unbatched: bool = False):
 
 
 def jax_worker(
-    cfg: BenchConfig, attention: str, runs: int, warmup: int, unbatched=False, windows=(1,)
+    cfg: BenchConfig,
+    attention: str,
+    runs: int,
+    warmup: int,
+    unbatched=False,
+    windows=(1,),
+    profile=False,
 ) -> dict:
   import flax
   import jax
@@ -269,11 +350,25 @@ def jax_worker(
         entry["times"][w].append(run(entry, w))
     if i % 5 == 4:
       print(f"  run {i + 1}/{runs}", file=sys.stderr, flush=True)
+  if profile:
+    for name, entry in steps.items():
+      prof = _profile_summary(lambda: run(entry, 3), 3)
+      out.setdefault("profile", {})[name] = prof
+      lines = ", ".join(
+          f"{k}: {v['events_per_step']:.0f} ev {v['busy_ms_per_step']:.1f} ms"
+          for k, v in prof.get("lines", {}).items()
+          if v["events_per_step"]
+      )
+      print(f"profile {name}: {lines}", file=sys.stderr, flush=True)
+      for op, count, ms in prof.get("top_ops", [])[:12]:
+        print(f"    {ms:8.3f} ms {count:6.0f}x  {op[:90]}", file=sys.stderr, flush=True)
   stats = device.memory_stats() if hasattr(device, "memory_stats") else None
   out["device_peak_bytes"] = int(stats["peak_bytes_in_use"]) if stats else None
   out["windows"] = list(windows)
   for name, entry in steps.items():
-    out[name] = {k: entry[k] for k in ("compile_s", "xla_peak_bytes", "xla_temp_bytes", "loss")}
+    out[name] = {
+        k: entry[k] for k in ("compile_s", "xla_peak_bytes", "xla_temp_bytes", "loss", "entry_ops")
+    }
     out[name]["step_ms"] = [1e3 * t for t in entry["times"][windows[-1]]]
     out[name]["step_ms_by_window"] = {
         str(w): [1e3 * t for t in ts] for w, ts in entry["times"].items()
@@ -474,6 +569,11 @@ def main(argv=None):
       action="store_true",
       help="also time anlr(batch_modules=False) (per-module statistics)",
   )
+  ap.add_argument(
+      "--profile",
+      action="store_true",
+      help="JAX: trace 3 steps of each build and summarise device ops per step",
+  )
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--timeout", type=float, default=420.0, help="seconds per framework worker")
   ap.add_argument("--json", default=None, help="write all step times and facts here")
@@ -483,7 +583,9 @@ def main(argv=None):
   if args.worker:
     if args.worker == "jax":
       windows = tuple(int(w) for w in args.windows.split(",") if w)
-      result = jax_worker(cfg, args.attention, args.runs, args.warmup, args.unbatched, windows)
+      result = jax_worker(
+          cfg, args.attention, args.runs, args.warmup, args.unbatched, windows, args.profile
+      )
     else:
       result = torch_worker(cfg, args.worker == "torch-compile", args.runs, args.warmup)
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")

@@ -180,16 +180,19 @@ def test_nnx_optimizer_matches_pure_dict_run():
   np.testing.assert_allclose(np.asarray(diag["modules"]["q"]["multipliers"]).mean(), 1.0, rtol=1e-6)
 
 
-def test_sharded_state_types_and_results_match_unsharded():
+@pytest.mark.parametrize("batch_modules", [False, True])
+def test_sharded_state_types_and_results_match_unsharded(batch_modules):
   assert jax.device_count() == 8
   mesh = jax.make_mesh((8,), ("x",))
   params = _params()
+  params["k"] = jax.tree.map(lambda x: 0.5 * x, params["q"])  # q's shapes: batched with it
   spec = {
       "q": {"lora_a": P("x", None), "lora_b": P(None, "x")},
+      "k": {"lora_a": P("x", None), "lora_b": P(None, "x")},
       "stack": {"lora_a": P("x", None, None), "lora_b": P("x", None, None)},
       "norm": P("x"),
   }
-  tx = anlr_jax.anlr(1e-2, warmup_steps=1)
+  tx = anlr_jax.anlr(1e-2, warmup_steps=1, batch_modules=batch_modules)
   kind = lambda tree: [(x.dtype, x.shape, x.sharding) for x in jax.tree.leaves(tree)]
   with jax.set_mesh(mesh):
     sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, spec)

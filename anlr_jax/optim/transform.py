@@ -169,7 +169,7 @@ def scale_by_anlr(
       v_hat = v[i].astype(dt) / (1.0 - jnp.asarray(b2, dt) ** t)
       return m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
 
-    return new_updates, new_state, direction
+    return new_updates, new_state, direction, None
 
   return _anlr_transform(
       inner.init,
@@ -224,7 +224,7 @@ def _anlr_transform(
     if params is None:
       raise ValueError(optax.NO_PARAMS_MSG)
     count = optax.safe_increment(state.count)
-    inner_updates, inner_state, direction = inner_update(
+    inner_updates, inner_state, direction, adam_inputs = inner_update(
         updates, state.inner_state, params, count, **extra_args
     )
     modules = find_lora_modules(updates, lora_dims)
@@ -242,23 +242,34 @@ def _anlr_transform(
 
       mods = [mod for _, mod in group]
       axes = dict(a_axis=mods[0].a_feature_axis, b_axis=mods[0].b_feature_axis)
-      # A value-level no-op that keeps XLA from merging the statistics' g*g with Adam's (CSE):
-      # merged, the square has two consumers, is materialised as a full-size buffer, and the
-      # per-rank reductions read it back; kept apart, each reduction fuses its own square.
-      ga, gb = jax.lax.optimization_barrier(
-          ([grads[m.a_index] for m in mods], [grads[m.b_index] for m in mods])
-      )
+      ga, gb = [grads[m.a_index] for m in mods], [grads[m.b_index] for m in mods]
+      if batched and adam_inputs is not None:
+        # The Adam direction is recomputed from the barrier-separated (g, m, v) of the previous
+        # step inside the statistics' fusions instead of being read back from scale_by_adam's
+        # output (same values). Measured on an H100 (7B shape, 160 modules): 191 fewer fusions and
+        # XLA peak memory equal to AdamW's (+32 MiB when reused); step time unchanged.
+        moments, recompute = adam_inputs
+        mas, vas = zip(*[moments(m.a_index) for m in mods])
+        mbs, vbs = zip(*[moments(m.b_index) for m in mods])
+        ga, gb, mas, vas, mbs, vbs = jax.lax.optimization_barrier(
+            (ga, gb, list(mas), list(vas), list(mbs), list(vbs))
+        )
+        dir_a = recompute(stack(ga), stack(mas), stack(vas))
+        dir_b = recompute(stack(gb), stack(mbs), stack(vbs))
+      else:
+        # A value-level no-op that keeps XLA from merging the statistics' g*g with Adam's (CSE):
+        # merged, the square has two consumers, is materialised as a full-size buffer, and the
+        # per-rank reductions read it back; kept apart, each reduction fuses its own square.
+        ga, gb = jax.lax.optimization_barrier((ga, gb))
+        dir_a = stack([direction(m.a_index) for m in mods])
+        dir_b = stack([direction(m.b_index) for m in mods])
       a, b = stack([flat_params[m.a_index] for m in mods]), stack(
           [flat_params[m.b_index] for m in mods]
       )
       ga, gb = stack(ga), stack(gb)
       velocity = rank_stats.rank_velocity(a, b, ga, gb, **axes)
       g_nu = rho * stack([state.nu_bar[m.name] for m in mods]) + (1.0 - rho) * velocity
-      g_snr = rank_stats.rank_snr(
-          stack([direction(m.a_index) for m in mods]),
-          stack([direction(m.b_index) for m in mods]),
-          **axes,
-      )
+      g_snr = rank_stats.rank_snr(dir_a, dir_b, **axes)
       g_sens = None
       if signal == "uniform":
         s = jnp.ones_like(velocity)
@@ -400,7 +411,18 @@ def anlr(
     delta, lr_state = lr.update(decayed, inner_state[2], params)
     new_state = optax.tree.cast_like((adam_state, decay_state, lr_state), inner_state)
     flat_direction = jax.tree.leaves(direction)
-    return delta, new_state, lambda i: flat_direction[i]
+    old_mu, old_nu = jax.tree.leaves(inner_state[0].mu), jax.tree.leaves(inner_state[0].nu)
+    t = adam_state.count  # this update's (incremented) count, as scale_by_adam uses it
+
+    def recompute(g, mu, nu):  # scale_by_adam's arithmetic (eps_root = 0, no nesterov)
+      mu = (1.0 - b1) * g + b1 * mu
+      nu = (1.0 - b2) * (g * g) + b2 * nu
+      mu_hat = mu / (1.0 - b1**t).astype(mu.dtype)
+      nu_hat = nu / (1.0 - b2**t).astype(nu.dtype)
+      return mu_hat / (jnp.sqrt(nu_hat) + eps)
+
+    adam_inputs = (lambda i: (old_mu[i], old_nu[i]), recompute)
+    return delta, new_state, lambda i: flat_direction[i], adam_inputs
 
   return _anlr_transform(
       inner_init,
