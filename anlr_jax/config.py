@@ -60,7 +60,7 @@ class ModelSection:
   path: str = ""  # local HF model directory (config.json + *.safetensors)
   tokenizer: str | None = None  # tokenizer directory; None: the model directory
   dtype: str = "float32"  # dtype the base weights are loaded in
-  attention: str = "einsum"  # attention kernel: 'einsum' (CPU), 'xla', 'cudnn' (NVIDIA flash)
+  attention: str = "einsum"  # attention kernel: einsum, xla, cudnn (NVIDIA flash) or auto
 
 
 @dataclasses.dataclass

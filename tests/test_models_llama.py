@@ -337,3 +337,15 @@ def test_bf16_compute_dtype(tmp_path):
   real = mask.astype(bool)
   err = np.abs(got[real] - expected[real]).max()
   assert got.dtype == np.float32 and 1e-4 < err < 0.1 * np.abs(expected[real]).max()
+
+
+def test_auto_attention_resolves_by_backend_and_dtype(monkeypatch):
+  from anlr_jax.models import llama
+
+  bf16 = ModelConfig.tiny(attention_impl="auto", dtype=jnp.bfloat16)
+  f32 = ModelConfig.tiny(attention_impl="auto")
+  assert llama.resolve_attention_impl(bf16) == "einsum"  # CPU backend here
+  monkeypatch.setattr(llama.jax, "default_backend", lambda: "gpu")
+  assert llama.resolve_attention_impl(bf16) == "cudnn"
+  assert llama.resolve_attention_impl(f32) == "einsum"  # cuDNN flash attention needs 16-bit
+  assert llama.resolve_attention_impl(ModelConfig.tiny(attention_impl="xla")) == "xla"

@@ -30,7 +30,7 @@ import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
-ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
+ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "auto")
 _LLAMA3_ROPE_KEYS = (
     "factor",
     "low_freq_factor",
@@ -93,7 +93,8 @@ class ModelConfig:
       ``'einsum'`` (explicit scores and mask; fastest on CPU), ``'xla'`` or ``'cudnn'``
       (``jax.nn.dot_product_attention`` with a causal mask and per-row key lengths; ``'cudnn'`` is
       the fused flash-attention kernel on NVIDIA GPUs). The last two assume right padding (every
-      row's real tokens first), which is what :mod:`anlr_jax.data` produces. Decoding with a
+      row's real tokens first), which is what :mod:`anlr_jax.data` produces. ``'auto'``: ``'cudnn'``
+      on the GPU backend with a bfloat16/float16 compute dtype, else ``'einsum'``. Decoding with a
       :class:`~anlr_jax.models.llama.KVCache` always uses ``'einsum'``.
   """
 

@@ -141,6 +141,15 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
+def resolve_attention_impl(config: ModelConfig) -> str:
+  """``config.attention_impl`` with ``'auto'`` resolved for the current default backend."""
+  impl = config.attention_impl
+  if impl == "auto":
+    half = jnp.dtype(config.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    impl = "cudnn" if half and jax.default_backend() == "gpu" else "einsum"
+  return impl
+
+
 class Attention(nnx.Module):
   """Grouped-query causal self-attention with RoPE and an optional fixed-size KV cache."""
 
@@ -158,7 +167,7 @@ class Attention(nnx.Module):
     self.num_kv_heads = config.num_key_value_heads
     self.head_dim = dh
     self.dtype = config.dtype
-    self.attention_impl = config.attention_impl
+    self.attention_impl = resolve_attention_impl(config)
 
   def __call__(self, x, cos, sin, allowed, kv=None, index=None, lengths=None):
     """``x`` (B, T, d); ``allowed`` (B, T, S) bool; ``kv`` the layer's cached (k, v) or None.
@@ -323,7 +332,7 @@ class LlamaForCausalLM(nnx.Module):
     key_slots = jnp.arange(key_mask.shape[1])
     allowed = (key_slots[None, :] <= query_slots[:, None])[None] & (key_mask[:, None, :] > 0)
     lengths = None
-    if cache is None and config.attention_impl != "einsum":
+    if cache is None and resolve_attention_impl(config) != "einsum":
       # Fused attention: causal + per-row key lengths, exact for right-padded rows.
       allowed, lengths = None, jnp.maximum(jnp.sum(attention_mask, axis=-1), 1).astype(jnp.int32)
 
