@@ -43,11 +43,16 @@ class TrainState(NamedTuple):
 def next_token_loss_sum(
     logits: jax.Array, input_ids: jax.Array, loss_mask: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-  """Returns ``(sum_t m[t+1] CE(logits[t], ids[t+1]), sum_t m[t+1])`` in float32."""
-  logits = logits[:, :-1].astype(jnp.float32)
-  targets = input_ids[:, 1:]
-  weights = loss_mask[:, 1:].astype(jnp.float32)
-  nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  """Returns ``(sum_t m[t+1] CE(logits[t], ids[t+1]), sum_t m[t+1])`` in float32.
+
+  Targets are the ids shifted left by one with the last position weighted 0, so the ``(B, T, V)``
+  logits are used whole: slicing off their last position would copy them (and pad their gradient)
+  on every step.
+  """
+  targets = jnp.roll(input_ids, -1, axis=1)
+  mask = loss_mask.astype(jnp.float32)
+  weights = jnp.concatenate([mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=1)
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
   return jnp.sum(nll * weights), jnp.sum(weights)
 
 
