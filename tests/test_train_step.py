@@ -225,3 +225,20 @@ def test_run_writes_metrics_tensorboard_and_anlr_diagnostics(tmp_path):
     a, b = flat[a_key], flat[a_key.replace('lora_a', 'lora_b')]
     want = np.linalg.norm(a, axis=-2) * np.linalg.norm(b, axis=-1)
     assert any(np.allclose(m[-1], want, rtol=1e-5) for m in logs.magnitudes.values())
+
+
+def test_train_steps_dispatch_without_waiting_for_the_device(monkeypatch):
+  """After the first read of the step counter, train_step never fetches from the device, so a
+  training loop keeps the device queue full (host work overlaps the previous step)."""
+  from anlr_jax.train import trainer as trainer_mod
+
+  trainer = _trainer()
+  trainer.train_step()
+  fetched = []
+  real_get = trainer_mod.jax.device_get
+  monkeypatch.setattr(trainer_mod.jax, 'device_get', lambda x: fetched.append(x) or real_get(x))
+  for _ in range(3):
+    trainer.train_step()
+  assert fetched == []
+  monkeypatch.undo()
+  assert trainer.step == 4 == int(jax.device_get(trainer.state.step))

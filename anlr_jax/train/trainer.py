@@ -191,6 +191,7 @@ class Trainer:
     )
     with jax.set_mesh(self.mesh):
       self.state = jax.jit(init_fn, out_shardings=self.state_shardings)(lora, extra)
+    self._host_step = None  # updates done, mirrored on the host (None: read the device once)
     self.batch_sharding = batch_sharding(self.mesh)
     step_fn = make_train_step(
         graphdef,
@@ -232,8 +233,14 @@ class Trainer:
   # -- state ------------------------------------------------------------------------------------
   @property
   def step(self) -> int:
-    """Updates done so far (= the index of the next batch)."""
-    return int(jax.device_get(self.state.step))
+    """Updates done so far (= the index of the next batch).
+
+    Mirrored on the host after the first read, so that a training loop never waits for the
+    previous step to finish before dispatching the next (the device queue stays full).
+    """
+    if self._host_step is None:
+      self._host_step = int(jax.device_get(self.state.step))
+    return self._host_step
 
   def abstract_state(self):
     """Restore target: ``jax.eval_shape`` of the state init, with the live shardings."""
@@ -271,6 +278,7 @@ class Trainer:
         step, self.abstract_state(), frozen_target, key_source=self.state
     )
     self.state = state
+    self._host_step = None
     if frozen is not None:
       self.frozen = frozen
     return int(meta['step'])
@@ -318,9 +326,11 @@ class Trainer:
 
   def train_step(self) -> dict[str, jax.Array]:
     """One update on batch ``self.step``; returns the step's metrics as device scalars."""
-    batch = self.global_batch(int(jax.device_get(self.state.step)))
+    step = self.step
+    batch = self.global_batch(step)
     with jax.set_mesh(self.mesh):
       self.state, metrics = self.step_fn(self.state, self.frozen, batch)
+    self._host_step = step + 1
     return metrics
 
   def run(self, steps: int | None = None) -> list[dict[str, float]]:
