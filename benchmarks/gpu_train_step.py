@@ -552,6 +552,60 @@ def report(cfg: BenchConfig, results: dict) -> str:
   return "\n".join(lines)
 
 
+def plot(json_path: str, out_png: str) -> str:
+  """Bar charts of tokens/s and MFU per framework from a ``--json`` file of this script."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import matplotlib.ticker
+
+  with open(json_path) as f:
+    data = json.load(f)
+  cfg = BenchConfig(**data["config"])
+  fl = data["flops_per_token"]["lora_step"]
+  rows = []
+  for part in data["results"].values():
+    device = part.get("device", "")
+    for name, r in part.items():
+      if isinstance(r, dict) and r.get("step_ms"):
+        tps = cfg.tokens / (_median(r["step_ms"]) / 1e3)
+        rows.append((name, tps))
+  peak = _peak_tflops(data["results"].get("jax", {}).get("device", ""))
+  fig, axes = plt.subplots(1, 2 if peak else 1, figsize=(10 if peak else 5.5, 3.6), squeeze=False)
+  label = {"torch": "pytorch+peft", "torch-compile": "pytorch+peft compile"}
+  names, tps = [label.get(n, n) for n, _ in rows], [t for _, t in rows]
+  colors = ["tab:blue" if n.startswith("jax") else "tab:gray" for n in names]
+  axes[0, 0].barh(names, tps, color=colors)
+  axes[0, 0].set_xlabel("tokens / s (median)")
+  axes[0, 0].set_xlim(0, 1.18 * max(tps))
+  axes[0, 0].xaxis.set_major_formatter(
+      matplotlib.ticker.FuncFormatter(lambda v, _: f"{v / 1000:g}k" if v else "0")
+  )
+  axes[0, 0].invert_yaxis()
+  for i, t in enumerate(tps):
+    axes[0, 0].text(t, i, f" {t:,.0f}", va="center", fontsize=8)
+  if peak:
+    mfu = [100 * fl * t / 1e12 / peak for t in tps]
+    axes[0, 1].barh(names, mfu, color=colors)
+    axes[0, 1].set_xlabel(f"MFU % (LoRA-step FLOPs / {peak:g} TFLOP/s)")
+    axes[0, 1].set_xlim(0, 1.15 * max(mfu))
+    axes[0, 1].invert_yaxis()
+    axes[0, 1].set_yticklabels([])
+    for i, m in enumerate(mfu):
+      axes[0, 1].text(m, i, f" {m:.1f}", va="center", fontsize=8)
+  device = data["results"].get("jax", {}).get("device", "?")
+  fig.suptitle(
+      f"LoRA step, {device}: hidden {cfg.hidden}, {cfg.layers} layers, {cfg.dtype}, batch "
+      f"{cfg.batch} x {cfg.seq}, r = {cfg.rank} ({data.get('date', '')})",
+      fontsize=9,
+  )
+  fig.tight_layout()
+  fig.savefig(out_png, dpi=120)
+  plt.close(fig)
+  return out_png
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   add_config_flags(ap, LLAMA2_7B)
@@ -578,7 +632,17 @@ def main(argv=None):
   ap.add_argument("--timeout", type=float, default=420.0, help="seconds per framework worker")
   ap.add_argument("--json", default=None, help="write all step times and facts here")
   ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+  ap.add_argument(
+      "--plot",
+      nargs=2,
+      metavar=("JSON", "PNG"),
+      default=None,
+      help="only draw tokens/s and MFU bars from an earlier --json file",
+  )
   args = ap.parse_args(argv)
+  if args.plot:
+    print(plot(*args.plot))
+    return None
   cfg = config_from_args(args)
   if args.worker:
     if args.worker == "jax":

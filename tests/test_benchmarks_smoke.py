@@ -156,3 +156,5 @@ def test_gpu_train_step_runs_on_cpu_and_reports_consistent_figures(tmp_path, cap
   assert match and float(match.group(1)) == pytest.approx(b["median_ms"] / a["median_ms"], abs=1e-3)
   assert re.search(r"tokens/s jax-adamw / torch: [0-9.]+", printed)
   assert json.loads(out_json.read_text())["config"]["seq"] == 16
+  png = gpu_train_step.plot(str(out_json), str(tmp_path / "gpu.png"))
+  assert (tmp_path / "gpu.png").stat().st_size > 5000 and png.endswith("gpu.png")
