@@ -349,3 +349,8 @@ def test_auto_attention_resolves_by_backend_and_dtype(monkeypatch):
   assert llama.resolve_attention_impl(bf16) == "cudnn"
   assert llama.resolve_attention_impl(f32) == "einsum"  # cuDNN flash attention needs 16-bit
   assert llama.resolve_attention_impl(ModelConfig.tiny(attention_impl="xla")) == "xla"
+  with pytest.raises(ValueError, match="attention_impl='cudnn'.*float32"):
+    llama.resolve_attention_impl(ModelConfig.tiny(attention_impl="cudnn"))
+  monkeypatch.undo()
+  with pytest.raises(ValueError, match="attention_impl='cudnn'.*backend 'cpu'"):
+    LlamaForCausalLM(ModelConfig.tiny(attention_impl="cudnn", dtype=jnp.bfloat16), rngs=nnx.Rngs(0))

@@ -144,9 +144,16 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def resolve_attention_impl(config: ModelConfig) -> str:
   """``config.attention_impl`` with ``'auto'`` resolved for the current default backend."""
   impl = config.attention_impl
+  half = jnp.dtype(config.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  backend = jax.default_backend()
   if impl == "auto":
-    half = jnp.dtype(config.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    impl = "cudnn" if half and jax.default_backend() == "gpu" else "einsum"
+    impl = "cudnn" if half and backend == "gpu" else "einsum"
+  elif impl == "cudnn" and (backend != "gpu" or not half):
+    raise ValueError(
+        f"ModelConfig.attention_impl='cudnn' (cuDNN flash attention) needs the GPU backend and a "
+        f"bfloat16/float16 compute dtype; got backend {backend!r} and dtype {config.dtype}. "
+        "Use 'auto' (cudnn where it applies, einsum elsewhere), 'einsum' or 'xla'."
+    )
   return impl
 
 
