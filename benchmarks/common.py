@@ -136,6 +136,60 @@ def current_rss_mib() -> float:
 
 
 # --------------------------------------------------------------------------------------------------
+# The JAX side of the shared config
+
+
+def build_jax_lora_model(cfg: BenchConfig, *, attention: str = "einsum", max_positions: int = 2048):
+  """``(graphdef, lora, frozen, extra)``: the benchmark LLaMA (random weights, seed 0) with LoRA
+  (seed 1, no dropout) on ``cfg.targets``, split as :func:`anlr_jax.train.step.split_model` does."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from anlr_jax.models.config import ModelConfig
+  from anlr_jax.models.llama import LlamaForCausalLM
+  from anlr_jax.nn import inject_lora
+  from anlr_jax.train.step import split_model
+
+  dtype = jnp.dtype(cfg.dtype)
+  config = ModelConfig(
+      vocab_size=cfg.vocab,
+      hidden_size=cfg.hidden,
+      intermediate_size=cfg.ffn,
+      num_hidden_layers=cfg.layers,
+      num_attention_heads=cfg.heads,
+      num_key_value_heads=cfg.heads,
+      max_position_embeddings=max(max_positions, cfg.seq),
+      dtype=dtype,
+      param_dtype=dtype,
+      attention_impl=attention,
+  )
+  model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+  inject_lora(
+      model,
+      target_modules=cfg.targets,
+      rank=cfg.rank,
+      alpha=cfg.alpha,
+      dropout=0.0,
+      rngs=nnx.Rngs(1),
+  )
+  return split_model(model)
+
+
+def jax_batch(cfg: BenchConfig) -> dict:
+  """A ``B x T`` batch of random token ids (seed 0), every token real and scored."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  ids = np.random.default_rng(0).integers(0, cfg.vocab, (cfg.batch, cfg.seq), dtype=np.int32)
+  ones = np.ones_like(ids)
+  return {
+      "input_ids": jnp.asarray(ids),
+      "attention_mask": jnp.asarray(ones),
+      "loss_mask": jnp.asarray(ones),
+  }
+
+
+# --------------------------------------------------------------------------------------------------
 # Worker side
 
 

@@ -44,7 +44,13 @@ import time
 if __package__ in (None, ""):
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import BenchConfig, add_config_flags, config_from_args
+from benchmarks.common import (
+    BenchConfig,
+    add_config_flags,
+    build_jax_lora_model,
+    config_from_args,
+    jax_batch,
+)
 
 FRAMEWORKS = ("jax", "torch", "torch-compile")
 LEARNING_RATE = 1e-4
@@ -182,51 +188,20 @@ def _build_jax_steps(cfg: BenchConfig, attention: str, unbatched: bool = False):
   """``(steps, frozen, batch, facts)``: the compiled AdamW and AnLR steps over one frozen model."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
   import optax
-  from flax import nnx
 
   import anlr_jax
-  from anlr_jax.models.config import ModelConfig
-  from anlr_jax.models.llama import LlamaForCausalLM
-  from anlr_jax.nn import inject_lora
-  from anlr_jax.train.step import init_train_state, make_train_step, split_model
+  from anlr_jax.train.step import init_train_state, make_train_step
 
   dtype = jnp.dtype(cfg.dtype)
   facts = {}
   t0 = time.perf_counter()
-  config = ModelConfig(
-      vocab_size=cfg.vocab,
-      hidden_size=cfg.hidden,
-      intermediate_size=cfg.ffn,
-      num_hidden_layers=cfg.layers,
-      num_attention_heads=cfg.heads,
-      num_key_value_heads=cfg.heads,
-      max_position_embeddings=max(4096, cfg.seq),
-      dtype=dtype,
-      param_dtype=dtype,
-      attention_impl=attention,
-  )
-  model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
-  inject_lora(
-      model,
-      target_modules=cfg.targets,
-      rank=cfg.rank,
-      alpha=cfg.alpha,
-      dropout=0.0,
-      rngs=nnx.Rngs(1),
-  )
-  graphdef, lora, frozen, extra = split_model(model)
-  del model
+  graphdef, lora, frozen, extra = build_jax_lora_model(cfg, attention=attention, max_positions=4096)
   facts["init_s"] = time.perf_counter() - t0
   facts["lora_params"] = int(sum(x.size for x in jax.tree.leaves(lora)))
   facts["frozen_params"] = int(sum(x.size for x in jax.tree.leaves(frozen)))
   compute_dtype = None if dtype == jnp.float32 else dtype
-  ids = np.random.default_rng(0).integers(0, cfg.vocab, (cfg.batch, cfg.seq), dtype=np.int32)
-  batch = {
-      k: jnp.asarray(ids if k == "input_ids" else np.ones_like(ids))
-      for k in ("input_ids", "attention_mask", "loss_mask")
-  }
+  batch = jax_batch(cfg)
 
   builds = [
       ("jax-adamw", optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)),

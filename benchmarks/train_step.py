@@ -31,6 +31,8 @@ if __package__ in (None, ""):
 
 from benchmarks.common import (
     BenchConfig,
+    build_jax_lora_model,
+    jax_batch,
     Worker,
     add_config_flags,
     config_from_args,
@@ -46,41 +48,16 @@ WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default; used by every framework
 
 def build_jax_step(cfg: BenchConfig, optimizer: str):
   """``(step, info)``: a no-argument closure running one jitted train step, and memory facts."""
+  import flax
   import jax
   import jax.numpy as jnp
-  import numpy as np
-  import flax
   import optax
-  from flax import nnx
 
   import anlr_jax
-  from anlr_jax.models.config import ModelConfig
-  from anlr_jax.models.llama import LlamaForCausalLM
-  from anlr_jax.nn import inject_lora
-  from anlr_jax.train.step import init_train_state, make_train_step, split_model
+  from anlr_jax.train.step import init_train_state, make_train_step
 
   dtype = jnp.dtype(cfg.dtype)
-  config = ModelConfig(
-      vocab_size=cfg.vocab,
-      hidden_size=cfg.hidden,
-      intermediate_size=cfg.ffn,
-      num_hidden_layers=cfg.layers,
-      num_attention_heads=cfg.heads,
-      num_key_value_heads=cfg.heads,
-      max_position_embeddings=max(2048, cfg.seq),
-      dtype=dtype,
-      param_dtype=dtype,
-  )
-  model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
-  inject_lora(
-      model,
-      target_modules=cfg.targets,
-      rank=cfg.rank,
-      alpha=cfg.alpha,
-      dropout=0.0,
-      rngs=nnx.Rngs(1),
-  )
-  graphdef, lora, frozen, extra = split_model(model)
+  graphdef, lora, frozen, extra = build_jax_lora_model(cfg)
   if optimizer == "adamw":
     tx = optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
   elif optimizer == "anlr":
@@ -89,13 +66,7 @@ def build_jax_step(cfg: BenchConfig, optimizer: str):
     raise ValueError(f"optimizer={optimizer!r} must be 'adamw' or 'anlr'")
   compute_dtype = None if dtype == jnp.float32 else dtype
   train_step = make_train_step(graphdef, tx, compute_dtype=compute_dtype, remat=cfg.remat)
-  ids = np.random.default_rng(0).integers(0, cfg.vocab, (cfg.batch, cfg.seq), dtype=np.int32)
-  ones = np.ones_like(ids)
-  batch = {
-      "input_ids": jnp.asarray(ids),
-      "attention_mask": jnp.asarray(ones),
-      "loss_mask": jnp.asarray(ones),
-  }
+  batch = jax_batch(cfg)
   state = init_train_state(lora, extra, tx)
   jitted = jax.jit(train_step, donate_argnums=(0,))
   t0 = time.perf_counter()
