@@ -189,6 +189,44 @@ def jax_batch(cfg: BenchConfig) -> dict:
   }
 
 
+def build_peft_model(cfg: BenchConfig, *, device=None, max_positions: int = 2048):
+  """The same model in PyTorch: ``transformers.LlamaForCausalLM`` (random weights, torch seed 0)
+  built in ``cfg.dtype`` on ``device``, wrapped by ``peft.get_peft_model`` (LoRA on
+  ``cfg.targets``, no dropout, PEFT's default init)."""
+  import peft
+  import torch
+  import transformers
+
+  torch.manual_seed(0)
+  hf_config = transformers.LlamaConfig(
+      vocab_size=cfg.vocab,
+      hidden_size=cfg.hidden,
+      intermediate_size=cfg.ffn,
+      num_hidden_layers=cfg.layers,
+      num_attention_heads=cfg.heads,
+      num_key_value_heads=cfg.heads,
+      max_position_embeddings=max(max_positions, cfg.seq),
+      rms_norm_eps=1e-6,
+      tie_word_embeddings=False,
+      use_cache=False,
+  )
+  default = torch.get_default_dtype()
+  torch.set_default_dtype(getattr(torch, cfg.dtype))
+  try:
+    with torch.device(device or "cpu"):
+      model = transformers.LlamaForCausalLM(hf_config)
+  finally:
+    torch.set_default_dtype(default)
+  lora = peft.LoraConfig(
+      r=cfg.rank,
+      lora_alpha=cfg.alpha,
+      lora_dropout=0.0,
+      target_modules=list(cfg.targets),
+      bias="none",
+  )
+  return peft.get_peft_model(model, lora)
+
+
 # --------------------------------------------------------------------------------------------------
 # Worker side
 

@@ -48,6 +48,7 @@ from benchmarks.common import (
     BenchConfig,
     add_config_flags,
     build_jax_lora_model,
+    build_peft_model,
     config_from_args,
     jax_batch,
 )
@@ -362,34 +363,8 @@ def torch_worker(cfg: BenchConfig, compile_model: bool, runs: int, warmup: int) 
   cuda = torch.cuda.is_available()
   dev = torch.device("cuda" if cuda else "cpu")
   dtype = getattr(torch, cfg.dtype)
-  torch.manual_seed(0)
-  hf_config = transformers.LlamaConfig(
-      vocab_size=cfg.vocab,
-      hidden_size=cfg.hidden,
-      intermediate_size=cfg.ffn,
-      num_hidden_layers=cfg.layers,
-      num_attention_heads=cfg.heads,
-      num_key_value_heads=cfg.heads,
-      max_position_embeddings=max(4096, cfg.seq),
-      rms_norm_eps=1e-6,
-      tie_word_embeddings=False,
-      use_cache=False,
-  )
   t0 = time.perf_counter()
-  torch.set_default_dtype(dtype)
-  with dev:
-    model = transformers.LlamaForCausalLM(hf_config)
-  torch.set_default_dtype(torch.float32)
-  model = peft.get_peft_model(
-      model,
-      peft.LoraConfig(
-          r=cfg.rank,
-          lora_alpha=cfg.alpha,
-          lora_dropout=0.0,
-          target_modules=list(cfg.targets),
-          bias="none",
-      ),
-  )
+  model = build_peft_model(cfg, device=dev, max_positions=4096)
   params = [p for p in model.parameters() if p.requires_grad]
   for p in params:  # LoRA factors and optimizer state in float32, as in the JAX step
     p.data = p.data.float()

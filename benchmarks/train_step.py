@@ -32,6 +32,7 @@ if __package__ in (None, ""):
 from benchmarks.common import (
     BenchConfig,
     build_jax_lora_model,
+    build_peft_model,
     jax_batch,
     Worker,
     add_config_flags,
@@ -112,29 +113,7 @@ def build_torch_step(cfg: BenchConfig, compile_model: bool):
   import transformers
 
   torch.set_num_threads(cfg.threads)
-  torch.manual_seed(0)
-  dtype = getattr(torch, cfg.dtype)
-  hf_config = transformers.LlamaConfig(
-      vocab_size=cfg.vocab,
-      hidden_size=cfg.hidden,
-      intermediate_size=cfg.ffn,
-      num_hidden_layers=cfg.layers,
-      num_attention_heads=cfg.heads,
-      num_key_value_heads=cfg.heads,
-      max_position_embeddings=max(2048, cfg.seq),
-      rms_norm_eps=1e-6,
-      tie_word_embeddings=False,
-      use_cache=False,
-  )
-  model = transformers.LlamaForCausalLM(hf_config).to(dtype)
-  lora_config = peft.LoraConfig(
-      r=cfg.rank,
-      lora_alpha=cfg.alpha,
-      lora_dropout=0.0,
-      target_modules=list(cfg.targets),
-      bias="none",
-  )
-  model = peft.get_peft_model(model, lora_config)
+  model = build_peft_model(cfg)
   model.train()
   params = [p for p in model.parameters() if p.requires_grad]
   opt = torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
