@@ -313,11 +313,10 @@ def _anlr_transform(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _group_modules(modules, flat_params, batch_modules):
+def _group_modules(modules, flat_params, batched: bool):
   """Lists of ``(module index, module)``: one per module, or by factor shapes/dtypes/layout."""
-  if not batch_modules:
+  if not batched:
     return [[(i, m)] for i, m in enumerate(modules)]
-  # batch_modules is resolved (True/False) by the caller.
   groups = {}
   for i, m in enumerate(modules):
     a, b = _unwrap(flat_params[m.a_index]), _unwrap(flat_params[m.b_index])
@@ -412,14 +411,10 @@ def anlr(
     new_state = optax.tree.cast_like((adam_state, decay_state, lr_state), inner_state)
     flat_direction = jax.tree.leaves(direction)
     old_mu, old_nu = jax.tree.leaves(inner_state[0].mu), jax.tree.leaves(inner_state[0].nu)
-    t = adam_state.count  # this update's (incremented) count, as scale_by_adam uses it
 
-    def recompute(g, mu, nu):  # scale_by_adam's arithmetic (eps_root = 0, no nesterov)
-      mu = (1.0 - b1) * g + b1 * mu
-      nu = (1.0 - b2) * (g * g) + b2 * nu
-      mu_hat = mu / (1.0 - b1**t).astype(mu.dtype)
-      nu_hat = nu / (1.0 - b2**t).astype(nu.dtype)
-      return mu_hat / (jnp.sqrt(nu_hat) + eps)
+    def recompute(g, mu, nu):  # scale_by_adam itself, on (stacked) arrays of the previous state
+      prev = optax.ScaleByAdamState(count=inner_state[0].count, mu=mu, nu=nu)
+      return adam.update(g, prev)[0]
 
     adam_inputs = (lambda i: (old_mu[i], old_nu[i]), recompute)
     return delta, new_state, lambda i: flat_direction[i], adam_inputs
