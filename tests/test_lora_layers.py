@@ -315,3 +315,40 @@ def test_logical_axis_names_follow_the_kernel():
   assert tuple(spec["lora_b"].get_value()) == (None, "tp")
   plain = LoRALinear(_linear(), rank=2, alpha=2.0, rngs=nnx.Rngs(1))
   assert "out_sharding" not in plain.lora_a.get_metadata()
+
+
+@pytest.mark.parametrize("grad_a_transposed", [True, False])
+def test_low_rank_product_gradients_match_numpy(grad_a_transposed):
+  """The hand-written backward of (x A) B against the gradients written out in NumPy."""
+  from anlr_jax.nn.lora import low_rank_product
+
+  kx, ka, kb, kw = jax.random.split(jax.random.key(0), 4)
+  x = jax.random.normal(kx, (2, 3, 6))  # leading axes are flattened to tokens
+  a = jax.random.normal(ka, (6, 4))
+  b = jax.random.normal(kb, (4, 5))
+  w = jax.random.normal(kw, (2, 3, 5))  # loss = sum(w * (x A) B)
+
+  def loss(x, a, b):
+    y = low_rank_product(x, a, b, precision="highest", grad_a_transposed=grad_a_transposed)
+    return jnp.sum(w * y)
+
+  y = low_rank_product(x, a, b, grad_a_transposed=grad_a_transposed)
+  dx, da, db = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, a, b)
+  xn, an, bn, wn = (np.asarray(v, np.float64) for v in (x, a, b, w))
+  x2, w2 = xn.reshape(-1, 6), wn.reshape(-1, 5)
+  np.testing.assert_allclose(np.asarray(y), (xn @ an) @ bn, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(
+      np.asarray(dx), (w2 @ bn.T @ an.T).reshape(2, 3, 6), rtol=1e-4, atol=1e-5
+  )
+  np.testing.assert_allclose(np.asarray(da), x2.T @ (w2 @ bn.T), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(db), (x2 @ an).T @ w2, rtol=1e-4, atol=1e-5)
+
+
+def test_low_rank_product_bf16_gradients_keep_dtypes():
+  from anlr_jax.nn.lora import low_rank_product
+
+  x = jnp.ones((3, 6), jnp.bfloat16)
+  a, b = jnp.ones((6, 2), jnp.bfloat16), jnp.ones((2, 4), jnp.bfloat16)
+  grads = jax.grad(lambda *v: jnp.sum(low_rank_product(*v).astype(jnp.float32)), (0, 1, 2))(x, a, b)
+  assert [g.dtype for g in grads] == [jnp.bfloat16] * 3
+  np.testing.assert_allclose(np.asarray(grads[1], np.float32), np.full((6, 2), 12.0))

@@ -8,7 +8,7 @@ from anlr_jax.nn.inject import (
     merge_all,
     unmerge_all,
 )
-from anlr_jax.nn.lora import LORA_INITS, LoRALinear, lora_scale
+from anlr_jax.nn.lora import LORA_INITS, LoRALinear, lora_scale, low_rank_product
 from anlr_jax.nn.peft_io import export_peft_adapter, import_peft_adapter
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "iter_lora_layers",
     "lora_scale",
     "lora_state",
+    "low_rank_product",
     "merge_all",
     "unmerge_all",
 ]
