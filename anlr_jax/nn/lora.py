@@ -114,28 +114,25 @@ def _grad_a_transposed_default() -> bool:
   return jax.default_backend() == "cpu"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _low_rank_product(x, a, b, precision, grad_a_transposed):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _low_rank_product(x, a, b, precision):
   return jnp.matmul(jnp.matmul(x, a, precision=precision), b, precision=precision)
 
 
-def _low_rank_product_fwd(x, a, b, precision, grad_a_transposed):
+def _low_rank_product_fwd(x, a, b, precision):
   xa = jnp.matmul(x, a, precision=precision)
   return jnp.matmul(xa, b, precision=precision), (x, xa, a, b)
 
 
-def _low_rank_product_bwd(precision, grad_a_transposed, residuals, dy):
+def _low_rank_product_bwd(precision, residuals, dy):
   x, xa, a, b = residuals
   mm = functools.partial(jnp.matmul, precision=precision)
   g = mm(dy, b.T)  # (N, r): the cotangent of x A
   dx = mm(g, a.T)
-  if grad_a_transposed:
-    # dA = x^T g computed as (g^T x)^T: XLA CPU runs the (r, N) x (N, d_in) GEMM ~3-4x faster than
-    # the (d_in, N) x (N, r) one, and the barrier keeps the algebraic simplifier from turning it
-    # back; the transpose is then a copy of r * d_in values.
-    da = jax.lax.optimization_barrier(mm(g.T, x)).T
-  else:
-    da = mm(x.T, g)
+  # dA = x^T g computed as (g^T x)^T: XLA CPU runs the (r, N) x (N, d_in) GEMM ~3-4x faster than
+  # the (d_in, N) x (N, r) one, and the barrier keeps the algebraic simplifier from turning it back;
+  # the transpose is then a copy of r * d_in values.
+  da = jax.lax.optimization_barrier(mm(g.T, x)).T
   db = mm(xa.T, dy)
   return dx, da, db
 
@@ -151,13 +148,12 @@ def low_rank_product(
     precision=None,
     grad_a_transposed: bool | None = None,
 ) -> jax.Array:
-  r"""``(x A) B`` for ``x`` of shape ``(..., d_in)``, ``A (d_in, r)``, ``B (r, d_out)``, with a
-  hand-written backward pass (the same values as automatic differentiation).
+  r"""``(x A) B`` for ``x`` of shape ``(..., d_in)``, ``A (d_in, r)``, ``B (r, d_out)``.
 
-  The backward computes ``g = dy B^T`` once and ``dx = g A^T``, ``dA = x^T g``, ``dB = (x A)^T dy``
-  on 2-D ``(tokens, features)`` operands. With ``grad_a_transposed`` (default: on the CPU backend)
-  ``dA`` is computed as ``(g^T x)^T``, the GEMM layout XLA CPU runs fastest (see
-  ``docs/benchmarks.md``); elsewhere the plain ``x^T g``.
+  With ``grad_a_transposed`` (default: on the CPU backend) the backward pass is written by hand, on
+  2-D ``(tokens, features)`` operands: ``g = dy B^T``, ``dx = g A^T``, ``dB = (x A)^T dy`` and
+  ``dA = x^T g`` computed as ``(g^T x)^T``, the GEMM layout XLA CPU runs fastest (see
+  ``docs/benchmarks.md``). The same values as automatic differentiation, which is used otherwise.
 
   Args:
     x, a, b: operands in one floating dtype (promote them first).
@@ -166,8 +162,10 @@ def low_rank_product(
   """
   if grad_a_transposed is None:
     grad_a_transposed = _grad_a_transposed_default()
+  if not grad_a_transposed:  # automatic differentiation
+    return jnp.matmul(jnp.matmul(x, a, precision=precision), b, precision=precision)
   lead = x.shape[:-1]
-  y = _low_rank_product(x.reshape(-1, x.shape[-1]), a, b, precision, bool(grad_a_transposed))
+  y = _low_rank_product(x.reshape(-1, x.shape[-1]), a, b, precision)
   return y.reshape(*lead, b.shape[-1])
 
 
