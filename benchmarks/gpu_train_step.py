@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import statistics
+import re
 import subprocess
 import sys
 import time
@@ -133,7 +134,9 @@ def _profile_summary(run_steps, n_steps: int, top: int = 25) -> dict:
   """Device-side profile of ``run_steps()`` (``n_steps`` steps): per-step op counts and times.
 
   Reads the trace with ``jax.profiler.ProfileData``: for every device plane line, events per step
-  and busy ms per step; for the busiest line, the ``top`` op names by time (ms per step, count).
+  and busy ms per step; for the busiest GPU line (on the CPU: the kernels of XLA's thread pool), the
+  ``top`` op names by time (ms per step, count) and, under ``kinds``, count and ms per step of every
+  kernel kind (name without numeric suffixes).
   """
   import collections
   import glob
@@ -154,6 +157,7 @@ def _profile_summary(run_steps, n_steps: int, top: int = 25) -> dict:
     ]
     out = {"lines": {}, "top_ops": [], "top_by_line": {}}
     busiest, busiest_ns = None, -1
+    cpu_kernels = []  # XLA CPU: kernels run on the intra-op pool's threads, one line each
     for plane in planes:
       for line in plane.lines:
         events = [(e.name, e.duration_ns) for e in line.events]
@@ -165,6 +169,8 @@ def _profile_summary(run_steps, n_steps: int, top: int = 25) -> dict:
         }
         if "Op" in line.name and total > busiest_ns:
           busiest, busiest_ns = events, total
+        if "XLAEigen" in line.name:
+          cpu_kernels += [e for e in events if not e[0].startswith(_CPU_RUNTIME_EVENTS)]
         if len(events) >= 10 * n_steps:
           agg = collections.defaultdict(lambda: [0, 0])
           for name, ns in events:
@@ -175,14 +181,42 @@ def _profile_summary(run_steps, n_steps: int, top: int = 25) -> dict:
               for n, (c, ns) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]
           ]
     if busiest is None:
-      return out
+      busiest = cpu_kernels
     by_name = collections.defaultdict(lambda: [0, 0])
+    by_kind = collections.defaultdict(lambda: [0, 0])
     for name, ns in busiest:
       by_name[name][0] += 1
       by_name[name][1] += ns
+      by_kind[kernel_kind(name)][0] += 1
+      by_kind[kernel_kind(name)][1] += ns
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
     out["top_ops"] = [(n, c / n_steps, ns / 1e6 / n_steps) for n, (c, ns) in ranked]
+    out["kinds"] = {k: (c / n_steps, ns / 1e6 / n_steps) for k, (c, ns) in by_kind.items()}
     return out
+
+
+_CPU_RUNTIME_EVENTS = ("ThunkExecutor", "end:", "SlinkyThreadPool", "ThreadpoolListener")
+
+
+def kernel_kind(name: str) -> str:
+  """A kernel's name without XLA's numeric suffixes: ``loop_add_fusion_12`` -> ``loop_add_fusion``."""
+  return re.sub(r"([._]\d+)+$", "", name)
+
+
+def kernel_kind_diff(base: dict, other: dict, top: int = 15) -> list[tuple[str, float, float]]:
+  """``(kind, extra kernels per step, extra ms per step)`` of ``other`` over ``base`` (two
+  ``_profile_summary(...)["kinds"]``), largest count differences first."""
+  kinds = set(base) | set(other)
+  diff = [
+      (
+          k,
+          other.get(k, (0, 0))[0] - base.get(k, (0, 0))[0],
+          other.get(k, (0, 0))[1] - base.get(k, (0, 0))[1],
+      )
+      for k in kinds
+  ]
+  diff = [d for d in diff if d[1] != 0]
+  return sorted(diff, key=lambda d: (-abs(d[1]), d[0]))[:top]
 
 
 def _build_jax_steps(cfg: BenchConfig, attention: str, unbatched: bool = False):
@@ -338,6 +372,13 @@ def jax_worker(
       print(f"profile {name}: {lines}", file=sys.stderr, flush=True)
       for op, count, ms in prof.get("top_ops", [])[:12]:
         print(f"    {ms:8.3f} ms {count:6.0f}x  {op[:90]}", file=sys.stderr, flush=True)
+    profiles = out.get("profile", {})
+    if "kinds" in profiles.get("jax-adamw", {}) and "kinds" in profiles.get("jax-anlr", {}):
+      diff = kernel_kind_diff(profiles["jax-adamw"]["kinds"], profiles["jax-anlr"]["kinds"])
+      out["profile_kind_diff"] = diff
+      print("profile: kernels per step jax-anlr minus jax-adamw, by kind:", file=sys.stderr)
+      for kind, count, ms in diff:
+        print(f"    {count:+8.1f}  {ms:+8.3f} ms  {kind[:90]}", file=sys.stderr, flush=True)
   stats = device.memory_stats() if hasattr(device, "memory_stats") else None
   out["device_peak_bytes"] = int(stats["peak_bytes_in_use"]) if stats else None
   out["windows"] = list(windows)

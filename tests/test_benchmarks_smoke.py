@@ -141,7 +141,7 @@ def test_gpu_train_step_runs_on_cpu_and_reports_consistent_figures(tmp_path, cap
   out_json = tmp_path / "gpu.json"
   args = TINY + ["--dtype", "float32", "--attention", "xla", "--runs", "2", "--warmup", "1"]
   summary = gpu_train_step.main(
-      args + ["--frameworks", "jax,torch", "--windows", "1,2", "--json", str(out_json)]
+      args + ["--frameworks", "jax,torch", "--windows", "1,2", "--json", str(out_json), "--profile"]
   )
   jax_part, torch_part = summary["results"]["jax"], summary["results"]["torch"]
   assert "error" not in jax_part and "error" not in torch_part, summary["report"]
@@ -156,5 +156,20 @@ def test_gpu_train_step_runs_on_cpu_and_reports_consistent_figures(tmp_path, cap
   assert match and float(match.group(1)) == pytest.approx(b["median_ms"] / a["median_ms"], abs=1e-3)
   assert re.search(r"tokens/s jax-adamw / torch: [0-9.]+", printed)
   assert json.loads(out_json.read_text())["config"]["seq"] == 16
+  # --profile: the kernels AnLR adds, by kind (here XLA CPU's thread-pool kernels).
+  diff = jax_part["profile_kind_diff"]
+  assert diff and sum(count for _, count, _ in diff) > 0
   png = gpu_train_step.plot(str(out_json), str(tmp_path / "gpu.png"))
   assert (tmp_path / "gpu.png").stat().st_size > 5000 and png.endswith("gpu.png")
+
+
+def test_kernel_kinds_drop_numeric_suffixes_and_diff_by_count():
+  assert gpu_train_step.kernel_kind("loop_add_fusion_12") == "loop_add_fusion"
+  assert gpu_train_step.kernel_kind("input_reduce_fusion.3_1") == "input_reduce_fusion"
+  assert gpu_train_step.kernel_kind("nvjet_sm90_tst_256x128") == "nvjet_sm90_tst_256x128"
+  base = {"a": (4.0, 1.0), "b": (1.0, 0.5)}
+  other = {"a": (4.0, 1.2), "b": (3.0, 0.9), "c": (5.0, 0.1)}
+  assert gpu_train_step.kernel_kind_diff(base, other) == [
+      ("c", 5.0, 0.1),
+      ("b", 2.0, pytest.approx(0.4)),
+  ]
