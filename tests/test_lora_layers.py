@@ -352,3 +352,26 @@ def test_low_rank_product_bf16_gradients_keep_dtypes():
   grads = jax.grad(lambda *v: jnp.sum(low_rank_product(*v).astype(jnp.float32)), (0, 1, 2))(x, a, b)
   assert [g.dtype for g in grads] == [jnp.bfloat16] * 3
   np.testing.assert_allclose(np.asarray(grads[1], np.float32), np.full((6, 2), 12.0))
+
+
+def test_forward_mode_autodiff_with_the_hand_written_backward_off():
+  """``grad_a_transposed = False`` routes the adapter through automatic differentiation, so
+  ``jax.jacfwd`` works (on the CPU the default hand-written backward allows reverse mode only) and
+  agrees with ``jax.jacrev`` through the default path."""
+  layer = LoRALinear(_linear(), rank=3, alpha=6.0, rngs=nnx.Rngs(1))
+  _randomise_adapter(layer)
+  x = _x(n=4)
+  graphdef, lora, rest = nnx.split(layer, nnx.LoRAParam, ...)
+
+  lora = nnx.to_pure_dict(lora)
+
+  def f(a, flag):
+    layer = nnx.merge(graphdef, {**lora, "lora_a": a}, rest)
+    layer.grad_a_transposed = flag
+    return layer(x)
+
+  a = lora["lora_a"]
+  forward = jax.jacfwd(lambda a: f(a, False))(a)
+  reverse = jax.jacrev(lambda a: f(a, None))(a)
+  np.testing.assert_allclose(np.asarray(forward), np.asarray(reverse), rtol=1e-5, atol=1e-6)
+  assert float(jnp.max(jnp.abs(forward))) > 0

@@ -186,6 +186,13 @@ class LoRALinear(nnx.Module):
       norms of ``W0 + c A B``).
     rngs: random streams: ``params`` for ``A``, ``dropout`` for the dropout masks.
 
+  Attribute ``grad_a_transposed`` (default ``None``) is passed to :func:`low_rank_product`: on the
+  CPU backend the adapter then has a hand-written backward pass (faster, same values), which
+  forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) cannot go through; set it to ``False``
+  on the layers (e.g. ``for _, l in iter_lora_layers(model): l.grad_a_transposed = False``) to use
+  automatic differentiation everywhere. Reverse mode and forward-over-reverse (Hessian-vector
+  products) work either way.
+
   Example:
     >>> from flax import nnx
     >>> import jax.numpy as jnp
@@ -237,6 +244,7 @@ class LoRALinear(nnx.Module):
     self.use_dora = bool(use_dora)
     self.scale = lora_scale(rank, alpha, use_rslora)
     self.merged = False
+    self.grad_a_transposed = None
     self.dropout = nnx.Dropout(float(dropout), deterministic=True, rngs=rngs)
 
     kernel_meta = base.kernel.get_metadata()
@@ -327,7 +335,9 @@ class LoRALinear(nnx.Module):
     x, a, b = nnx.nn.dtypes.promote_dtype(
         (x, self.lora_a[...], self.lora_b[...]), dtype=self.base.dtype
     )
-    return low_rank_product(x, a, b, precision=self.base.precision)
+    return low_rank_product(
+        x, a, b, precision=self.base.precision, grad_a_transposed=self.grad_a_transposed
+    )
 
   def __call__(self, x: jax.Array) -> jax.Array:
     base_out = self.base(x)
