@@ -317,8 +317,8 @@ def test_logical_axis_names_follow_the_kernel():
   assert "out_sharding" not in plain.lora_a.get_metadata()
 
 
-@pytest.mark.parametrize("grad_a_transposed", [True, False])
-def test_low_rank_product_gradients_match_numpy(grad_a_transposed):
+@pytest.mark.parametrize("custom_backward", [True, False])
+def test_low_rank_product_gradients_match_numpy(custom_backward):
   """The hand-written backward of (x A) B against the gradients written out in NumPy."""
   from anlr_jax.nn.lora import low_rank_product
 
@@ -329,10 +329,10 @@ def test_low_rank_product_gradients_match_numpy(grad_a_transposed):
   w = jax.random.normal(kw, (2, 3, 5))  # loss = sum(w * (x A) B)
 
   def loss(x, a, b):
-    y = low_rank_product(x, a, b, precision="highest", grad_a_transposed=grad_a_transposed)
+    y = low_rank_product(x, a, b, precision="highest", custom_backward=custom_backward)
     return jnp.sum(w * y)
 
-  y = low_rank_product(x, a, b, grad_a_transposed=grad_a_transposed)
+  y = low_rank_product(x, a, b, custom_backward=custom_backward)
   dx, da, db = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, a, b)
   xn, an, bn, wn = (np.asarray(v, np.float64) for v in (x, a, b, w))
   x2, w2 = xn.reshape(-1, 6), wn.reshape(-1, 5)
@@ -355,7 +355,7 @@ def test_low_rank_product_bf16_gradients_keep_dtypes():
 
 
 def test_forward_mode_autodiff_with_the_hand_written_backward_off():
-  """``grad_a_transposed = False`` routes the adapter through automatic differentiation, so
+  """``custom_backward = False`` routes the adapter through automatic differentiation, so
   ``jax.jacfwd`` works (on the CPU the default hand-written backward allows reverse mode only) and
   agrees with ``jax.jacrev`` through the default path."""
   layer = LoRALinear(_linear(), rank=3, alpha=6.0, rngs=nnx.Rngs(1))
@@ -367,7 +367,7 @@ def test_forward_mode_autodiff_with_the_hand_written_backward_off():
 
   def f(a, flag):
     layer = nnx.merge(graphdef, {**lora, "lora_a": a}, rest)
-    layer.grad_a_transposed = flag
+    layer.custom_backward = flag
     return layer(x)
 
   a = lora["lora_a"]

@@ -110,7 +110,7 @@ def dora_column_norm(kernel: jax.Array, delta: jax.Array) -> jax.Array:
   return jnp.linalg.norm(w, axis=0)
 
 
-def _grad_a_transposed_default() -> bool:
+def _custom_backward_default() -> bool:
   return jax.default_backend() == "cpu"
 
 
@@ -146,11 +146,11 @@ def low_rank_product(
     b: jax.Array,
     *,
     precision=None,
-    grad_a_transposed: bool | None = None,
+    custom_backward: bool | None = None,
 ) -> jax.Array:
   r"""``(x A) B`` for ``x`` of shape ``(..., d_in)``, ``A (d_in, r)``, ``B (r, d_out)``.
 
-  With ``grad_a_transposed`` (default: on the CPU backend) the backward pass is written by hand, on
+  With ``custom_backward`` (default: on the CPU backend) the backward pass is written by hand, on
   2-D ``(tokens, features)`` operands: ``g = dy B^T``, ``dx = g A^T``, ``dB = (x A)^T dy`` and
   ``dA = x^T g`` computed as ``(g^T x)^T``, the GEMM layout XLA CPU runs fastest (see
   ``docs/benchmarks.md``). The same values as automatic differentiation, which is used otherwise.
@@ -158,11 +158,11 @@ def low_rank_product(
   Args:
     x, a, b: operands in one floating dtype (promote them first).
     precision: ``jax.lax.Precision`` of every matmul, forward and backward.
-    grad_a_transposed: see above; ``None`` picks by backend.
+    custom_backward: see above; ``None`` picks by backend.
   """
-  if grad_a_transposed is None:
-    grad_a_transposed = _grad_a_transposed_default()
-  if not grad_a_transposed:  # automatic differentiation
+  if custom_backward is None:
+    custom_backward = _custom_backward_default()
+  if not custom_backward:  # automatic differentiation
     return jnp.matmul(jnp.matmul(x, a, precision=precision), b, precision=precision)
   lead = x.shape[:-1]
   y = _low_rank_product(x.reshape(-1, x.shape[-1]), a, b, precision)
@@ -186,10 +186,10 @@ class LoRALinear(nnx.Module):
       norms of ``W0 + c A B``).
     rngs: random streams: ``params`` for ``A``, ``dropout`` for the dropout masks.
 
-  Attribute ``grad_a_transposed`` (default ``None``) is passed to :func:`low_rank_product`: on the
+  Attribute ``custom_backward`` (default ``None``) is passed to :func:`low_rank_product`: on the
   CPU backend the adapter then has a hand-written backward pass (faster, same values), which
   forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) cannot go through; set it to ``False``
-  on the layers (e.g. ``for _, l in iter_lora_layers(model): l.grad_a_transposed = False``) to use
+  on the layers (e.g. ``for _, l in iter_lora_layers(model): l.custom_backward = False``) to use
   automatic differentiation everywhere. Reverse mode and forward-over-reverse (Hessian-vector
   products) work either way.
 
@@ -244,7 +244,7 @@ class LoRALinear(nnx.Module):
     self.use_dora = bool(use_dora)
     self.scale = lora_scale(rank, alpha, use_rslora)
     self.merged = False
-    self.grad_a_transposed = None
+    self.custom_backward = None
     self.dropout = nnx.Dropout(float(dropout), deterministic=True, rngs=rngs)
 
     kernel_meta = base.kernel.get_metadata()
@@ -336,7 +336,7 @@ class LoRALinear(nnx.Module):
         (x, self.lora_a[...], self.lora_b[...]), dtype=self.base.dtype
     )
     return low_rank_product(
-        x, a, b, precision=self.base.precision, grad_a_transposed=self.grad_a_transposed
+        x, a, b, precision=self.base.precision, custom_backward=self.custom_backward
     )
 
   def __call__(self, x: jax.Array) -> jax.Array:
