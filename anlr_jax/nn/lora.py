@@ -153,7 +153,8 @@ def low_rank_product(
   With ``custom_backward`` (default: on the CPU backend) the backward pass is written by hand, on
   2-D ``(tokens, features)`` operands: ``g = dy B^T``, ``dx = g A^T``, ``dB = (x A)^T dy`` and
   ``dA = x^T g`` computed as ``(g^T x)^T``, the GEMM layout XLA CPU runs fastest (see
-  ``docs/benchmarks.md``). The same values as automatic differentiation, which is used otherwise.
+  ``docs/benchmarks.md``). The same values as automatic differentiation, which is used otherwise;
+  forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) needs ``custom_backward=False``.
 
   Args:
     x, a, b: operands in one floating dtype (promote them first).
