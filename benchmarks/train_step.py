@@ -8,8 +8,9 @@ One step = forward, backward and optimizer update of the LoRA factors on one ``B
     (d) torch-compile  (c) with torch.compile on the PEFT model (skipped with a reason if it fails)
 
 Every framework runs in its own subprocess (peak RSS via ``resource.getrusage`` is its own); the
-parent times them interleaved a, b, c, d, a, b, ... and reports medians, tokens/s and ratios. JAX's
-compiled step also reports XLA's ``memory_analysis()`` (arguments + outputs - aliased + temporaries).
+parent times them interleaved (one step each per round, each round in a shuffled order) and reports
+medians, tokens/s and ratios. JAX's compiled step also reports XLA's ``memory_analysis()``
+(arguments + outputs - aliased + temporaries).
 
     python benchmarks/train_step.py                         # reference config (hidden 512, 8 layers)
     python benchmarks/train_step.py --runs 21 --json out.json
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -176,9 +178,20 @@ def start_workers(names, cfg: BenchConfig, warmup: int, script: str = __file__):
   return workers, failed
 
 
-def run_interleaved(workers: dict, runs: int) -> None:
+def run_interleaved(workers: dict, runs: int, pause_s: float = 0.1, seed: int = 0) -> None:
+  """``runs`` rounds of one step per worker, each round in a fresh random order (seeded).
+
+  A step can be slowed by the worker that ran just before it (its idle threads still spinning on
+  the same cores); shuffling the order makes every framework follow every other about equally often,
+  and ``pause_s`` between steps lets the previous worker settle. Step times are measured inside the
+  workers, so neither enters them.
+  """
+  rng = random.Random(seed)
+  order = list(workers.values())
   for _ in range(runs):
-    for w in workers.values():
+    rng.shuffle(order)
+    for w in order:
+      time.sleep(pause_s)
       w.step()
 
 
