@@ -173,3 +173,20 @@ def test_kernel_kinds_drop_numeric_suffixes_and_diff_by_count():
       ("c", 5.0, 0.1),
       ("b", 2.0, pytest.approx(0.4)),
   ]
+
+
+def test_memory_phases_reports_every_phase_for_both_optimizers(tmp_path):
+  from benchmarks import memory_phases
+
+  out_json = tmp_path / "mem.json"
+  out = memory_phases.main(TINY + ["--steps", "1", "--json", str(out_json)])
+  for opt in memory_phases.OPTIMIZERS:
+    r = out["results"][opt]
+    assert set(r["phases"]) == set(memory_phases.PHASES)
+    assert all(p["rss"] > 0 for p in r["phases"].values())
+    assert r["xla_mib"] > 0 and r["serialized_mib"] > 0 and r["hlo_lines"] > 0
+  # AnLR's step has more HLO than AdamW's (the per-rank statistics); the report names the ratios.
+  assert out["results"]["anlr"]["hlo_lines"] > out["results"]["adamw"]["hlo_lines"]
+  assert (
+      "step peak RSS" in out["report"] and json.loads(out_json.read_text())["config"]["rank"] == 4
+  )

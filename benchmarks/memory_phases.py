@@ -1,0 +1,202 @@
+r"""Where a JAX train step's process memory goes, phase by phase: AdamW vs AnLR.
+
+Each optimizer runs in a fresh subprocess (same model, batch and LoRA config as
+``benchmarks/train_step.py``). Around each phase — build the model and state, lower, compile, run
+the warmup steps, run the timed steps — the worker returns freed heap to the OS (``malloc_trim``)
+and records the resident set (RSS) and glibc's ``mallinfo2`` counters: bytes in live allocations
+(``inuse``) and free bytes kept in the allocator's arenas (``arena_free``). It also reports the
+compiled step's XLA buffer total (``memory_analysis``), its serialised size, its HLO line count and
+the peak RSS of the timed steps (``VmHWM`` reset after warmup, as ``train_step.py`` measures it).
+
+    python benchmarks/memory_phases.py                      # reference config
+    python benchmarks/memory_phases.py --layers 2 --json out.json
+
+Linux + glibc only (``/proc/self``, ``mallinfo2``); on other systems the allocator columns are empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+
+if __package__ in (None, ""):
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import (
+    BenchConfig,
+    add_config_flags,
+    build_jax_lora_model,
+    config_from_args,
+    current_rss_mib,
+    jax_batch,
+    machine_line,
+    release_free_heap,
+    reset_peak_rss,
+    status_mib,
+    thread_env,
+)
+
+OPTIMIZERS = ("adamw", "anlr")
+PHASES = ("start", "built", "lowered", "compiled", "warmup", "steps")
+
+
+class _MallInfo2(ctypes.Structure):
+  _fields_ = [
+      (name, ctypes.c_size_t)
+      for name in (
+          "arena",
+          "ordblks",
+          "smblks",
+          "hblks",
+          "hblkhd",
+          "usmblks",
+          "fsmblks",
+          "uordblks",
+          "fordblks",
+          "keepcost",
+      )
+  ]
+
+
+def allocator_mib() -> dict:
+  """glibc ``mallinfo2``: live allocation bytes and free bytes held in arenas, in MiB ({} if absent)."""
+  try:
+    fn = ctypes.CDLL("libc.so.6").mallinfo2
+  except (OSError, AttributeError):
+    return {}
+  fn.restype = _MallInfo2
+  m = fn()
+  return {"inuse": (m.uordblks + m.hblkhd) / 2**20, "arena_free": m.fordblks / 2**20}
+
+
+def snapshot() -> dict:
+  gc.collect()
+  release_free_heap()
+  return {"rss": current_rss_mib(), **allocator_mib()}
+
+
+def worker(cfg: BenchConfig, optimizer: str, steps: int) -> dict:
+  import jax
+  import optax
+  from jax.experimental.serialize_executable import serialize
+
+  import anlr_jax
+  from anlr_jax.train.step import init_train_state, make_train_step
+
+  phases = {"start": snapshot()}
+  graphdef, lora, frozen, extra = build_jax_lora_model(cfg)
+  if optimizer == "adamw":
+    tx = optax.adamw(1e-4, weight_decay=0.01)
+  else:
+    tx = anlr_jax.anlr(1e-4, weight_decay=0.01, warmup_steps=0)
+  batch = jax_batch(cfg)
+  state = init_train_state(lora, extra, tx)
+  phases["built"] = snapshot()
+  lowered = jax.jit(make_train_step(graphdef, tx), donate_argnums=(0,)).lower(state, frozen, batch)
+  phases["lowered"] = snapshot()
+  compiled = lowered.compile()
+  del lowered
+  phases["compiled"] = snapshot()
+  for _ in range(2):
+    state, metrics = compiled(state, frozen, batch)
+  jax.block_until_ready((state, metrics))
+  phases["warmup"] = snapshot()
+  reset_peak_rss()
+  for _ in range(steps):
+    state, metrics = compiled(state, frozen, batch)
+    jax.block_until_ready((state, metrics))
+  phases["steps"] = snapshot()
+  mem = compiled.memory_analysis()
+  xla = (
+      mem.argument_size_in_bytes
+      + mem.output_size_in_bytes
+      - mem.alias_size_in_bytes
+      + mem.temp_size_in_bytes
+  )
+  return {
+      "phases": phases,
+      "step_peak_rss": status_mib("VmHWM"),
+      "xla_mib": xla / 2**20,
+      "serialized_mib": len(serialize(compiled)[0]) / 2**20,
+      "hlo_lines": len(compiled.as_text().splitlines()),
+  }
+
+
+def run(cfg: BenchConfig, steps: int, timeout: float = 900.0) -> dict:
+  """Runs every optimizer's worker in its own process; returns ``{optimizer: worker result}``."""
+  results = {}
+  for optimizer in OPTIMIZERS:
+    argv = [sys.executable, os.path.abspath(__file__), "--worker", optimizer]
+    argv += ["--config-json", cfg.to_json(), "--steps", str(steps)]
+    proc = subprocess.run(
+        argv, env=thread_env(cfg.threads), capture_output=True, text=True, timeout=timeout
+    )
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+      tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+      raise RuntimeError(f"memory_phases worker {optimizer!r} failed ({proc.returncode}): {tail}")
+    results[optimizer] = json.loads(lines[-1][len("RESULT ") :])
+  return results
+
+
+def report(cfg: BenchConfig, results: dict) -> str:
+  a, b = results["adamw"], results["anlr"]
+  lines = [
+      f"machine: {machine_line()}; {time.strftime('%Y-%m-%d %H:%M %Z')}",
+      f"config: hidden {cfg.hidden}, {cfg.layers} layers, batch {cfg.batch} x {cfg.seq}, LoRA r={cfg.rank}",
+      "MiB after each phase (freed heap returned to the OS first): RSS / live allocations / arena free",
+      f"{'phase':<10} {'adamw':>24} {'anlr':>24} {'RSS anlr - adamw':>17}",
+  ]
+
+  def cell(p):
+    alloc = f" / {p['inuse']:6.1f} / {p['arena_free']:6.1f}" if "inuse" in p else ""
+    return f"{p['rss']:7.1f}{alloc}"
+
+  for phase in PHASES:
+    pa, pb = a["phases"][phase], b["phases"][phase]
+    lines.append(f"{phase:<10} {cell(pa):>24} {cell(pb):>24} {pb['rss'] - pa['rss']:+17.1f}")
+  for key, label in (
+      ("step_peak_rss", "step peak RSS (VmHWM over the timed steps)"),
+      ("xla_mib", "XLA buffers (memory_analysis)"),
+      ("serialized_mib", "serialised executable"),
+      ("hlo_lines", "optimised HLO lines"),
+  ):
+    lines.append(f"{label}: adamw {a[key]:.1f}, anlr {b[key]:.1f}, ratio {b[key] / a[key]:.4f}")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  add_config_flags(ap)
+  ap.add_argument("--steps", type=int, default=5, help="timed steps after the warmup")
+  ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+  ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--config-json", default=None, help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  if args.worker:
+    if args.worker not in OPTIMIZERS:
+      raise ValueError(f"--worker {args.worker!r} must be one of {OPTIMIZERS}")
+    cfg = BenchConfig.from_json(args.config_json)
+    result = worker(cfg, args.worker, args.steps)
+    sys.__stdout__.write("RESULT " + json.dumps(result) + "\n")
+    sys.__stdout__.flush()
+    return result
+  cfg = config_from_args(args)
+  results = run(cfg, args.steps)
+  text = report(cfg, results)
+  print(text)
+  out = {"config": json.loads(cfg.to_json()), "results": results, "report": text}
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(out, f, indent=1)
+  return out
+
+
+if __name__ == "__main__":
+  main()
