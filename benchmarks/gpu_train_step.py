@@ -134,9 +134,10 @@ def _profile_summary(run_steps, n_steps: int, top: int = 25) -> dict:
   """Device-side profile of ``run_steps()`` (``n_steps`` steps): per-step op counts and times.
 
   Reads the trace with ``jax.profiler.ProfileData``: for every device plane line, events per step
-  and busy ms per step; for the busiest GPU line (on the CPU: the kernels of XLA's thread pool), the
+  and busy ms per step; for the busiest GPU line (on the CPU: the kernels XLA runs on its threads), the
   ``top`` op names by time (ms per step, count) and, under ``kinds``, count and ms per step of every
-  kernel kind (name without numeric suffixes).
+  kernel kind (name without numeric suffixes). On the CPU the per-kind ms overlap (the thread that
+  dispatched the step also takes part in parallel kernels): compare counts there.
   """
   import collections
   import glob
@@ -157,7 +158,9 @@ def _profile_summary(run_steps, n_steps: int, top: int = 25) -> dict:
     ]
     out = {"lines": {}, "top_ops": [], "top_by_line": {}}
     busiest, busiest_ns = None, -1
-    cpu_kernels = []  # XLA CPU: kernels run on the intra-op pool's threads, one line each
+    # XLA CPU: kernels run on the intra-op pool's threads and on the client thread that dispatched
+    # the step (small ones inline), one line per thread.
+    cpu_kernels = []
     for plane in planes:
       for line in plane.lines:
         events = [(e.name, e.duration_ns) for e in line.events]
@@ -169,7 +172,7 @@ def _profile_summary(run_steps, n_steps: int, top: int = 25) -> dict:
         }
         if "Op" in line.name and total > busiest_ns:
           busiest, busiest_ns = events, total
-        if "XLAEigen" in line.name:
+        if "XLAEigen" in line.name or "XLAPjRtCpuClient" in line.name:
           cpu_kernels += [e for e in events if not e[0].startswith(_CPU_RUNTIME_EVENTS)]
         if len(events) >= 10 * n_steps:
           agg = collections.defaultdict(lambda: [0, 0])
