@@ -130,6 +130,28 @@ def release_free_heap() -> bool:
     return False
 
 
+def xla_memory(compiled) -> dict:
+  """``compiled.memory_analysis()`` in bytes: arguments, outputs, aliased, temporaries, and
+  ``peak_bytes`` = arguments + outputs - aliased + temporaries (what the step's buffers take)."""
+  mem = compiled.memory_analysis()
+  out = {
+      k: int(getattr(mem, k))
+      for k in (
+          "argument_size_in_bytes",
+          "output_size_in_bytes",
+          "alias_size_in_bytes",
+          "temp_size_in_bytes",
+      )
+  }
+  out["peak_bytes"] = (
+      out["argument_size_in_bytes"]
+      + out["output_size_in_bytes"]
+      - out["alias_size_in_bytes"]
+      + out["temp_size_in_bytes"]
+  )
+  return out
+
+
 def current_rss_mib() -> float:
   with open("/proc/self/statm") as f:
     return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20

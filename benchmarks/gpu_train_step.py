@@ -52,6 +52,7 @@ from benchmarks.common import (
     build_peft_model,
     config_from_args,
     jax_batch,
+    xla_memory,
 )
 
 FRAMEWORKS = ("jax", "torch", "torch-compile")
@@ -260,20 +261,15 @@ def _build_jax_steps(cfg: BenchConfig, attention: str, unbatched: bool = False):
     state = init_train_state(*jax.tree.map(jnp.copy, (lora, extra)), tx)  # own buffers: donated
     t0 = time.perf_counter()
     compiled = jax.jit(train_step, donate_argnums=(0,)).lower(state, frozen, batch).compile()
-    mem = compiled.memory_analysis()
-    xla_peak = (
-        mem.argument_size_in_bytes
-        + mem.output_size_in_bytes
-        - mem.alias_size_in_bytes
-        + mem.temp_size_in_bytes
-    )
+    mem = xla_memory(compiled)
+    xla_peak = mem["peak_bytes"]
     steps[name] = {
         "compiled": compiled,
         "state": state,
         "times": [],
         "compile_s": time.perf_counter() - t0,
         "xla_peak_bytes": int(xla_peak),
-        "xla_temp_bytes": int(mem.temp_size_in_bytes),
+        "xla_temp_bytes": mem["temp_size_in_bytes"],
         "entry_ops": _entry_ops(compiled),
     }
     print(

@@ -40,6 +40,7 @@ from benchmarks.common import (
     reset_peak_rss,
     status_mib,
     thread_env,
+    xla_memory,
 )
 
 OPTIMIZERS = ("adamw", "anlr")
@@ -112,17 +113,10 @@ def worker(cfg: BenchConfig, optimizer: str, steps: int) -> dict:
     state, metrics = compiled(state, frozen, batch)
     jax.block_until_ready((state, metrics))
   phases["steps"] = snapshot()
-  mem = compiled.memory_analysis()
-  xla = (
-      mem.argument_size_in_bytes
-      + mem.output_size_in_bytes
-      - mem.alias_size_in_bytes
-      + mem.temp_size_in_bytes
-  )
   return {
       "phases": phases,
       "step_peak_rss": status_mib("VmHWM"),
-      "xla_mib": xla / 2**20,
+      "xla_mib": xla_memory(compiled)["peak_bytes"] / 2**20,
       "serialized_mib": len(serialize(compiled)[0]) / 2**20,
       "hlo_lines": len(compiled.as_text().splitlines()),
   }

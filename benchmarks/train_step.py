@@ -42,6 +42,7 @@ from benchmarks.common import (
     machine_line,
     serve,
     thread_env,
+    xla_memory,
 )
 
 FRAMEWORKS = ("jax-adamw", "jax-anlr", "torch-eager", "torch-compile")
@@ -75,22 +76,7 @@ def build_jax_step(cfg: BenchConfig, optimizer: str):
   t0 = time.perf_counter()
   compiled = jitted.lower(state, frozen, batch).compile()
   compile_s = time.perf_counter() - t0
-  mem = compiled.memory_analysis()
-  xla = {
-      k: int(getattr(mem, k))
-      for k in (
-          "argument_size_in_bytes",
-          "output_size_in_bytes",
-          "alias_size_in_bytes",
-          "temp_size_in_bytes",
-      )
-  }
-  xla["peak_bytes"] = (
-      xla["argument_size_in_bytes"]
-      + xla["output_size_in_bytes"]
-      - xla["alias_size_in_bytes"]
-      + xla["temp_size_in_bytes"]
-  )
+  xla = xla_memory(compiled)
   holder = [state]
 
   def step():

@@ -114,9 +114,11 @@ def _custom_backward_default() -> bool:
   return jax.default_backend() == "cpu"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _low_rank_product(x, a, b, precision):
+def _product(x, a, b, precision):
   return jnp.matmul(jnp.matmul(x, a, precision=precision), b, precision=precision)
+
+
+_low_rank_product = jax.custom_vjp(_product, nondiff_argnums=(3,))
 
 
 def _low_rank_product_fwd(x, a, b, precision):
@@ -164,7 +166,7 @@ def low_rank_product(
   if custom_backward is None:
     custom_backward = _custom_backward_default()
   if not custom_backward:  # automatic differentiation
-    return jnp.matmul(jnp.matmul(x, a, precision=precision), b, precision=precision)
+    return _product(x, a, b, precision)
   lead = x.shape[:-1]
   y = _low_rank_product(x.reshape(-1, x.shape[-1]), a, b, precision)
   return y.reshape(*lead, b.shape[-1])
