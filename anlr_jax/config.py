@@ -226,6 +226,7 @@ CHECKS: dict[str, Callable[[], tuple[Callable[[Any], bool], str]]] = {
     "trainer.compute_dtype": lambda: _one_of(DTYPES),
     "trainer.base_dtype": lambda: _one_of((*DTYPES, None)),
     "trainer.remat": lambda: _one_of(("none", "full", "dots")),
+    "trainer.lora_layout": lambda: _one_of(("stacked", "per-layer")),
     "eval.tasks{}": lambda: _one_of(_task_names()),
     "eval.batch_size": lambda: _in_range(1, None),
     "eval.max_new_tokens": lambda: _in_range(1, None),

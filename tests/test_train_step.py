@@ -36,10 +36,11 @@ def _numpy_loss(logits, batch):
   return (nll * w).sum() / w.sum()
 
 
-def test_loss_and_adamw_update_match_reference():
+@pytest.mark.parametrize('lora_layout', ['stacked', 'per-layer'])
+def test_loss_and_adamw_update_match_reference(lora_layout):
   batches = ToyBatches()
   tx = optax.adamw(1e-2, weight_decay=0.1)
-  trainer = _trainer(tx, batches)
+  trainer = _trainer(tx, batches, lora_layout=lora_layout)
   model = make_toy_model()
   batch = batches.get_batch(0)
   logits = model(
@@ -67,7 +68,9 @@ def test_loss_and_adamw_update_match_reference():
   np.testing.assert_allclose(metrics['grad_norm'], optax.tree.norm(grads), rtol=1e-5)
   assert metrics['loss_tokens'] == batch['loss_mask'][:, 1:].sum()
   assert metrics['tokens'] == batch['attention_mask'].sum()
-  chex.assert_trees_all_close(jax.device_get(trainer.state.lora), expected, atol=1e-6, rtol=1e-5)
+  chex.assert_trees_all_close(jax.device_get(trainer.lora_params()), expected, atol=1e-6, rtol=1e-5)
+  stacked = lora_layout == 'stacked'
+  assert ('*' in trainer.state.lora['blocks']) == stacked, trainer.state.lora['blocks'].keys()
   chex.assert_trees_all_equal(jax.device_get(trainer.frozen), frozen_before)  # base frozen
   assert int(trainer.state.step) == 1
 
@@ -215,7 +218,7 @@ def test_run_writes_metrics_tensorboard_and_anlr_diagnostics(tmp_path):
 
   logs = load_run(run_dir)
   assert logs.magnitudes and set(logs.magnitudes) == set(logs.nu_bar)
-  lora = jax.device_get(trainer.state.lora)
+  lora = jax.device_get(trainer.lora_params())
   flat = {
       jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(lora)
   }

@@ -18,7 +18,14 @@ from anlr_jax.train.mesh import (
 )
 from anlr_jax.train.metrics import MetricsWriter
 from anlr_jax.train.schedule import linear_warmup_decay
-from anlr_jax.train.step import TrainState, make_train_step, next_token_loss_sum, split_model
+from anlr_jax.train.step import (
+    TrainState,
+    make_train_step,
+    next_token_loss_sum,
+    split_model,
+    stack_layers,
+    unstack_layers,
+)
 from anlr_jax.train.trainer import Trainer, TrainerConfig, default_optimizer, train
 
 __all__ = [
@@ -37,6 +44,8 @@ __all__ = [
     'make_train_step',
     'next_token_loss_sum',
     'split_model',
+    'stack_layers',
     'state_shardings',
     'train',
+    'unstack_layers',
 ]

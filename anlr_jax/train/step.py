@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 BATCH_KEYS = ('input_ids', 'attention_mask', 'loss_mask')
@@ -62,6 +63,80 @@ def split_model(model: nnx.Module):
   return graphdef, nnx.to_pure_dict(lora), nnx.to_pure_dict(frozen), nnx.to_pure_dict(extra)
 
 
+STACKED = '*'  # key of a stacked layer list: 'model/layers/*/self_attn/q_proj' holds every layer's
+LORA_LAYOUTS = ('stacked', 'per-layer')
+
+
+def _is_layer_list(node) -> bool:
+  return (
+      isinstance(node, dict)
+      and len(node) >= 2
+      and all(isinstance(k, int) and not isinstance(k, bool) for k in node)
+      and sorted(node) == list(range(len(node)))
+  )
+
+
+def stack_layers(tree):
+  """Stacks every list of identically shaped layers (a dict keyed ``0 .. n-1``) on a new leading axis.
+
+  ``{'layers': {0: {'q': {'lora_a': (d, r)}}, 1: ...}}`` becomes ``{'layers': {'*': {'q': {'lora_a':
+  (n, d, r)}}}}``: the layout of ``nnx.scan`` models, in which each LoRA module of the optimizer
+  covers one projection of every layer (a leading batch axis, see ``METHOD.md``), so the optimizer
+  runs one set of kernels per projection instead of one per layer. Lists whose layers differ in
+  structure, shape or dtype are left as they are. :func:`unstack_layers` is the inverse.
+  """
+  if not isinstance(tree, dict):
+    return tree
+  children = {k: stack_layers(v) for k, v in tree.items()}
+  if _is_layer_list(children):
+    layers = [children[i] for i in range(len(children))]
+    kind = lambda t: (jax.tree.structure(t), [(x.shape, x.dtype) for x in jax.tree.leaves(t)])
+    if all(kind(t) == kind(layers[0]) for t in layers[1:]) and jax.tree.leaves(layers[0]):
+      return {STACKED: jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
+  return children
+
+
+def unstack_layers(tree):
+  """Inverse of :func:`stack_layers`: every ``'*'`` entry back into a dict of layers ``0 .. n-1``."""
+  if not isinstance(tree, dict):
+    return tree
+  if set(tree) == {STACKED}:
+    leaves, treedef = jax.tree.flatten(tree[STACKED])
+    n = leaves[0].shape[0]
+    # split (whose transpose is one concatenate) rather than n gathers / pads in the gradient
+    pieces = [[jnp.squeeze(p, 0) for p in jnp.split(x, n, axis=0)] for x in leaves]
+    return {i: unstack_layers(treedef.unflatten([p[i] for p in pieces])) for i in range(n)}
+  return {k: unstack_layers(v) for k, v in tree.items()}
+
+
+def stacked_shardings(stacked, shardings):
+  """Shardings of a :func:`stack_layers` tree from the per-layer tree's ``NamedSharding`` s: each
+  stacked leaf takes layer 0's sharding with an unsharded leading layer axis."""
+  if not isinstance(stacked, dict):
+    return shardings
+  if set(stacked) == {STACKED} and STACKED not in shardings:
+    inner = stacked_shardings(stacked[STACKED], shardings[0])
+    lead = lambda sh: NamedSharding(sh.mesh, P(None, *sh.spec))  # noqa: E731
+    return {STACKED: jax.tree.map(lead, inner)}
+  return {k: stacked_shardings(v, shardings[k]) for k, v in stacked.items()}
+
+
+def unstack_module_stats(stats: dict) -> dict:
+  """Per-module statistics of a stacked tree (``{'model/layers/*/q': (n, ..., r)}``, e.g. AnLR's
+  ``nu_bar``) under the per-layer names ``'model/layers/0/q'`` ... with one slice each."""
+  out = {}
+  for name, value in stats.items():
+    parts = name.split('/')
+    if STACKED not in parts:
+      out[name] = value
+      continue
+    j = parts.index(STACKED)
+    for i in range(value.shape[0]):
+      sliced = unstack_module_stats({'/'.join(parts[:j] + [str(i)] + parts[j + 1 :]): value[i]})
+      out.update(sliced)
+  return out
+
+
 def _cast_floats(tree, dtype):
   if dtype is None:
     return tree
@@ -79,6 +154,7 @@ def make_train_step(
     compute_dtype: Any = None,
     remat: str = 'none',
     batch_spec: P | None = None,
+    stacked_layers: bool = False,
 ) -> Callable[[TrainState, Any, dict], tuple[TrainState, dict]]:
   """Builds ``train_step(state, frozen, batch) -> (state, metrics)`` (not yet jitted).
 
@@ -90,6 +166,8 @@ def make_train_step(
     compute_dtype: dtype the LoRA params (and base params) are cast to for the forward pass.
     remat: ``'none'``, ``'full'`` or ``'dots'`` (save only matmul outputs) rematerialisation.
     batch_spec: ``PartitionSpec`` of a micro-batch's rows under the active mesh (None: no constraint).
+    stacked_layers: the state's LoRA params are in the :func:`stack_layers` layout (the optimizer
+      and its state see one stacked module per projection); they are unstacked for the model.
 
   Metrics (device scalars): ``loss``, ``grad_norm`` (before clipping), ``lr``, ``tokens``
   (non-padding tokens), ``loss_tokens`` (response tokens).
@@ -100,6 +178,8 @@ def make_train_step(
     raise ValueError(f'remat={remat!r} must be one of {sorted(REMAT_POLICIES)}')
 
   def loss_sum(lora, frozen, extra, batch):
+    if stacked_layers:
+      lora = unstack_layers(lora)
     model = nnx.merge(graphdef, _cast_floats(lora, compute_dtype), frozen, extra)
     logits = model(batch['input_ids'], attention_mask=batch['attention_mask'])
     total, count = next_token_loss_sum(logits, batch['input_ids'], batch['loss_mask'])

@@ -38,7 +38,19 @@ from anlr_jax.train.mesh import (
 )
 from anlr_jax.train.metrics import MetricsWriter
 from anlr_jax.train.schedule import linear_warmup_decay
-from anlr_jax.train.step import BATCH_KEYS, TrainState, init_train_state, make_train_step
+from anlr_jax.train.step import (
+    BATCH_KEYS,
+    LORA_LAYOUTS,
+    TrainState,
+    init_train_state,
+    make_train_step,
+    stack_layers,
+    stacked_shardings,
+    unstack_layers,
+    unstack_module_stats,
+)
+
+STAT_FIELDS = ('nu_bar', 'snr', 'multipliers', 'sensitivity')  # AnLRState's per-module dicts
 
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 
@@ -65,6 +77,10 @@ class TrainerConfig:
   compute_dtype: str = 'bfloat16'  # forward/backward dtype; LoRA params + opt state stay f32
   base_dtype: str | None = None  # storage dtype of the frozen base weights (None: as built)
   remat: str = 'none'  # 'none' | 'full' | 'dots'
+  # 'stacked': the LoRA params of identical layers are stacked per projection in the train state,
+  # so the optimizer runs one module per projection (fewer kernels, a smaller executable); the
+  # updates are the same as 'per-layer'. Diagnostics and the exported model are per layer either way.
+  lora_layout: str = 'stacked'  # LoRA params in the train state: 'stacked' | 'per-layer'
   run_dir: str | None = None
   ckpt_dir: str | None = None
   save_every: int = 0
@@ -98,6 +114,10 @@ class TrainerConfig:
     if self.optimizer not in ('auto', 'anlr', 'adamw'):
       raise ValueError(
           f"TrainerConfig.optimizer={self.optimizer!r} must be 'auto', 'anlr' or 'adamw'"
+      )
+    if self.lora_layout not in LORA_LAYOUTS:
+      raise ValueError(
+          f'TrainerConfig.lora_layout={self.lora_layout!r} must be one of {LORA_LAYOUTS}'
       )
     if self.learning_rate <= 0:
       raise ValueError(f'TrainerConfig.learning_rate={self.learning_rate} must be > 0')
@@ -181,9 +201,12 @@ class Trainer:
         nnx.to_pure_dict(frozen),
     )
     self.frozen = jax.device_put(frozen, self.frozen_shardings)
-    lora, extra = jax.device_put(
-        (nnx.to_pure_dict(lora), nnx.to_pure_dict(extra)), (lora_sh, extra_sh)
-    )
+    lora = nnx.to_pure_dict(lora)
+    self.stacked = config.lora_layout == 'stacked'
+    if self.stacked:
+      lora = stack_layers(lora)
+      lora_sh = stacked_shardings(lora, lora_sh)
+    lora, extra = jax.device_put((lora, nnx.to_pure_dict(extra)), (lora_sh, extra_sh))
 
     init_fn = lambda l, e: init_train_state(l, e, tx)  # noqa: E731
     self.state_shardings = matching_shardings(
@@ -201,6 +224,7 @@ class Trainer:
         compute_dtype=_DTYPES[config.compute_dtype],
         remat=config.remat,
         batch_spec=jax.sharding.PartitionSpec(BATCH_AXES),
+        stacked_layers=self.stacked,
     )
     self.step_traces = 0  # how many times the step was traced (= compiled); 1 in a healthy run
 
@@ -293,13 +317,21 @@ class Trainer:
       return None
 
     def with_magnitudes(opt_state, lora):
-      return {**anlr_optim.diagnostics(opt_state), 'magnitudes': anlr_optim.rank_magnitudes(lora)}
+      state = anlr_optim.find_anlr_state(opt_state)
+      if self.stacked:  # report per layer, as the per-layer layout does
+        lora = unstack_layers(lora)
+        state = state._replace(**{f: unstack_module_stats(getattr(state, f)) for f in STAT_FIELDS})
+      return {**anlr_optim.diagnostics(state), 'magnitudes': anlr_optim.rank_magnitudes(lora)}
 
     return jax.jit(with_magnitudes)
 
+  def lora_params(self):
+    """The current LoRA params as the model's pure dict (per layer, whatever ``lora_layout``)."""
+    return unstack_layers(self.state.lora) if self.stacked else self.state.lora
+
   def updated_model(self) -> nnx.Module:
     """Writes the current LoRA params and model state back into ``model`` and returns it."""
-    nnx.update(self.model, jax.device_get(self.state.lora), jax.device_get(self.state.extra))
+    nnx.update(self.model, jax.device_get(self.lora_params()), jax.device_get(self.state.extra))
     return self.model
 
   # -- stepping ---------------------------------------------------------------------------------
