@@ -30,6 +30,9 @@ import time
 TARGETS = ("q_proj", "k_proj", "v_proj", "up_proj", "down_proj")
 
 
+LORA_LAYOUTS = ("stacked", "per-layer")
+
+
 @dataclasses.dataclass
 class BenchConfig:
   """Model, batch and LoRA shapes shared by every framework in one benchmark run."""
@@ -47,6 +50,9 @@ class BenchConfig:
   dtype: str = "float32"
   remat: str = "none"  # JAX only: 'none' | 'full' | 'dots'
   threads: int = 0  # 0: every core (os.cpu_count())
+  # JAX only: LoRA params in the train state stacked per projection over the layers (the trainer's
+  # default, anlr_jax.train.stack_layers: one optimizer module per projection) or per layer
+  lora_layout: str = "stacked"
 
   def __post_init__(self):
     for name in ("hidden", "layers", "heads", "ffn", "vocab", "batch", "seq", "rank"):
@@ -54,6 +60,10 @@ class BenchConfig:
         raise ValueError(f"BenchConfig.{name}={getattr(self, name)} must be >= 1")
     if self.hidden % self.heads:
       raise ValueError(f"BenchConfig.heads={self.heads} must divide hidden={self.hidden}")
+    if self.lora_layout not in LORA_LAYOUTS:
+      raise ValueError(
+          f"BenchConfig.lora_layout={self.lora_layout!r} must be one of {LORA_LAYOUTS}"
+      )
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"BenchConfig.dtype={self.dtype!r} must be 'float32' or 'bfloat16'")
     bad = [
@@ -86,6 +96,8 @@ def add_config_flags(ap, defaults: BenchConfig | None = None):
     value = getattr(d, f.name)
     if f.name == "targets":
       ap.add_argument("--targets", default=",".join(value), help="comma-separated LoRA targets")
+    elif f.name == "lora_layout":
+      ap.add_argument("--lora_layout", choices=LORA_LAYOUTS, default=value, help="JAX LoRA layout")
     else:
       ap.add_argument(f"--{f.name}", type=type(value), default=value)
 

@@ -230,15 +230,18 @@ def _build_jax_steps(cfg: BenchConfig, attention: str, unbatched: bool = False):
   import optax
 
   import anlr_jax
-  from anlr_jax.train.step import init_train_state, make_train_step
+  from anlr_jax.train.step import init_train_state, make_train_step, stack_layers
 
   dtype = jnp.dtype(cfg.dtype)
   facts = {}
+  stacked = cfg.lora_layout == "stacked"
   t0 = time.perf_counter()
   graphdef, lora, frozen, extra = build_jax_lora_model(cfg, attention=attention, max_positions=4096)
   facts["init_s"] = time.perf_counter() - t0
   facts["lora_params"] = int(sum(x.size for x in jax.tree.leaves(lora)))
   facts["frozen_params"] = int(sum(x.size for x in jax.tree.leaves(frozen)))
+  if stacked:
+    lora = stack_layers(lora)
   compute_dtype = None if dtype == jnp.float32 else dtype
   batch = jax_batch(cfg)
 
@@ -257,7 +260,9 @@ def _build_jax_steps(cfg: BenchConfig, attention: str, unbatched: bool = False):
     )
   steps = {}
   for name, tx in builds:
-    train_step = make_train_step(graphdef, tx, compute_dtype=compute_dtype, remat=cfg.remat)
+    train_step = make_train_step(
+        graphdef, tx, compute_dtype=compute_dtype, remat=cfg.remat, stacked_layers=stacked
+    )
     state = init_train_state(*jax.tree.map(jnp.copy, (lora, extra)), tx)  # own buffers: donated
     t0 = time.perf_counter()
     compiled = jax.jit(train_step, donate_argnums=(0,)).lower(state, frozen, batch).compile()

@@ -10,6 +10,12 @@ the peak RSS of the timed steps (``VmHWM`` reset after warmup, as ``train_step.p
 
     python benchmarks/memory_phases.py                      # reference config
     python benchmarks/memory_phases.py --layers 2 --json out.json
+    python benchmarks/memory_phases.py --attribute          # + who holds the compiler's memory
+
+``--attribute`` (needs ``pip install memray``) also traces every native allocation made while the
+step compiles and reports the compiler's peak heap and, by component (HLO module, buffer
+assignment, thunks, YNNPACK runtimes, MLIR fusion compiler, LLVM), the heap still held once
+compilation has returned: what the compiled executable keeps.
 
 Linux + glibc only (``/proc/self``, ``mallinfo2``); on other systems the allocator columns are empty.
 """
@@ -82,26 +88,104 @@ def snapshot() -> dict:
   return {"rss": current_rss_mib(), **allocator_mib()}
 
 
-def worker(cfg: BenchConfig, optimizer: str, steps: int) -> dict:
+# Native allocations are charged to the first frame (innermost first) that matches a component.
+COMPONENTS = (
+    (
+        "buffer assignment",
+        (
+            "BufferAssign",
+            "HloDataflowAnalysis",
+            "HloAliasAnalysis",
+            "HloBuffer",
+            "HloValue",
+            "HloUse",
+        ),
+    ),
+    ("thunks", ("Thunk",)),
+    ("YNNPACK runtimes", ("ynn", "slinky")),
+    (
+        "HLO module",
+        (
+            "xla::Hlo",
+            "xla::OpMetadata",
+            "xla::Shape",
+            "xla::Layout",
+            "xla::Literal",
+            "xla::CallGraph",
+        ),
+    ),
+    ("MLIR fusion compiler", ("mlir::", "FusionCompiler")),
+    ("LLVM", ("llvm::",)),
+)
+
+
+def component(frames) -> str:
+  """The component an allocation's native stack (innermost frame first) belongs to."""
+  for name in frames:
+    for label, patterns in COMPONENTS:
+      if any(p in name for p in patterns):
+        return label
+  return "other"
+
+
+def traced_compile(lowered, path: str):
+  """Compiles under memray's native tracer; returns the executable and the heap figures (MiB)."""
+  try:
+    import memray
+  except ImportError as e:
+    raise SystemExit("--attribute needs memray: pip install memray") from e
+  if os.path.exists(path):
+    os.remove(path)
+  with memray.Tracker(path, native_traces=True):
+    compiled = lowered.compile()
+  reader = memray.FileReader(path)
+  held = {}
+  for record in reader.get_leaked_allocation_records(merge_threads=True):
+    label = component(frame[0] for frame in record.native_stack_trace())
+    held[label] = held.get(label, 0.0) + record.size / 2**20
+  os.remove(path)
+  return compiled, {
+      "compile_peak_heap": reader.metadata.peak_memory / 2**20,
+      "compile_allocations": reader.metadata.total_allocations,
+      "held_after_compile": held,
+  }
+
+
+def worker(
+    cfg: BenchConfig,
+    optimizer: str,
+    steps: int,
+    attribute: bool = False,
+    batch_modules: bool | None = None,
+) -> dict:
   import jax
   import optax
   from jax.experimental.serialize_executable import serialize
 
   import anlr_jax
-  from anlr_jax.train.step import init_train_state, make_train_step
+  from anlr_jax.train.step import init_train_state, make_train_step, stack_layers
 
   phases = {"start": snapshot()}
   graphdef, lora, frozen, extra = build_jax_lora_model(cfg)
   if optimizer == "adamw":
     tx = optax.adamw(1e-4, weight_decay=0.01)
   else:
-    tx = anlr_jax.anlr(1e-4, weight_decay=0.01, warmup_steps=0)
+    tx = anlr_jax.anlr(1e-4, weight_decay=0.01, warmup_steps=0, batch_modules=batch_modules)
   batch = jax_batch(cfg)
+  stacked = cfg.lora_layout == "stacked"
+  if stacked:
+    lora = stack_layers(lora)
   state = init_train_state(lora, extra, tx)
   phases["built"] = snapshot()
-  lowered = jax.jit(make_train_step(graphdef, tx), donate_argnums=(0,)).lower(state, frozen, batch)
+  lowered = jax.jit(
+      make_train_step(graphdef, tx, stacked_layers=stacked), donate_argnums=(0,)
+  ).lower(state, frozen, batch)
   phases["lowered"] = snapshot()
-  compiled = lowered.compile()
+  traced = {}
+  if attribute:
+    compiled, traced = traced_compile(lowered, f"/tmp/memory_phases_{os.getpid()}.bin")
+  else:
+    compiled = lowered.compile()
   del lowered
   phases["compiled"] = snapshot()
   for _ in range(2):
@@ -119,15 +203,24 @@ def worker(cfg: BenchConfig, optimizer: str, steps: int) -> dict:
       "xla_mib": xla_memory(compiled)["peak_bytes"] / 2**20,
       "serialized_mib": len(serialize(compiled)[0]) / 2**20,
       "hlo_lines": len(compiled.as_text().splitlines()),
+      **traced,
   }
 
 
-def run(cfg: BenchConfig, steps: int, timeout: float = 900.0) -> dict:
+def run(
+    cfg: BenchConfig,
+    steps: int,
+    timeout: float = 900.0,
+    attribute: bool = False,
+    batch_modules: bool | None = None,
+) -> dict:
   """Runs every optimizer's worker in its own process; returns ``{optimizer: worker result}``."""
   results = {}
   for optimizer in OPTIMIZERS:
     argv = [sys.executable, os.path.abspath(__file__), "--worker", optimizer]
     argv += ["--config-json", cfg.to_json(), "--steps", str(steps)]
+    argv += ["--attribute"] if attribute else []
+    argv += [] if batch_modules is None else ["--batch-modules", str(batch_modules).lower()]
     proc = subprocess.run(
         argv, env=thread_env(cfg.threads), capture_output=True, text=True, timeout=timeout
     )
@@ -143,7 +236,7 @@ def report(cfg: BenchConfig, results: dict) -> str:
   a, b = results["adamw"], results["anlr"]
   lines = [
       f"machine: {machine_line()}; {time.strftime('%Y-%m-%d %H:%M %Z')}",
-      f"config: hidden {cfg.hidden}, {cfg.layers} layers, batch {cfg.batch} x {cfg.seq}, LoRA r={cfg.rank}",
+      f"config: hidden {cfg.hidden}, {cfg.layers} layers, batch {cfg.batch} x {cfg.seq}, LoRA r={cfg.rank}, {cfg.lora_layout} LoRA layout",
       "MiB after each phase (freed heap returned to the OS first): RSS / live allocations / arena free",
       f"{'phase':<10} {'adamw':>24} {'anlr':>24} {'RSS anlr - adamw':>17}",
   ]
@@ -162,6 +255,20 @@ def report(cfg: BenchConfig, results: dict) -> str:
       ("hlo_lines", "optimised HLO lines"),
   ):
     lines.append(f"{label}: adamw {a[key]:.1f}, anlr {b[key]:.1f}, ratio {b[key] / a[key]:.4f}")
+  if "held_after_compile" in a:
+    lines.append("(with --attribute the RSS figures include memray's own tracking overhead)")
+    lines.append(
+        f"compiler peak heap (memray): adamw {a['compile_peak_heap']:.1f}, anlr "
+        f"{b['compile_peak_heap']:.1f} MiB; allocations {a['compile_allocations']} / "
+        f"{b['compile_allocations']}"
+    )
+    lines.append(f"{'heap held after compiling, MiB':<32} {'adamw':>8} {'anlr':>8} {'diff':>8}")
+    ha, hb = a["held_after_compile"], b["held_after_compile"]
+    for label in sorted(set(ha) | set(hb), key=lambda k: -(hb.get(k, 0) - ha.get(k, 0))):
+      x, y = ha.get(label, 0.0), hb.get(label, 0.0)
+      lines.append(f"{label:<32} {x:8.1f} {y:8.1f} {y - x:+8.1f}")
+    x, y = sum(ha.values()), sum(hb.values())
+    lines.append(f"{'total':<32} {x:8.1f} {y:8.1f} {y - x:+8.1f}")
   return "\n".join(lines)
 
 
@@ -170,19 +277,37 @@ def main(argv=None) -> dict:
   add_config_flags(ap)
   ap.add_argument("--steps", type=int, default=5, help="timed steps after the warmup")
   ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+  ap.add_argument(
+      "--attribute",
+      action="store_true",
+      help="trace the compiler's native allocations with memray (pip install memray)",
+  )
+  ap.add_argument(
+      "--batch-modules",
+      choices=("true", "false"),
+      default=None,
+      help="anlr(batch_modules=...): statistics stacked per group of same-shaped modules (true) or"
+      " module by module (false); default: the backend's default",
+  )
   ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--config-json", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
+  batch_modules = None if args.batch_modules is None else args.batch_modules == "true"
   if args.worker:
     if args.worker not in OPTIMIZERS:
       raise ValueError(f"--worker {args.worker!r} must be one of {OPTIMIZERS}")
     cfg = BenchConfig.from_json(args.config_json)
-    result = worker(cfg, args.worker, args.steps)
+    result = worker(cfg, args.worker, args.steps, args.attribute, batch_modules)
     sys.__stdout__.write("RESULT " + json.dumps(result) + "\n")
     sys.__stdout__.flush()
     return result
   cfg = config_from_args(args)
-  results = run(cfg, args.steps)
+  if args.attribute:
+    try:
+      import memray  # noqa: F401  (fail here, before the workers start)
+    except ImportError as e:
+      raise SystemExit("--attribute needs memray: pip install memray") from e
+  results = run(cfg, args.steps, attribute=args.attribute, batch_modules=batch_modules)
   text = report(cfg, results)
   print(text)
   out = {"config": json.loads(cfg.to_json()), "results": results, "report": text}

@@ -58,7 +58,7 @@ def build_jax_step(cfg: BenchConfig, optimizer: str):
   import optax
 
   import anlr_jax
-  from anlr_jax.train.step import init_train_state, make_train_step
+  from anlr_jax.train.step import init_train_state, make_train_step, stack_layers
 
   dtype = jnp.dtype(cfg.dtype)
   graphdef, lora, frozen, extra = build_jax_lora_model(cfg)
@@ -69,7 +69,12 @@ def build_jax_step(cfg: BenchConfig, optimizer: str):
   else:
     raise ValueError(f"optimizer={optimizer!r} must be 'adamw' or 'anlr'")
   compute_dtype = None if dtype == jnp.float32 else dtype
-  train_step = make_train_step(graphdef, tx, compute_dtype=compute_dtype, remat=cfg.remat)
+  stacked = cfg.lora_layout == "stacked"
+  if stacked:
+    lora = stack_layers(lora)
+  train_step = make_train_step(
+      graphdef, tx, compute_dtype=compute_dtype, remat=cfg.remat, stacked_layers=stacked
+  )
   batch = jax_batch(cfg)
   state = init_train_state(lora, extra, tx)
   jitted = jax.jit(train_step, donate_argnums=(0,))
@@ -246,7 +251,8 @@ def print_report(res: dict) -> None:
   print(
       f"config: LLaMA hidden {c['hidden']}, {c['layers']} layers, {c['heads']} heads, FFN {c['ffn']}, "
       f"vocab {c['vocab']}, batch {c['batch']} x {c['seq']} tokens, LoRA r={c['rank']} on "
-      f"{','.join(c['targets'])}, {c['dtype']}; median of {res['runs']} interleaved runs"
+      f"{','.join(c['targets'])}, {c['dtype']}, JAX LoRA layout {c.get('lora_layout', 'per-layer')}; "
+      f"median of {res['runs']} interleaved runs"
   )
   print(
       "memory: 'step RSS' = peak RSS (VmHWM) over the timed steps, reset after warmup; 'process RSS'"

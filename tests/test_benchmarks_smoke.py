@@ -179,7 +179,7 @@ def test_memory_phases_reports_every_phase_for_both_optimizers(tmp_path):
   from benchmarks import memory_phases
 
   out_json = tmp_path / "mem.json"
-  out = memory_phases.main(TINY + ["--steps", "1", "--json", str(out_json)])
+  out = memory_phases.main(TINY + ["--steps", "1", "--attribute", "--json", str(out_json)])
   for opt in memory_phases.OPTIMIZERS:
     r = out["results"][opt]
     assert set(r["phases"]) == set(memory_phases.PHASES)
@@ -190,3 +190,24 @@ def test_memory_phases_reports_every_phase_for_both_optimizers(tmp_path):
   assert (
       "step peak RSS" in out["report"] and json.loads(out_json.read_text())["config"]["rank"] == 4
   )
+  # --attribute: memray saw the compiler's heap; the executable keeps the HLO module it compiled,
+  # more of it for AnLR's larger HLO.
+  held = {opt: out["results"][opt]["held_after_compile"] for opt in memory_phases.OPTIMIZERS}
+  assert held["adamw"]["HLO module"] > 0
+  assert held["anlr"]["HLO module"] > held["adamw"]["HLO module"]
+  assert all(out["results"][o]["compile_peak_heap"] > sum(held[o].values()) for o in held)
+  assert "heap held after compiling" in out["report"]
+
+
+def test_memory_phases_charges_native_frames_to_components():
+  from benchmarks.memory_phases import component
+
+  assert component(["malloc", "xla::HloInstruction::HloInstruction(...)", "xla::Thunk"]) == (
+      "HLO module"
+  )
+  # innermost match wins; the buffer assignment is checked before the HLO classes it points to
+  assert component(["xla::HloDataflowAnalysis::NewHloValue(...)"]) == "buffer assignment"
+  assert component(["operator new", "ynn_runtime::build()", "xla::cpu::YnnFusionThunk::Run"]) == (
+      "YNNPACK runtimes"
+  )
+  assert component(["malloc", "PyObject_Malloc"]) == "other"
