@@ -63,6 +63,16 @@ def test_resume_is_bit_exact(tmp_path):
   assert second.step_traces == 1
 
 
+def test_resuming_in_the_other_lora_layout_names_the_setting(tmp_path):
+  first = _trainer(tmp_path / 'ckpt', lora_layout='per-layer')
+  first.train_step()
+  first.save()
+  first.checkpointer.wait()
+  with pytest.raises(ValueError, match=r"'per-layer' layout but trainer.lora_layout='stacked'"):
+    _trainer(tmp_path / 'ckpt', lora_layout='stacked')
+  assert _trainer(tmp_path / 'ckpt', lora_layout='per-layer').step == 1
+
+
 def _toy_trainer(ckpt_dir, steps, **overrides):
   cfg = dict(
       steps=steps,

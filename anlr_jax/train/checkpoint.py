@@ -173,6 +173,11 @@ class TrainCheckpointer:
     )
     return state, dict(restored['meta']), frozen
 
+  def read_meta(self, step: int) -> dict:
+    """The ``meta`` item of checkpoint ``step`` alone (no array is read)."""
+    restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    return dict(restored['meta'])
+
   def wait(self) -> None:
     self.manager.wait_until_finished()
 

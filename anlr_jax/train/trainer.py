@@ -298,6 +298,15 @@ class Trainer:
       frozen_target = jax.tree.map(
           lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.frozen
       )
+    step = self.checkpointer.latest_step() if step is None else step
+    if step is not None:
+      saved = self.checkpointer.read_meta(step).get('config', {}).get('lora_layout', 'per-layer')
+      if saved != self.config.lora_layout:
+        raise ValueError(
+            f'checkpoint {step} in {self.config.ckpt_dir} holds LoRA params in the {saved!r} '
+            f'layout but trainer.lora_layout={self.config.lora_layout!r}: set '
+            f'trainer.lora_layout: {saved} to resume it'
+        )
     state, meta, frozen = self.checkpointer.restore(
         step, self.abstract_state(), frozen_target, key_source=self.state
     )
