@@ -63,7 +63,8 @@ def split_model(model: nnx.Module):
   return graphdef, nnx.to_pure_dict(lora), nnx.to_pure_dict(frozen), nnx.to_pure_dict(extra)
 
 
-STACKED = '*'  # key of a stacked layer list: 'model/layers/*/self_attn/q_proj' holds every layer's
+# Key of a stacked layer list: 'model/layers/*/self_attn/q_proj' holds q_proj of every layer.
+STACKED = '*'
 LORA_LAYOUTS = ('stacked', 'per-layer')
 
 
