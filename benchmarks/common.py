@@ -170,22 +170,18 @@ def current_rss_mib() -> float:
 
 
 # --------------------------------------------------------------------------------------------------
-# The JAX side of the shared config
+# The benchmark model, as both frameworks build it
 
 
-def build_jax_lora_model(cfg: BenchConfig, *, attention: str = "einsum", max_positions: int = 2048):
-  """``(graphdef, lora, frozen, extra)``: the benchmark LLaMA (random weights, seed 0) with LoRA
-  (seed 1, no dropout) on ``cfg.targets``, split as :func:`anlr_jax.train.step.split_model` does."""
+def model_config(cfg: BenchConfig, *, attention: str = "einsum", max_positions: int = 2048):
+  """The benchmark LLaMA as an ``anlr_jax`` ``ModelConfig``; the PyTorch side is built from its
+  ``to_hf_config()``, so both frameworks run the same architecture."""
   import jax.numpy as jnp
-  from flax import nnx
 
   from anlr_jax.models.config import ModelConfig
-  from anlr_jax.models.llama import LlamaForCausalLM
-  from anlr_jax.nn import inject_lora
-  from anlr_jax.train.step import split_model
 
   dtype = jnp.dtype(cfg.dtype)
-  config = ModelConfig(
+  return ModelConfig(
       vocab_size=cfg.vocab,
       hidden_size=cfg.hidden,
       intermediate_size=cfg.ffn,
@@ -197,6 +193,18 @@ def build_jax_lora_model(cfg: BenchConfig, *, attention: str = "einsum", max_pos
       param_dtype=dtype,
       attention_impl=attention,
   )
+
+
+def build_jax_lora_model(cfg: BenchConfig, *, attention: str = "einsum", max_positions: int = 2048):
+  """``(graphdef, lora, frozen, extra)``: the benchmark LLaMA (random weights, seed 0) with LoRA
+  (seed 1, no dropout) on ``cfg.targets``, split as :func:`anlr_jax.train.step.split_model` does."""
+  from flax import nnx
+
+  from anlr_jax.models.llama import LlamaForCausalLM
+  from anlr_jax.nn import inject_lora
+  from anlr_jax.train.step import split_model
+
+  config = model_config(cfg, attention=attention, max_positions=max_positions)
   model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
   inject_lora(
       model,
@@ -233,16 +241,7 @@ def build_peft_model(cfg: BenchConfig, *, device=None, max_positions: int = 2048
 
   torch.manual_seed(0)
   hf_config = transformers.LlamaConfig(
-      vocab_size=cfg.vocab,
-      hidden_size=cfg.hidden,
-      intermediate_size=cfg.ffn,
-      num_hidden_layers=cfg.layers,
-      num_attention_heads=cfg.heads,
-      num_key_value_heads=cfg.heads,
-      max_position_embeddings=max(max_positions, cfg.seq),
-      rms_norm_eps=1e-6,
-      tie_word_embeddings=False,
-      use_cache=False,
+      **model_config(cfg, max_positions=max_positions).to_hf_config(), use_cache=False
   )
   default = torch.get_default_dtype()
   torch.set_default_dtype(getattr(torch, cfg.dtype))
