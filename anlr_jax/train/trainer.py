@@ -50,8 +50,6 @@ from anlr_jax.train.step import (
     unstack_module_stats,
 )
 
-STAT_FIELDS = ('nu_bar', 'snr', 'multipliers', 'sensitivity')  # AnLRState's per-module dicts
-
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 
 
@@ -329,7 +327,8 @@ class Trainer:
       state = anlr_optim.find_anlr_state(opt_state)
       if self.stacked:  # report per layer, as the per-layer layout does
         lora = unstack_layers(lora)
-        state = state._replace(**{f: unstack_module_stats(getattr(state, f)) for f in STAT_FIELDS})
+        per_module = {f: v for f, v in state._asdict().items() if isinstance(v, dict)}
+        state = state._replace(**{f: unstack_module_stats(v) for f, v in per_module.items()})
       return {**anlr_optim.diagnostics(state), 'magnitudes': anlr_optim.rank_magnitudes(lora)}
 
     return jax.jit(with_magnitudes)
