@@ -54,7 +54,9 @@ def test_only_lists_of_identical_layers_are_stacked():
   chex.assert_trees_all_equal(unstack_layers(out), tree)
 
 
-@pytest.mark.parametrize('optimizer', ['adamw', 'anlr'])
+# 'anlr-batched' is the accelerator default (batch_modules=True): same-shaped modules (here q, k, v)
+# stacked once more, over a leading layer axis in the stacked layout.
+@pytest.mark.parametrize('optimizer', ['adamw', 'anlr', 'anlr-batched'])
 def test_stacked_step_equals_the_per_layer_step(optimizer):
   graphdef, lora, frozen, extra = build_jax_lora_model(CFG)
   batch = jax_batch(CFG)
@@ -63,7 +65,8 @@ def test_stacked_step_equals_the_per_layer_step(optimizer):
     if optimizer == 'adamw':
       tx = optax.adamw(1e-2, weight_decay=0.01)
     else:
-      tx = anlr_jax.anlr(1e-2, weight_decay=0.01, warmup_steps=0)
+      batch_modules = optimizer == 'anlr-batched'
+      tx = anlr_jax.anlr(1e-2, weight_decay=0.01, warmup_steps=0, batch_modules=batch_modules)
     state = init_train_state(stack_layers(lora) if stacked else lora, extra, tx)
     step = jax.jit(make_train_step(graphdef, tx, stacked_layers=stacked))
     for _ in range(3):
@@ -73,7 +76,7 @@ def test_stacked_step_equals_the_per_layer_step(optimizer):
   np.testing.assert_allclose(m_stacked['loss'], m_layered['loss'], rtol=1e-6)
   np.testing.assert_allclose(m_stacked['grad_norm'], m_layered['grad_norm'], rtol=1e-5)
   chex.assert_trees_all_close(unstack_layers(stacked.lora), layered.lora, rtol=1e-5, atol=1e-7)
-  if optimizer == 'anlr':
+  if optimizer != 'adamw':
     s_layered = anlr_jax.find_anlr_state(layered.opt_state).multipliers
     s_stacked = anlr_jax.find_anlr_state(stacked.opt_state).multipliers
     assert len(s_layered) == 5 * CFG.layers and len(s_stacked) == 5
