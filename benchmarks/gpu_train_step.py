@@ -223,8 +223,14 @@ def kernel_kind_diff(base: dict, other: dict, top: int = 15) -> list[tuple[str, 
   return sorted(diff, key=lambda d: (-abs(d[1]), d[0]))[:top]
 
 
-def _build_jax_steps(cfg: BenchConfig, attention: str, unbatched: bool = False):
-  """``(steps, frozen, batch, facts)``: the compiled AdamW and AnLR steps over one frozen model."""
+def _build_jax_steps(
+    cfg: BenchConfig, attention: str, unbatched: bool = False, batch_modules: bool | None = None
+):
+  """``(steps, frozen, batch, facts)``: the compiled AdamW and AnLR steps over one frozen model.
+
+  ``batch_modules`` is passed to the ``jax-anlr`` build (``None``: the backend's default, batched on
+  accelerators; ``True`` on the CPU reproduces the accelerator's graph there, to count its kernels).
+  """
   import jax
   import jax.numpy as jnp
   import optax
@@ -247,7 +253,15 @@ def _build_jax_steps(cfg: BenchConfig, attention: str, unbatched: bool = False):
 
   builds = [
       ("jax-adamw", optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)),
-      ("jax-anlr", anlr_jax.anlr(LEARNING_RATE, weight_decay=WEIGHT_DECAY, warmup_steps=0)),
+      (
+          "jax-anlr",
+          anlr_jax.anlr(
+              LEARNING_RATE,
+              weight_decay=WEIGHT_DECAY,
+              warmup_steps=0,
+              batch_modules=batch_modules,
+          ),
+      ),
   ]
   if unbatched:
     builds.append(
@@ -295,6 +309,7 @@ def jax_worker(
     unbatched=False,
     windows=(1,),
     profile=False,
+    batch_modules: bool | None = None,
 ) -> dict:
   import flax
   import jax
@@ -307,6 +322,7 @@ def jax_worker(
       "backend": jax.default_backend(),
       "versions": dict(jax=jax.__version__, flax=flax.__version__, optax=optax.__version__),
       "attention": attention,
+      "batch_modules": batch_modules,
   }
   # Matmul ceiling measured here, on random data (not zeros), bf16, median of 10.
   n = 8192 if out["backend"] != "cpu" else 1024
@@ -324,7 +340,7 @@ def jax_worker(
 
   built = None
   try:
-    built = _build_jax_steps(cfg, attention, unbatched)
+    built = _build_jax_steps(cfg, attention, unbatched, batch_modules)
   except Exception as e:  # cuDNN's fused attention refuses some shape/dtype/version combinations
     if attention != "cudnn":
       raise
@@ -336,7 +352,7 @@ def jax_worker(
     out["attention_error"] = f"{type(e).__name__}: {str(e)[:500]}"
   if built is None:  # outside the except block, so the failed attempt's arrays are freed
     out["attention"] = attention = "xla"
-    built = _build_jax_steps(cfg, attention, unbatched)
+    built = _build_jax_steps(cfg, attention, unbatched, batch_modules)
   steps, frozen, batch, facts = built
   out.update(facts)
 
@@ -619,6 +635,13 @@ def main(argv=None):
       help="also time anlr(batch_modules=False) (per-module statistics)",
   )
   ap.add_argument(
+      "--batch_modules",
+      default="auto",
+      choices=("auto", "true", "false"),
+      help="jax-anlr: anlr(batch_modules=...); auto: the backend's default (batched on GPU/TPU). "
+      "'true' on the CPU builds the accelerator's graph, e.g. to count its kernels with --profile",
+  )
+  ap.add_argument(
       "--profile",
       action="store_true",
       help="JAX: trace 3 steps of each build and summarise device ops per step",
@@ -642,8 +665,16 @@ def main(argv=None):
   if args.worker:
     if args.worker == "jax":
       windows = tuple(int(w) for w in args.windows.split(",") if w)
+      batch_modules = {"auto": None, "true": True, "false": False}[args.batch_modules]
       result = jax_worker(
-          cfg, args.attention, args.runs, args.warmup, args.unbatched, windows, args.profile
+          cfg,
+          args.attention,
+          args.runs,
+          args.warmup,
+          args.unbatched,
+          windows,
+          args.profile,
+          batch_modules,
       )
     else:
       result = torch_worker(cfg, args.worker == "torch-compile", args.runs, args.warmup)

@@ -141,7 +141,9 @@ def test_gpu_train_step_runs_on_cpu_and_reports_consistent_figures(tmp_path, cap
   out_json = tmp_path / "gpu.json"
   args = TINY + ["--dtype", "float32", "--attention", "xla", "--runs", "2", "--warmup", "1"]
   summary = gpu_train_step.main(
-      args + ["--frameworks", "jax,torch", "--windows", "1,2", "--json", str(out_json), "--profile"]
+      args
+      + ["--frameworks", "jax,torch", "--windows", "1,2", "--json", str(out_json), "--profile"]
+      + ["--batch_modules", "true"]  # the accelerator's AnLR graph, built on the CPU
   )
   jax_part, torch_part = summary["results"]["jax"], summary["results"]["torch"]
   assert "error" not in jax_part and "error" not in torch_part, summary["report"]
@@ -150,6 +152,7 @@ def test_gpu_train_step_runs_on_cpu_and_reports_consistent_figures(tmp_path, cap
     assert len(r["step_ms"]) == 2 and all(x > 0 for x in r["step_ms"])
     assert r["tokens_per_s"] == pytest.approx(2 * 16 / (r["median_ms"] / 1e3))
   assert set(a["step_ms_by_window"]) == {"1", "2"}
+  assert jax_part["batch_modules"] is True
   assert jax_part["lora_params"] == t["lora_params"] == 2 * 4 * (3 * 128 + 192 + 192)
   printed = capsys.readouterr().out
   match = re.search(r"AnLR / AdamW: step time ([0-9.]+)", printed)
