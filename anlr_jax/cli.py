@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pathlib
 import sys
 import time
@@ -230,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
   """Entry point of ``anlr``; returns the exit status."""
+  # transformers is used here for tokenizers and configs only; without torch installed it would
+  # open every command with an advisory that "models won't be available".
+  os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
   argv = list(sys.argv[1:] if argv is None else argv)
   if argv and argv[0] in ("analyze", "sweep"):  # their own parsers see the raw arguments
     try:

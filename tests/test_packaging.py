@@ -1,0 +1,61 @@
+"""Every third-party package the library imports is a declared dependency in ``pyproject.toml``.
+
+A fresh ``pip install -e .`` installs only what is declared; a module imported by ``anlr_jax`` but
+installed here for another reason (a test extra, a tool) would work on this machine and fail for a
+newcomer (``grain`` once did).
+"""
+
+import ast
+import importlib.metadata
+import pathlib
+import re
+import sys
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _imported_top_level_modules(package: pathlib.Path) -> dict[str, str]:
+  """``{top-level module: first file importing it}`` over every import statement in ``package``,
+  function-local imports included."""
+  found = {}
+  for path in sorted(package.rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+      if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        names = [node.module]
+      else:
+        continue
+      for name in names:
+        found.setdefault(name.split(".")[0], str(path.relative_to(ROOT)))
+  return found
+
+
+def _normalise(dist: str) -> str:
+  return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+def test_every_imported_third_party_package_is_a_declared_dependency():
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  declared = {_normalise(re.split(r"[<>=!~;\[ ]", d, 1)[0]) for d in project["dependencies"]}
+  # what the declared dependencies themselves require is installed with them
+  required = set(declared)
+  for dist in declared:
+    for req in importlib.metadata.requires(dist) or []:
+      if "extra ==" not in req:
+        required.add(_normalise(re.split(r"[<>=!~;\[ (]", req, 1)[0]))
+  providers = importlib.metadata.packages_distributions()
+  stdlib = set(sys.stdlib_module_names)
+  missing = {}
+  for module, where in _imported_top_level_modules(ROOT / "anlr_jax").items():
+    if module in stdlib or module == "anlr_jax":
+      continue
+    dists = {_normalise(d) for d in providers.get(module, [])}
+    assert dists, f"{module} (imported in {where}) is not installed here at all"
+    if not dists & required:
+      missing[module] = (where, sorted(dists))
+  assert not missing, f"imported by anlr_jax but not declared in pyproject.toml: {missing}"
