@@ -34,18 +34,19 @@ inject_lora(model, rank=8, alpha=16.0, dropout=0.0, rngs=nnx.Rngs(0))  # paper t
 data = make_source(
     root / assets.TRAIN_FILE, tokenizer, max_length=128, global_batch=16, seed=0, pad_multiple=16
 )
+warmup = min(30, args.steps // 10)  # 10 % of the updates, as the quickstart config (30 of 300)
 config = TrainerConfig(
     steps=args.steps,
     global_batch=16,
     learning_rate=2e-3,
-    warmup_steps=30,
+    warmup_steps=warmup,
     compute_dtype="float32",
     log_every=25,
     progress=True,
 )
 schedule = linear_warmup_decay(config.learning_rate, args.steps, config.warmup_steps)
 inner = (
-    anlr_jax.anlr(schedule, weight_decay=0.0, warmup_steps=30)
+    anlr_jax.anlr(schedule, weight_decay=0.0, warmup_steps=warmup)
     if args.method == "anlr"
     else optax.adamw(schedule, weight_decay=0.0)
 )
