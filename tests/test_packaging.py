@@ -10,10 +10,7 @@ import importlib.metadata
 import pathlib
 import re
 import sys
-
-import pytest
-
-tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -59,3 +56,17 @@ def test_every_imported_third_party_package_is_a_declared_dependency():
     if not dists & required:
       missing[module] = (where, sorted(dists))
   assert not missing, f"imported by anlr_jax but not declared in pyproject.toml: {missing}"
+
+
+def test_the_oldest_python_allowed_is_one_every_dependency_installs_on():
+  from packaging.specifiers import SpecifierSet
+
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  oldest = re.fullmatch(r">=\s*(3\.\d+)", project["requires-python"]).group(1)
+  refuse = {}
+  for dep in project["dependencies"]:
+    dist = re.split(r"[<>=!~;\[ ]", dep, 1)[0]
+    needs = importlib.metadata.metadata(dist).get("Requires-Python")
+    if needs and not SpecifierSet(needs).contains(oldest):
+      refuse[dist] = needs
+  assert not refuse, f"requires-python >={oldest}, but these need: {refuse}"
