@@ -62,7 +62,11 @@ def _require_path(value: str | None, key: str, *, kind: str = "path") -> str:
   if not path:
     raise ValueError(f"{key} is not set: give it in the config or as {key}=<{kind}>")
   if not os.path.exists(path):
-    raise FileNotFoundError(f"{key}: {path} does not exist")
+    where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
+    raise FileNotFoundError(
+        f"{key}: {path} does not exist{where}; nothing is downloaded here: configs/README.md says"
+        f" where to get the paper's models and data sets, or set {key}=<local {kind}>"
+    )
   return path
 
 
