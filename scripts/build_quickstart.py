@@ -482,7 +482,7 @@ def _lora_step(model, optimizer, ids, mask):
 def test_accuracy(model, tokenizer, test_path: pathlib.Path) -> float:
   """Greedy-generation accuracy on ``test.json`` scored as ``assets.QUICKSTART_TASK``."""
   from anlr_jax.evals import default_prompt, evaluate, load_eval_examples
-  from anlr_jax.models.generate import generate
+  from anlr_jax.models.generation import generate
 
   examples = load_eval_examples(test_path)
   width = max(len(tokenizer(default_prompt(e)).input_ids) for e in examples) + 1

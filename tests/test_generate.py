@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from anlr_jax.models.generate import TRACE_COUNTS, _decode_step, _filter_logits, generate
+from anlr_jax.models.generation import TRACE_COUNTS, _decode_step, _filter_logits, generate
 from anlr_jax.models.hf_io import load_hf_model
 from tests.test_models_llama import left_padded_batch, make_hf_model
 
