@@ -573,7 +573,8 @@ def plot(json_path: str, out_png: str) -> str:
 
   with open(json_path) as f:
     data = json.load(f)
-  cfg = BenchConfig(**data["config"])
+  # results written before the lora_layout field existed were per-layer
+  cfg = BenchConfig(**{"lora_layout": "per-layer", **data["config"]})
   fl = data["flops_per_token"]["lora_step"]
   rows = []
   for part in data["results"].values():
