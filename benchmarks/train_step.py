@@ -169,29 +169,38 @@ def start_workers(names, cfg: BenchConfig, warmup: int, script: str = __file__):
   return workers, failed
 
 
-def run_interleaved(workers: dict, runs: int, pause_s: float = 0.1, seed: int = 0) -> None:
-  """``runs`` rounds of one step per worker, each round in a fresh random order (seeded).
+def run_interleaved(
+    workers: dict, runs: int, settle: int = 0, pause_s: float = 0.1, seed: int = 0
+) -> None:
+  """``settle`` untimed and then ``runs`` timed rounds of one step per worker, each round in a fresh
+  random order (seeded).
 
   A step can be slowed by the worker that ran just before it (its idle threads still spinning on
   the same cores); shuffling the order makes every framework follow every other about equally often,
   and ``pause_s`` between steps lets the previous worker settle. Step times are measured inside the
-  workers, so neither enters them.
+  workers, so neither enters them. The workers warm up one after the other, and the first rounds
+  after that run slow for every framework (1.5-3x in the first round on the 2-core CPU); the
+  ``settle`` rounds absorb that and are kept apart in each worker's ``settle_ms``.
   """
   rng = random.Random(seed)
   order = list(workers.values())
-  for _ in range(runs):
+  for i in range(settle + runs):
+    if i == settle:
+      for w in order:
+        w.settle_ms, w.times_ms = w.times_ms, []
     rng.shuffle(order)
     for w in order:
       time.sleep(pause_s)
       w.step()
 
 
-def summarise(cfg: BenchConfig, workers: dict, failed: dict, runs: int) -> dict:
+def summarise(cfg: BenchConfig, workers: dict, failed: dict, runs: int, settle: int = 0) -> dict:
   res = dict(
       config=json.loads(cfg.to_json()),
       machine=machine_line(),
       date=time.strftime("%Y-%m-%d %H:%M %Z"),
       runs=runs,
+      settle=settle,
       failed=failed,
       frameworks={},
   )
@@ -203,6 +212,7 @@ def summarise(cfg: BenchConfig, workers: dict, failed: dict, runs: int) -> dict:
         tokens_per_s=cfg.tokens / (med / 1e3),
         min_ms=min(w.times_ms),
         times_ms=w.times_ms,
+        settle_ms=getattr(w, "settle_ms", []),
     )
   return res
 
@@ -252,7 +262,7 @@ def print_report(res: dict) -> None:
       f"config: LLaMA hidden {c['hidden']}, {c['layers']} layers, {c['heads']} heads, FFN {c['ffn']}, "
       f"vocab {c['vocab']}, batch {c['batch']} x {c['seq']} tokens, LoRA r={c['rank']} on "
       f"{','.join(c['targets'])}, {c['dtype']}, JAX LoRA layout {c.get('lora_layout', 'per-layer')}; "
-      f"median of {res['runs']} interleaved runs"
+      f"median of {res['runs']} interleaved runs after {res.get('settle', 0)} untimed ones"
   )
   print(
       "memory: 'step RSS' = peak RSS (VmHWM) over the timed steps, reset after warmup; 'process RSS'"
@@ -282,6 +292,12 @@ def main(argv=None):
   ap.add_argument("--frameworks", default=",".join(FRAMEWORKS))
   ap.add_argument("--runs", type=int, default=15, help="interleaved timed steps per framework")
   ap.add_argument("--warmup", type=int, default=3, help="untimed steps per worker (incl. compile)")
+  ap.add_argument(
+      "--settle",
+      type=int,
+      default=5,
+      help="untimed interleaved rounds after the warmup, before the timed ones",
+  )
   ap.add_argument("--json", help="also write the results to this JSON file")
   ap.add_argument("--worker", help=argparse.SUPPRESS)
   ap.add_argument("--config-json", help=argparse.SUPPRESS)
@@ -295,15 +311,17 @@ def main(argv=None):
     raise ValueError(f"--frameworks has unknown names {unknown}; choose from {FRAMEWORKS}")
   if args.runs < 1:
     raise ValueError(f"--runs={args.runs} must be >= 1")
+  if args.settle < 0:
+    raise ValueError(f"--settle={args.settle} must be >= 0")
   workers, failed = start_workers(names, cfg, args.warmup)
   try:
-    run_interleaved(workers, args.runs)
+    run_interleaved(workers, args.runs, args.settle)
     for w in workers.values():
       w.finish()
   finally:
     for w in workers.values():
       w.kill()
-  res = summarise(cfg, workers, failed, args.runs)
+  res = summarise(cfg, workers, failed, args.runs, args.settle)
   print_report(res)
   if args.json:
     with open(args.json, "w") as f:

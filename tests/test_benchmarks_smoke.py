@@ -44,6 +44,8 @@ def test_train_step_runs_every_framework_and_prints_ratios(tmp_path, capsys):
           "2",
           "--warmup",
           "1",
+          "--settle",
+          "1",
           "--json",
           str(out_json),
       ]
@@ -52,6 +54,7 @@ def test_train_step_runs_every_framework_and_prints_ratios(tmp_path, capsys):
   assert set(res["frameworks"]) == {"jax-adamw", "jax-anlr", "torch-eager"}, res["failed"]
   for name, fw in res["frameworks"].items():
     assert len(fw["times_ms"]) == 2 and all(t > 0 for t in fw["times_ms"]), name
+    assert len(fw["settle_ms"]) == 1, name  # the untimed round is kept apart
     assert fw["tokens_per_s"] == pytest.approx(2 * 16 / (fw["median_ms"] / 1e3)), name
     assert fw["steady_peak_rss_mib"] > 0 and fw["peak_rss_mib"] >= fw["steady_peak_rss_mib"] - 1
   # Same LoRA parameter count in JAX and PEFT: 2 layers x (q,k,v: 64+64, up: 64+128, down: 128+64) x 4.
