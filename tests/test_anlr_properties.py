@@ -267,3 +267,27 @@ def test_rank_mismatch_names_module():
   orphan = {"layers": {"k_proj": {"lora_a": jnp.ones((6, 4))}}}
   with pytest.raises(ValueError, match="layers/k_proj"):
     anlr_jax.anlr(1e-3).init(orphan)
+
+
+def test_init_on_concrete_params_compiles_nothing_beyond_adamw_init():
+  # Eager ``tx.init`` (e.g. ``nnx.Optimizer``): the per-rank state is made on the host and placed
+  # like its parameter, not by XLA programs compiled for each shape (which stay in the process).
+  compiles = []
+
+  def listener(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(event)
+
+  params = {
+      "q": {"lora_a": jnp.ones((37, 5)), "lora_b": jnp.ones((5, 41))}
+  }  # shapes used nowhere else
+  optax.adamw(1e-3).init(params)  # Adam's moments: compiled here, reused below
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    state = anlr_jax.anlr(1e-3).init(params)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert compiles == []
+  st = anlr_jax.find_anlr_state(state)
+  np.testing.assert_array_equal(st.multipliers["q"], np.ones(5, np.float32))
+  np.testing.assert_array_equal(st.nu_bar["q"], np.zeros(5, np.float32))

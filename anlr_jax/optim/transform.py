@@ -85,10 +85,35 @@ def _unwrap(x):
   return x.get_value() if hasattr(x, "get_value") else x
 
 
-def _per_rank_zeros(leaf, feature_axis):
-  # Reduce a zeros_like of the parameter so the state's placement follows the parameter's.
+def _reduced_sharding(x, axis: int):
+  """The sharding of ``x`` with ``axis`` removed, for a concrete ``x`` whose sharding allows it
+  (one device, or a ``NamedSharding``); None otherwise (traced values, other shardings)."""
+  if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+    return None
+  sharding = x.sharding
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    return sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    kept = spec[:axis] + spec[axis + 1 :]
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*kept))
+  return None
+
+
+def _per_rank_filled(leaf, feature_axis, value: float):
+  """A per-rank array (``leaf``'s shape without its feature axis) filled with ``value``, placed
+  like ``leaf``: from the host for a concrete ``leaf`` (no XLA program compiled or run for it, as
+  eager ``jnp`` ops would), else reduced from ``leaf`` inside the trace (XLA folds it)."""
   x = _unwrap(leaf)
-  return jnp.sum(jnp.zeros_like(x, dtype=rank_stats.stat_dtype(x)), axis=feature_axis)
+  dtype = rank_stats.stat_dtype(x)
+  axis = feature_axis % x.ndim
+  sharding = _reduced_sharding(x, axis)
+  if sharding is None:
+    return jnp.sum(jnp.zeros_like(x, dtype=dtype), axis=axis) + jnp.asarray(value, dtype)
+  shape = x.shape[:axis] + x.shape[axis + 1 :]
+  # an uncommitted parameter (default device) gives uncommitted state, as jnp ops would: a jitted
+  # update then sees the same argument placement on every call and compiles once
+  return jax.device_put(np.full(shape, value, dtype), sharding if x.committed else None)
 
 
 def scale_by_anlr(
@@ -210,13 +235,17 @@ def _anlr_transform(
     modules = find_lora_modules(params, lora_dims)
     _check_unique(modules)
     leaves = jax.tree.leaves(params)
-    zeros = {m.name: _per_rank_zeros(leaves[m.a_index], m.a_feature_axis) for m in modules}
+
+    def per_rank(value):
+      return {m.name: _per_rank_filled(leaves[m.a_index], m.a_feature_axis, value) for m in modules}
+
+    zeros = per_rank(0.0)
     return AnLRState(
         count=jnp.zeros([], jnp.int32),
         inner_state=inner_init(params),
         nu_bar=zeros,
         snr=dict(zeros),
-        multipliers={k: jnp.ones_like(v) for k, v in zeros.items()},
+        multipliers=per_rank(1.0),
         sensitivity=dict(zeros) if signal == "sensitivity" else {},
     )
 
