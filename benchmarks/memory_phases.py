@@ -11,6 +11,11 @@ the peak RSS of the timed steps (``VmHWM`` reset after warmup, as ``train_step.p
     python benchmarks/memory_phases.py                      # reference config
     python benchmarks/memory_phases.py --layers 2 --json out.json
     python benchmarks/memory_phases.py --attribute          # + who holds the compiler's memory
+    python benchmarks/memory_phases.py --repeats 7          # ratios over 7 rounds, + an A/A control
+
+``--repeats N`` runs N rounds of fresh processes, each round AdamW, AnLR and a second AdamW process
+(the control: two identical processes, whose ratio shows how far RSS differs between runs of the
+same thing), in a rotating order, and prints the median and range of every ratio over the rounds.
 
 ``--attribute`` (needs ``pip install memray``) also traces every native allocation made while the
 step compiles and reports the compiler's peak heap and, by component (HLO module, buffer
@@ -27,6 +32,7 @@ import ctypes
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -50,6 +56,7 @@ from benchmarks.common import (
 )
 
 OPTIMIZERS = ("adamw", "anlr")
+CONTROL = "adamw-control"  # a second, identical AdamW process (--repeats)
 PHASES = ("start", "built", "lowered", "compiled", "warmup", "steps")
 
 
@@ -213,10 +220,13 @@ def run(
     timeout: float = 900.0,
     attribute: bool = False,
     batch_modules: bool | None = None,
+    names: tuple[str, ...] = OPTIMIZERS,
 ) -> dict:
-  """Runs every optimizer's worker in its own process; returns ``{optimizer: worker result}``."""
+  """Runs each of ``names`` (optimizers, or :data:`CONTROL`: AdamW again) in its own process, in
+  that order; returns ``{name: worker result}``."""
   results = {}
-  for optimizer in OPTIMIZERS:
+  for name in names:
+    optimizer = "adamw" if name == CONTROL else name
     argv = [sys.executable, os.path.abspath(__file__), "--worker", optimizer]
     argv += ["--config-json", cfg.to_json(), "--steps", str(steps)]
     argv += ["--attribute"] if attribute else []
@@ -228,8 +238,54 @@ def run(
     if proc.returncode != 0 or not lines:
       tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
       raise RuntimeError(f"memory_phases worker {optimizer!r} failed ({proc.returncode}): {tail}")
-    results[optimizer] = json.loads(lines[-1][len("RESULT ") :])
+    results[name] = json.loads(lines[-1][len("RESULT ") :])
   return results
+
+
+def repeated_summary(rounds: list[dict]) -> tuple[str, dict]:
+  """Median and range over ``rounds`` (``run(...)`` results with the control) of AnLR / AdamW and
+  control / AdamW: step peak RSS ratio, and RSS and live-heap differences after the timed steps."""
+
+  def stats(values):
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+  table = {}
+  for other in ("anlr", CONTROL):
+    table[other] = {
+        "step_peak_rss_ratio": stats(
+            [r[other]["step_peak_rss"] / r["adamw"]["step_peak_rss"] for r in rounds]
+        ),
+        "rss_diff_mib": stats(
+            [
+                r[other]["phases"]["steps"]["rss"] - r["adamw"]["phases"]["steps"]["rss"]
+                for r in rounds
+            ]
+        ),
+    }
+    if all("inuse" in r[o]["phases"]["steps"] for r in rounds for o in (other, "adamw")):
+      table[other]["live_heap_diff_mib"] = stats(
+          [
+              r[other]["phases"]["steps"]["inuse"] - r["adamw"]["phases"]["steps"]["inuse"]
+              for r in rounds
+          ]
+      )
+  lines = [f"over {len(rounds)} rounds of fresh processes: median [min, max]"]
+  labels = {
+      "step_peak_rss_ratio": ("step peak RSS / adamw's", "{:.4f}"),
+      "rss_diff_mib": ("RSS after the steps - adamw's, MiB", "{:+.1f}"),
+      "live_heap_diff_mib": ("live heap after the steps - adamw's, MiB", "{:+.1f}"),
+  }
+  for key, (label, fmt) in labels.items():
+    cells = []
+    for other in ("anlr", CONTROL):
+      if key in table[other]:
+        v = table[other][key]
+        cells.append(
+            f"{other} {fmt.format(v['median'])} [{fmt.format(v['min'])}, {fmt.format(v['max'])}]"
+        )
+    if cells:
+      lines.append(f"  {label}: " + "; ".join(cells))
+  return "\n".join(lines), table
 
 
 def report(cfg: BenchConfig, results: dict) -> str:
@@ -289,6 +345,12 @@ def main(argv=None) -> dict:
       help="anlr(batch_modules=...): statistics stacked per group of same-shaped modules (true) or"
       " module by module (false); default: the backend's default",
   )
+  ap.add_argument(
+      "--repeats",
+      type=int,
+      default=1,
+      help="rounds of fresh processes; above 1, each round adds an A/A control (AdamW twice)",
+  )
   ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--config-json", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
@@ -307,10 +369,32 @@ def main(argv=None) -> dict:
       import memray  # noqa: F401  (fail here, before the workers start)
     except ImportError as e:
       raise SystemExit("--attribute needs memray: pip install memray") from e
-  results = run(cfg, args.steps, attribute=args.attribute, batch_modules=batch_modules)
-  text = report(cfg, results)
+  if args.repeats < 1:
+    raise ValueError(f"--repeats={args.repeats} must be >= 1")
+  if args.repeats == 1:
+    results = run(cfg, args.steps, attribute=args.attribute, batch_modules=batch_modules)
+    text = report(cfg, results)
+    out = {"config": json.loads(cfg.to_json()), "results": results, "report": text}
+  else:
+    names = ("adamw", "anlr", CONTROL)
+    rounds = []
+    for i in range(args.repeats):
+      order = names[i % 3 :] + names[: i % 3]  # each name first, second and third equally often
+      rounds.append(
+          run(cfg, args.steps, attribute=args.attribute, batch_modules=batch_modules, names=order)
+      )
+      print(f"round {i + 1}/{args.repeats} ({', '.join(order)}) done", file=sys.stderr, flush=True)
+    summary, table = repeated_summary(rounds)
+    results = rounds[0]
+    text = report(cfg, results) + "\n(the table above: round 1)\n" + summary
+    out = {
+        "config": json.loads(cfg.to_json()),
+        "results": results,
+        "rounds": rounds,
+        "summary": table,
+        "report": text,
+    }
   print(text)
-  out = {"config": json.loads(cfg.to_json()), "results": results, "report": text}
   if args.json:
     with open(args.json, "w") as f:
       json.dump(out, f, indent=1)

@@ -217,3 +217,22 @@ def test_memory_phases_charges_native_frames_to_components():
       "YNNPACK runtimes"
   )
   assert component(["malloc", "PyObject_Malloc"]) == "other"
+
+
+def test_memory_phases_repeated_summary_gives_medians_and_ranges_against_adamw():
+  from benchmarks.memory_phases import CONTROL, repeated_summary
+
+  def result(peak, rss, inuse):
+    return {"step_peak_rss": peak, "phases": {"steps": {"rss": rss, "inuse": inuse}}}
+
+  rounds = [
+      {"adamw": result(100, 50, 20), "anlr": result(102, 53, 21), CONTROL: result(99, 49, 20)},
+      {"adamw": result(100, 50, 20), "anlr": result(101, 51, 21), CONTROL: result(101, 52, 20)},
+      {"adamw": result(200, 50, 20), "anlr": result(202, 55, 22), CONTROL: result(200, 50, 20)},
+  ]
+  text, table = repeated_summary(rounds)
+  assert table["anlr"]["step_peak_rss_ratio"] == {"median": 1.01, "min": 1.01, "max": 1.02}
+  assert table["anlr"]["rss_diff_mib"] == {"median": 3, "min": 1, "max": 5}
+  assert table["anlr"]["live_heap_diff_mib"] == {"median": 1, "min": 1, "max": 2}
+  assert table[CONTROL]["step_peak_rss_ratio"] == {"median": 1.0, "min": 0.99, "max": 1.01}
+  assert "over 3 rounds" in text and "adamw-control 1.0000 [0.9900, 1.0100]" in text
