@@ -87,10 +87,13 @@ def _unwrap(x):
 
 def _reduced_sharding(x, axis: int):
   """The sharding of ``x`` with ``axis`` removed, for a concrete ``x`` whose sharding allows it
-  (one device, or a ``NamedSharding``); None otherwise (traced values, other shardings)."""
+  (one device, or a ``NamedSharding`` over this process's devices); None otherwise (traced values,
+  other shardings, arrays spanning several processes)."""
   if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
     return None
   sharding = x.sharding
+  if not sharding.is_fully_addressable:
+    return None
   if isinstance(sharding, jax.sharding.SingleDeviceSharding):
     return sharding
   if isinstance(sharding, jax.sharding.NamedSharding):
