@@ -42,6 +42,7 @@ from anlr_jax.methods import METHOD_NAMES
 from anlr_jax.models.config import ATTENTION_IMPLS
 from anlr_jax.nn.inject import PAPER_TARGET_MODULES
 from anlr_jax.optim.transform import DEFAULTS as ANLR_DEFAULTS
+from anlr_jax.train.step import LORA_LAYOUTS
 from anlr_jax.train.trainer import TrainerConfig
 
 ASSET_PREFIX = "asset://"
@@ -226,7 +227,7 @@ CHECKS: dict[str, Callable[[], tuple[Callable[[Any], bool], str]]] = {
     "trainer.compute_dtype": lambda: _one_of(DTYPES),
     "trainer.base_dtype": lambda: _one_of((*DTYPES, None)),
     "trainer.remat": lambda: _one_of(("none", "full", "dots")),
-    "trainer.lora_layout": lambda: _one_of(("stacked", "per-layer")),
+    "trainer.lora_layout": lambda: _one_of(LORA_LAYOUTS),
     "eval.tasks{}": lambda: _one_of(_task_names()),
     "eval.batch_size": lambda: _in_range(1, None),
     "eval.max_new_tokens": lambda: _in_range(1, None),

@@ -319,6 +319,7 @@ class Worker:
     )
     self.info = self._expect("READY")
     self.times_ms: list[float] = []
+    self.settle_ms: list[float] = []  # untimed rounds (train_step.run_interleaved's ``settle``)
 
   def _expect(self, tag: str) -> dict:
     for line in self.proc.stdout:

@@ -212,7 +212,7 @@ def summarise(cfg: BenchConfig, workers: dict, failed: dict, runs: int, settle: 
         tokens_per_s=cfg.tokens / (med / 1e3),
         min_ms=min(w.times_ms),
         times_ms=w.times_ms,
-        settle_ms=getattr(w, "settle_ms", []),
+        settle_ms=w.settle_ms,
     )
   return res
 

@@ -12,6 +12,10 @@ import re
 import sys
 import tomllib
 
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -32,26 +36,26 @@ def _imported_top_level_modules(package: pathlib.Path) -> dict[str, str]:
   return found
 
 
-def _normalise(dist: str) -> str:
-  return re.sub(r"[-_.]+", "-", dist).lower()
+def _declared() -> list[Requirement]:
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  return [Requirement(d) for d in project["dependencies"]]
 
 
 def test_every_imported_third_party_package_is_a_declared_dependency():
-  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-  declared = {_normalise(re.split(r"[<>=!~;\[ ]", d, 1)[0]) for d in project["dependencies"]}
-  # what the declared dependencies themselves require is installed with them
+  declared = {canonicalize_name(r.name) for r in _declared()}
+  # what the declared dependencies themselves require (outside their extras) is installed with them
   required = set(declared)
   for dist in declared:
-    for req in importlib.metadata.requires(dist) or []:
-      if "extra ==" not in req:
-        required.add(_normalise(re.split(r"[<>=!~;\[ (]", req, 1)[0]))
+    for req in map(Requirement, importlib.metadata.requires(dist) or []):
+      if req.marker is None or req.marker.evaluate({"extra": ""}):
+        required.add(canonicalize_name(req.name))
   providers = importlib.metadata.packages_distributions()
   stdlib = set(sys.stdlib_module_names)
   missing = {}
   for module, where in _imported_top_level_modules(ROOT / "anlr_jax").items():
     if module in stdlib or module == "anlr_jax":
       continue
-    dists = {_normalise(d) for d in providers.get(module, [])}
+    dists = {canonicalize_name(d) for d in providers.get(module, [])}
     assert dists, f"{module} (imported in {where}) is not installed here at all"
     if not dists & required:
       missing[module] = (where, sorted(dists))
@@ -59,14 +63,11 @@ def test_every_imported_third_party_package_is_a_declared_dependency():
 
 
 def test_the_oldest_python_allowed_is_one_every_dependency_installs_on():
-  from packaging.specifiers import SpecifierSet
-
   project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
   oldest = re.fullmatch(r">=\s*(3\.\d+)", project["requires-python"]).group(1)
   refuse = {}
-  for dep in project["dependencies"]:
-    dist = re.split(r"[<>=!~;\[ ]", dep, 1)[0]
-    needs = importlib.metadata.metadata(dist).get("Requires-Python")
+  for req in _declared():
+    needs = importlib.metadata.metadata(req.name).get("Requires-Python")
     if needs and not SpecifierSet(needs).contains(oldest):
-      refuse[dist] = needs
+      refuse[req.name] = needs
   assert not refuse, f"requires-python >={oldest}, but these need: {refuse}"
