@@ -1,5 +1,6 @@
 """The paper's evaluation protocol: generation, answer extraction, accuracy tables."""
 
+from anlr_jax.evals import humaneval
 from anlr_jax.evals.evaluate import (
     EvalExample,
     EvalRecord,
@@ -36,6 +37,7 @@ __all__ = [
     "extract_number",
     "extract_prediction",
     "get_task",
+    "humaneval",
     "is_correct",
     "load_eval_examples",
     "normalize_text",
