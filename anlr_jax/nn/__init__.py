@@ -9,19 +9,45 @@ from anlr_jax.nn.inject import (
     unmerge_all,
 )
 from anlr_jax.nn.lora import LORA_INITS, LoRALinear, lora_scale, low_rank_product
+from anlr_jax.nn.loradash import (
+    LORADASH_DEFAULTS,
+    DashDirections,
+    LoRADashLinear,
+    TaskDirections,
+    dash_launch_step,
+    dash_launched,
+    direction_change_rates,
+    inject_loradash,
+    iter_loradash_layers,
+    launch_dash,
+    select_task_directions,
+    validate_dash_config,
+)
 from anlr_jax.nn.peft_io import export_peft_adapter, import_peft_adapter
 
 __all__ = [
+    "DashDirections",
+    "LORADASH_DEFAULTS",
     "LORA_INITS",
+    "LoRADashLinear",
     "LoRALinear",
     "PAPER_TARGET_MODULES",
+    "TaskDirections",
+    "dash_launch_step",
+    "dash_launched",
+    "direction_change_rates",
     "export_peft_adapter",
     "import_peft_adapter",
     "inject_lora",
+    "inject_loradash",
     "iter_lora_layers",
+    "iter_loradash_layers",
+    "launch_dash",
     "lora_scale",
     "lora_state",
     "low_rank_product",
     "merge_all",
+    "select_task_directions",
     "unmerge_all",
+    "validate_dash_config",
 ]
