@@ -21,6 +21,7 @@ from anlr_jax.optim import (
     find_anlr_state,
     find_lora_modules,
     loraplus,
+    lorapro,
     rank_magnitudes,
     scale_by_anlr,
     scale_lora_b,
