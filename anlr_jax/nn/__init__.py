@@ -1,5 +1,12 @@
 """LoRA layers for Flax NNX: LoRA/rsLoRA/PiSSA/MiLoRA/DoRA, injection by name, PEFT adapter I/O."""
 
+from anlr_jax.nn.adalora import (
+    AdaLoRALinear,
+    export_adalora_adapter,
+    import_adalora_adapter,
+    inject_adalora,
+    iter_adalora_layers,
+)
 from anlr_jax.nn.inject import (
     PAPER_TARGET_MODULES,
     inject_lora,
@@ -26,6 +33,7 @@ from anlr_jax.nn.loradash import (
 from anlr_jax.nn.peft_io import export_peft_adapter, import_peft_adapter
 
 __all__ = [
+    "AdaLoRALinear",
     "DashDirections",
     "LORADASH_DEFAULTS",
     "LORA_INITS",
@@ -36,10 +44,14 @@ __all__ = [
     "dash_launch_step",
     "dash_launched",
     "direction_change_rates",
+    "export_adalora_adapter",
     "export_peft_adapter",
+    "import_adalora_adapter",
     "import_peft_adapter",
+    "inject_adalora",
     "inject_lora",
     "inject_loradash",
+    "iter_adalora_layers",
     "iter_lora_layers",
     "iter_loradash_layers",
     "launch_dash",

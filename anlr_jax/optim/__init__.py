@@ -1,5 +1,15 @@
 """The AnLR-LoRA optimizer family: optax transformations and diagnostics."""
 
+from anlr_jax.optim.adalora import (
+    AdaLoRAConfig,
+    AdaLoRAState,
+    RankAllocatorState,
+    orth_regularization,
+    rank_allocator,
+    rank_allocator_init,
+    rank_pattern,
+    update_and_allocate,
+)
 from anlr_jax.optim.diagnostics import (
     cumulative_energy,
     diagnostics,
