@@ -1,8 +1,15 @@
-"""Flax NNX LLaMA / Qwen2 causal LMs, Hugging Face checkpoint I/O and generation."""
+"""Flax NNX LLaMA / Qwen2 causal LMs, Hugging Face and GGUF checkpoint I/O and generation."""
 
 from anlr_jax.models.config import ModelConfig
 from anlr_jax.models.generation import generate
-from anlr_jax.models.hf_io import hf_param_table, load_hf_model, load_tokenizer, save_hf_model
+from anlr_jax.models.gguf import convert_gguf, load_gguf_tokenizer, read_gguf
+from anlr_jax.models.hf_io import (
+    hf_param_table,
+    load_hf_model,
+    load_tokenizer,
+    model_from_hf_tensors,
+    save_hf_model,
+)
 from anlr_jax.models.llama import LOGICAL_AXES, KVCache, LlamaForCausalLM, init_cache
 
 __all__ = [
@@ -10,10 +17,14 @@ __all__ = [
     "KVCache",
     "LlamaForCausalLM",
     "ModelConfig",
+    "convert_gguf",
     "generate",
     "hf_param_table",
     "init_cache",
+    "load_gguf_tokenizer",
     "load_hf_model",
     "load_tokenizer",
+    "model_from_hf_tensors",
+    "read_gguf",
     "save_hf_model",
 ]

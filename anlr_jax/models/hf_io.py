@@ -15,6 +15,10 @@ Loading builds the model abstractly (``nnx.eval_shape``) and fills it one tensor
 ``safetensors.safe_open``, so the host never holds two full copies of the weights. bfloat16
 tensors come back from safetensors as ``ml_dtypes.bfloat16`` NumPy arrays.
 
+A ``.gguf`` file (LLaMA / Qwen2, quantised or not) is read by :mod:`anlr_jax.models.gguf` into the
+same ``config.json`` dict and tensors and loaded through :func:`model_from_hf_tensors`, which builds
+a model from any ``(config dict, {hf_key: array})`` pair.
+
 Saving writes ``config.json`` plus ``model.safetensors`` or ``model-0000i-of-0000n.safetensors``
 with ``model.safetensors.index.json``, readable by ``transformers.AutoModelForCausalLM``.
 Projections replaced by LoRA wrappers (objects with a ``base`` ``nnx.Linear`` and ``lora_a`` /
@@ -29,7 +33,7 @@ import json
 import math
 import os
 import re
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -150,6 +154,103 @@ def _weight_map(path: str) -> dict[str, str]:
   raise FileNotFoundError(f"No {SINGLE_FILE} or {INDEX_FILE} found in {path}.")
 
 
+def _is_gguf(path: str) -> bool:
+  return path.lower().endswith(".gguf")
+
+
+def _check_tensor_names(
+    config: ModelConfig, names: Iterable[str], source: str, config_source: str
+) -> None:
+  """Raises ValueError when ``names`` holds tensors the architecture of ``config`` lacks."""
+  expected = {e.hf_key for e in hf_param_table(config)}
+  unexpected = sorted(
+      k
+      for k in names
+      if k not in expected
+      and not _IGNORED_KEY.match(k)
+      and not (config.tie_word_embeddings and k == "lm_head.weight")
+  )
+  if unexpected:
+    raise ValueError(
+        f"Checkpoint {source} holds tensors the {config.model_type} architecture of "
+        f"{config_source} does not have: {unexpected[:8]}"
+        f"{' ...' if len(unexpected) > 8 else ''}."
+    )
+
+
+def _check_shape(entry: ParamEntry, found: tuple[int, ...], source: str) -> None:
+  if found != entry.hf_shape:
+    raise ValueError(
+        f"{source}: tensor {entry.hf_key!r} has shape {found}, expected {entry.hf_shape}."
+    )
+
+
+def _set_tensor(model: LlamaForCausalLM, entry: ParamEntry, array, dtype) -> None:
+  """Writes one torch-layout checkpoint tensor into the (abstract) model, placed and cast."""
+  if entry.transpose:
+    array = array.T
+  variable = getattr(_submodule(model, entry.module_path), entry.attr)
+  value = jnp.asarray(array).astype(dtype)
+  variable.set_value(_place(value, getattr(variable.get_value(), "sharding", None)))
+
+
+def _check_filled(model: LlamaForCausalLM) -> None:
+  unfilled = [
+      ".".join(map(str, p))
+      for p, v in nnx.to_flat_state(nnx.state(model))
+      if isinstance(v.get_value(), jax.ShapeDtypeStruct)
+  ]
+  if unfilled:  # the key table and the model disagree: a bug, not a user error
+    raise RuntimeError(f"hf_param_table does not cover model variables {unfilled}.")
+
+
+def model_from_hf_tensors(
+    hf_config: Mapping[str, Any],
+    tensors: Mapping[str, Any],
+    *,
+    dtype=jnp.float32,
+    compute_dtype=None,
+    source: str = "the given tensors",
+    **config_overrides,
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+  """Builds a :class:`LlamaForCausalLM` from a ``config.json`` dict and Hugging Face tensors.
+
+  Args:
+    hf_config: the Hugging Face ``config.json`` dict (``model_type`` llama or qwen2).
+    tensors: ``{hf_name: array}`` in torch layout (NumPy or anything ``jnp.asarray`` takes); a
+      lazy mapping is read one tensor at a time.
+    dtype, compute_dtype, **config_overrides: as in :func:`load_hf_model`.
+    source: how error messages name where the tensors came from.
+
+  Returns:
+    ``(model, config)``.
+
+  Raises:
+    KeyError: a tensor the architecture needs is missing.
+    ValueError: a tensor has the wrong shape, there are tensors the architecture does not have,
+      or the model_type is unsupported.
+  """
+  config = ModelConfig.from_hf_config(
+      hf_config,
+      param_dtype=dtype,
+      dtype=dtype if compute_dtype is None else compute_dtype,
+      **config_overrides,
+  )
+  _check_tensor_names(config, tensors.keys(), source, "its config")
+  table = hf_param_table(config)
+  for entry in table:
+    if entry.hf_key not in tensors:
+      raise KeyError(f"Tensor {entry.hf_key!r} not found in {source}.")
+  model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+  for entry in table:
+    array = tensors[entry.hf_key]
+    _check_shape(entry, tuple(array.shape), source)
+    _set_tensor(model, entry, array, dtype)
+    del array
+  _check_filled(model)
+  return model, config
+
+
 def load_hf_model(
     path: str | os.PathLike, *, dtype=jnp.float32, compute_dtype=None, **config_overrides
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
@@ -157,7 +258,8 @@ def load_hf_model(
 
   Args:
     path: directory with ``config.json`` and ``model.safetensors`` or sharded safetensors files
-      with ``model.safetensors.index.json``.
+      with ``model.safetensors.index.json``; or a ``.gguf`` file (LLaMA / Qwen2, see
+      :func:`anlr_jax.models.gguf.read_gguf`), dequantised one tensor at a time.
     dtype: parameter dtype (checkpoint tensors are cast to it).
     compute_dtype: activation dtype; defaults to ``dtype``.
     **config_overrides: other :class:`ModelConfig` fields, e.g. ``attention_impl='cudnn'``,
@@ -170,9 +272,21 @@ def load_hf_model(
     FileNotFoundError: ``config.json`` or the weight files are missing.
     KeyError: a tensor the architecture needs is not in the checkpoint.
     ValueError: a tensor has the wrong shape, the checkpoint holds tensors the architecture does
-      not have, or the model_type is unsupported.
+      not have, or the model_type is unsupported (for GGUF files see ``read_gguf``).
   """
   path = os.fspath(path)
+  if _is_gguf(path):
+    from anlr_jax.models.gguf import read_gguf
+
+    hf_config, tensors = read_gguf(path, lazy=True)
+    return model_from_hf_tensors(
+        hf_config,
+        tensors,
+        dtype=dtype,
+        compute_dtype=compute_dtype,
+        source=path,
+        **config_overrides,
+    )
   config_path = os.path.join(path, CONFIG_FILE)
   if not os.path.isfile(config_path):
     raise FileNotFoundError(f"No {CONFIG_FILE} found at {config_path}.")
@@ -183,21 +297,8 @@ def load_hf_model(
       **config_overrides,
   )
   weight_map = _weight_map(path)
+  _check_tensor_names(config, weight_map, path, config_path)
   table = hf_param_table(config)
-  expected = {e.hf_key for e in table}
-  unexpected = sorted(
-      k
-      for k in weight_map
-      if k not in expected
-      and not _IGNORED_KEY.match(k)
-      and not (config.tie_word_embeddings and k == "lm_head.weight")
-  )
-  if unexpected:
-    raise ValueError(
-        f"Checkpoint {path} holds tensors the {config.model_type} architecture of "
-        f"{config_path} does not have: {unexpected[:8]}"
-        f"{' ...' if len(unexpected) > 8 else ''}."
-    )
 
   model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
   by_file: dict[str, list[ParamEntry]] = {}
@@ -217,26 +318,9 @@ def load_hf_model(
       for entry in entries:
         if entry.hf_key not in keys:
           raise KeyError(f"Tensor {entry.hf_key!r} not found in {file_path}.")
-        found = tuple(f.get_slice(entry.hf_key).get_shape())
-        if found != entry.hf_shape:
-          raise ValueError(
-              f"{file_path}: tensor {entry.hf_key!r} has shape {found}, expected "
-              f"{entry.hf_shape}."
-          )
-        array = f.get_tensor(entry.hf_key)
-        if entry.transpose:
-          array = array.T
-        variable = getattr(_submodule(model, entry.module_path), entry.attr)
-        value = jnp.asarray(array).astype(dtype)
-        del array
-        variable.set_value(_place(value, getattr(variable.get_value(), "sharding", None)))
-  unfilled = [
-      ".".join(map(str, p))
-      for p, v in nnx.to_flat_state(nnx.state(model))
-      if isinstance(v.get_value(), jax.ShapeDtypeStruct)
-  ]
-  if unfilled:  # the key table and the model disagree: a bug, not a user error
-    raise RuntimeError(f"hf_param_table does not cover model variables {unfilled}.")
+        _check_shape(entry, tuple(f.get_slice(entry.hf_key).get_shape()), file_path)
+        _set_tensor(model, entry, f.get_tensor(entry.hf_key), dtype)
+  _check_filled(model)
   return model, config
 
 
@@ -364,15 +448,22 @@ def save_hf_model(
 
 
 def load_tokenizer(path: str | os.PathLike):
-  """``transformers.AutoTokenizer.from_pretrained(path)`` for a local directory.
+  """``transformers.AutoTokenizer.from_pretrained(path)`` for a local directory or ``.gguf`` file.
+
+  A ``.gguf`` file's tokenizer is built by transformers from its metadata
+  (:func:`anlr_jax.models.gguf.load_gguf_tokenizer`).
 
   Raises:
     FileNotFoundError: ``path`` holds none of ``tokenizer.json``, ``tokenizer.model``,
-      ``vocab.json`` or ``tokenizer_config.json``.
+      ``vocab.json`` or ``tokenizer_config.json`` (or the ``.gguf`` file does not exist).
   """
   import transformers
 
   path = os.fspath(path)
+  if _is_gguf(path):
+    from anlr_jax.models.gguf import load_gguf_tokenizer
+
+    return load_gguf_tokenizer(path)
   if not os.path.isdir(path) or not any(
       os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES
   ):
