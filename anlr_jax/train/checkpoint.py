@@ -8,6 +8,12 @@ batch sources are deterministic in the step. Saving is collective (every process
 and renames it when complete, so a process killed mid-save leaves the previous checkpoint intact and
 the partial one is ignored (and cleaned) on the next start.
 
+Integrity: once a checkpoint is complete, process 0 writes the SHA-256 of every file in its
+directory to ``anlr_checksums.json`` inside it (host-side, when the next save starts or on
+:meth:`TrainCheckpointer.wait`, so the step never waits for it). :meth:`TrainCheckpointer.verify`
+recomputes them; the trainer restores the newest checkpoint that verifies, restores and holds only
+finite values, and reports each one it skips in one line.
+
 Trees are stored as flat ``{"a.b.0.c": array}`` dicts (integer layer keys and NamedTuple optimizer
 states survive unchanged), typed PRNG keys as their raw ``uint32`` data. Restore always goes into
 an abstract target (``jax.ShapeDtypeStruct`` with the live shardings), never target-less.
@@ -15,6 +21,8 @@ an abstract target (``jax.ShapeDtypeStruct`` with the live shardings), never tar
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from typing import Any
 
@@ -96,6 +104,34 @@ def unflatten_from_checkpoint(flat: dict[str, Any], template, key_source=None):
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
+CHECKSUM_FILE = 'anlr_checksums.json'
+"""Per-checkpoint file of ``{relative path: sha256}`` for every other file of the step directory."""
+
+
+def _file_digest(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, 'rb') as f:
+    for block in iter(lambda: f.read(1 << 22), b''):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+def directory_checksums(root: str) -> dict[str, str]:
+  """``{path relative to root: sha256}`` of every regular file below ``root`` (checksum file aside)."""
+  out = {}
+  for folder, _, files in os.walk(root):
+    for name in files:
+      path = os.path.join(folder, name)
+      rel = os.path.relpath(path, root)
+      if rel != CHECKSUM_FILE and os.path.isfile(path) and not os.path.islink(path):
+        out[rel] = _file_digest(path)
+  return dict(sorted(out.items()))
+
+
+class CorruptCheckpointError(ValueError):
+  """A checkpoint's files do not match their checksums, or its data cannot be read."""
+
+
 class TrainCheckpointer:
   """Thin wrapper over ``ocp.CheckpointManager`` with items ``state`` (+ ``frozen``) and ``meta``.
 
@@ -128,9 +164,54 @@ class TrainCheckpointer:
         cleanup_tmp_directories=True,
     )
     self.manager = ocp.CheckpointManager(self.directory, options=options)
+    self._unsealed: list[int] = []  # saved by this process, checksums not yet written
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    """Steps of the complete checkpoints, oldest first."""
+    return sorted(self.manager.all_steps())
+
+  def step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(int(step)))
+
+  def _seal(self) -> None:
+    """Writes the checksum file of every finished save of this process (process 0 only)."""
+    pending, self._unsealed = self._unsealed, []
+    if jax.process_index() != 0:
+      return
+    for step in pending:
+      folder = self.step_dir(step)
+      if not os.path.isdir(folder) or os.path.exists(os.path.join(folder, CHECKSUM_FILE)):
+        continue
+      sums = directory_checksums(folder)
+      tmp = os.path.join(folder, f'.{CHECKSUM_FILE}.tmp')
+      with open(tmp, 'w') as f:
+        json.dump(sums, f, indent=0)
+        f.flush()
+        os.fsync(f.fileno())
+      os.replace(tmp, os.path.join(folder, CHECKSUM_FILE))
+
+  def verify(self, step: int) -> str | None:
+    """None if checkpoint ``step``'s files match their checksums (or it has none yet), else what
+    is wrong, in a few words."""
+    folder = self.step_dir(step)
+    listed = os.path.join(folder, CHECKSUM_FILE)
+    if not os.path.isfile(listed):
+      return None  # finished but not sealed (killed in between): the restore checks its values
+    try:
+      with open(listed) as f:
+        expected = json.load(f)
+    except (OSError, ValueError):
+      return f'{CHECKSUM_FILE} is unreadable'
+    actual = directory_checksums(folder)
+    for rel, digest in expected.items():
+      if rel not in actual:
+        return f'{rel} is missing'
+      if actual[rel] != digest:
+        return f'{rel} does not match its checksum'
+    return None
 
   def should_save(self, step: int) -> bool:
     return self.save_every > 0 and step % self.save_every == 0
@@ -147,7 +228,12 @@ class TrainCheckpointer:
     }
     if frozen is not None:
       items['frozen'] = ocp.args.StandardSave(flatten_for_checkpoint(frozen))
-    return self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+    self.manager.wait_until_finished()  # orbax joins the previous save here anyway
+    self._seal()
+    started = self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+    if started:
+      self._unsealed.append(int(step))
+    return started
 
   def restore(self, step: int | None, state_template, frozen_template=None, *, key_source=None):
     """Restores ``(state, meta, frozen_or_None)`` into the templates' shapes, dtypes and shardings.
@@ -164,7 +250,16 @@ class TrainCheckpointer:
     }
     if frozen_template is not None:
       items['frozen'] = ocp.args.StandardRestore(abstract_for_checkpoint(frozen_template))
-    restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+    problem = self.verify(step)
+    if problem is not None:
+      raise CorruptCheckpointError(f'checkpoint {step} in {self.directory} is corrupt: {problem}')
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+    except Exception as err:  # noqa: BLE001  (tensorstore/orbax raise many types on bad bytes)
+      first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+      raise CorruptCheckpointError(
+          f'checkpoint {step} in {self.directory} cannot be read: {first[:200]}'
+      ) from err
     state = unflatten_from_checkpoint(restored['state'], state_template, key_source)
     frozen = (
         unflatten_from_checkpoint(restored['frozen'], frozen_template)
@@ -175,18 +270,29 @@ class TrainCheckpointer:
 
   def read_meta(self, step: int) -> dict:
     """The ``meta`` item of checkpoint ``step`` alone (no array is read)."""
-    restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    except Exception as err:  # noqa: BLE001
+      raise CorruptCheckpointError(
+          f'checkpoint {step} in {self.directory}: its meta record cannot be read ({err})'
+      ) from err
     return dict(restored['meta'])
 
   def wait(self) -> None:
+    """Waits for the save in flight, then writes its checksums."""
     self.manager.wait_until_finished()
+    self._seal()
 
   def close(self) -> None:
+    self.wait()
     self.manager.close()
 
 
 __all__ = [
+    'CHECKSUM_FILE',
+    'CorruptCheckpointError',
     'TrainCheckpointer',
+    'directory_checksums',
     'flatten_for_checkpoint',
     'unflatten_from_checkpoint',
     'abstract_for_checkpoint',

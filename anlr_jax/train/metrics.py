@@ -6,6 +6,15 @@ scalars, fetched only every ``log_every`` steps, so no host sync per step) and
 ``anlr_jax.diagnostics(opt_state)`` when the optimizer provides it) go to ``diagnostics/step_<t>.npz``
 every ``diag_every`` steps, their scalar summaries into the same JSONL/CSV/TensorBoard rows.
 Only process 0 writes; the other processes' writer is inert.
+
+The files are a function of the step: a writer started at step ``s`` (a resumed run) first drops
+every row after ``s`` from ``metrics.jsonl`` / ``metrics.csv``, tells TensorBoard to discard its
+events after ``s`` (``purge_step``) and removes later diagnostics, so a run killed and resumed holds
+exactly one row per logged step; :attr:`MetricsWriter.rows` is then the complete series.
+
+Updates that the step skipped because the loss or a gradient was not finite (metric ``skipped``)
+are counted: each row carries ``skipped_total``, and :attr:`MetricsWriter.consecutive_skipped`
+tells the trainer how many of the latest updates in a row were skipped.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ import jax
 import numpy as np
 
 logger = logging.getLogger('anlr_jax.train')
+
+METRICS_FILE = 'metrics.jsonl'
 
 
 def _scalar_items(tree: Mapping[str, Any], prefix: str = '') -> dict[str, float]:
@@ -47,6 +58,7 @@ class MetricsWriter:
       log_every: int = 1,
       progress: bool | None = None,
       is_writer: bool | None = None,
+      start_step: int = 0,
   ):
     if log_every < 1:
       raise ValueError(f'log_every={log_every} must be >= 1')
@@ -55,21 +67,55 @@ class MetricsWriter:
     self.log_every = log_every
     self.total_steps = total_steps
     self.rows: list[dict[str, float]] = []
+    self.skipped_total = 0
+    self.consecutive_skipped = 0
+    self.window: list[dict[str, Any]] = []  # host metrics of the last written window, per step
     self._pending: list[Any] = []
     self._window_start = time.perf_counter()
     self._csv_fields: list[str] | None = None
     self._tb = self._bar = self._jsonl = None
+    if run_dir is not None:
+      self.rows = read_metrics(run_dir, until_step=start_step)
+      if self.rows:
+        self.skipped_total = int(self.rows[-1].get('skipped_total', 0))
     if self.is_writer and run_dir is not None:
       os.makedirs(run_dir, exist_ok=True)
+      self._truncate_files(start_step)
       self._jsonl = open(os.path.join(run_dir, 'metrics.jsonl'), 'a')
       from tensorboardX import SummaryWriter
 
-      self._tb = SummaryWriter(os.path.join(run_dir, 'tensorboard'))
+      self._tb = SummaryWriter(
+          os.path.join(run_dir, 'tensorboard'), purge_step=start_step + 1 if start_step else None
+      )
     use_bar = sys.stderr.isatty() if progress is None else progress
     if self.is_writer and use_bar:
       from tqdm.auto import tqdm
 
       self._bar = tqdm(total=total_steps, dynamic_ncols=True)
+
+  def _truncate_files(self, start_step: int) -> None:
+    """Rewrites the metric files with the rows up to ``start_step`` only (atomically)."""
+    path = os.path.join(self.run_dir, 'metrics.jsonl')
+    if os.path.exists(path):
+      tmp = path + '.tmp'
+      with open(tmp, 'w') as f:
+        f.writelines(json.dumps(row) + '\n' for row in self.rows)
+      os.replace(tmp, path)
+    csv_path = os.path.join(self.run_dir, 'metrics.csv')
+    if os.path.exists(csv_path):
+      os.remove(csv_path)
+    if self.rows:
+      self._csv_fields = list(dict.fromkeys(k for row in self.rows for k in row))
+      with open(csv_path, 'w', newline='') as f:
+        writer = csv.DictWriter(f, self._csv_fields)
+        writer.writeheader()
+        writer.writerows(self.rows)
+    diag = os.path.join(self.run_dir, 'diagnostics')
+    if os.path.isdir(diag):
+      for name in os.listdir(diag):
+        step = name.removeprefix('step_').removesuffix('.npz')
+        if step.isdigit() and int(step) > start_step:
+          os.remove(os.path.join(diag, name))
 
   def start(self, step: int) -> None:
     """Resets the timing window (call before the first step and after a restore)."""
@@ -94,7 +140,18 @@ class MetricsWriter:
     host = jax.device_get(self._pending)  # the only host sync, once per window
     elapsed = max(time.perf_counter() - self._window_start, 1e-9)
     tokens = float(sum(np.asarray(m['tokens']) for m in host))
-    row = {'step': step, **_scalar_items(host[-1]), 'tokens_per_s': tokens / elapsed}
+    for m in host:
+      skipped = bool(np.asarray(m.get('skipped', 0)))
+      self.skipped_total += skipped
+      self.consecutive_skipped = self.consecutive_skipped + 1 if skipped else 0
+    self.window = host
+    last = {k: v for k, v in host[-1].items() if k != 'skipped'}
+    row = {
+        'step': step,
+        **_scalar_items(last),
+        'skipped_total': float(self.skipped_total),
+        'tokens_per_s': tokens / elapsed,
+    }
     if extra:
       row.update(_scalar_items(extra))
     self._pending = []
@@ -169,3 +226,26 @@ class MetricsWriter:
       self._tb.close()
     if self._jsonl is not None:
       self._jsonl.close()
+
+
+def read_metrics(run_dir: str, *, until_step: int | None = None) -> list[dict[str, float]]:
+  """The rows of ``<run_dir>/metrics.jsonl`` (steps ``<= until_step`` if given), one per step.
+
+  A line cut short by a crash is ignored; if a step appears twice (files written before rows were
+  truncated on resume) the later row wins.
+  """
+  path = os.path.join(run_dir, 'metrics.jsonl')
+  rows: dict[int, dict[str, float]] = {}
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    for line in f:
+      try:
+        row = json.loads(line)
+      except ValueError:
+        continue
+      if not isinstance(row, dict) or 'step' not in row:
+        continue
+      if until_step is None or row['step'] <= until_step:
+        rows[int(row['step'])] = row
+  return [rows[k] for k in sorted(rows)]

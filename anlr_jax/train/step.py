@@ -156,6 +156,7 @@ def make_train_step(
     remat: str = 'none',
     batch_spec: P | None = None,
     stacked_layers: bool = False,
+    skip_nonfinite: bool = True,
 ) -> Callable[[TrainState, Any, dict], tuple[TrainState, dict]]:
   """Builds ``train_step(state, frozen, batch) -> (state, metrics)`` (not yet jitted).
 
@@ -169,9 +170,13 @@ def make_train_step(
     batch_spec: ``PartitionSpec`` of a micro-batch's rows under the active mesh (None: no constraint).
     stacked_layers: the state's LoRA params are in the :func:`stack_layers` layout (the optimizer
       and its state see one stacked module per projection); they are unstacked for the model.
+    skip_nonfinite: keep params and optimizer state unchanged when the loss or the gradient norm
+      is not finite (``skipped`` metric); False applies every update (benchmarks compare the two).
 
   Metrics (device scalars): ``loss``, ``grad_norm`` (before clipping), ``lr``, ``tokens``
-  (non-padding tokens), ``loss_tokens`` (response tokens).
+  (non-padding tokens), ``loss_tokens`` (response tokens), ``skipped`` (1.0 when the loss or the
+  gradient norm was not finite: the update was not applied, params and optimizer state are
+  unchanged).
   """
   if micro_batches < 1:
     raise ValueError(f'micro_batches={micro_batches} must be >= 1')
@@ -219,16 +224,26 @@ def make_train_step(
     (grads, extra, total, count), _ = jax.lax.scan(accumulate, init, micro)
     denom = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / denom, grads)
+    grad_norm = optax.tree.norm(grads)
+    loss = total / denom
+    # A non-finite loss or gradient skips the update: params and optimizer state stay as they were
+    # (the step counter still advances, so the data order is unchanged); `skipped` reports it.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.lora)
     lora = optax.apply_updates(state.lora, updates)
+    if skip_nonfinite:
+      keep_if_finite = lambda new, old: jax.lax.select(finite, new, old)  # noqa: E731
+      lora = jax.tree.map(keep_if_finite, lora, state.lora)
+      opt_state = jax.tree.map(keep_if_finite, opt_state, state.opt_state)
     lr = (
         jnp.asarray(schedule(state.step), jnp.float32)
         if schedule is not None
         else jnp.full((), jnp.nan, jnp.float32)
     )
     metrics = {
-        'loss': total / denom,
-        'grad_norm': optax.tree.norm(grads),
+        'loss': loss,
+        'grad_norm': grad_norm,
+        'skipped': 1.0 - finite.astype(jnp.float32),
         'lr': lr,
         'tokens': jnp.sum(batch['attention_mask']).astype(jnp.float32),
         'loss_tokens': count,

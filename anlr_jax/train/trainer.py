@@ -14,9 +14,13 @@ Everything the step touches is placed on the mesh before the first step, so it c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import math
-from typing import Any, Sequence
+import signal
+import threading
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +29,11 @@ import optax
 from flax import nnx
 
 from anlr_jax import optim as anlr_optim
-from anlr_jax.train.checkpoint import TrainCheckpointer
+from anlr_jax.train.checkpoint import (
+    CorruptCheckpointError,
+    TrainCheckpointer,
+    abstract_for_checkpoint,
+)
 from anlr_jax.train.distributed import global_batch_array
 from anlr_jax.train.mesh import (
     BATCH_AXES,
@@ -36,6 +44,7 @@ from anlr_jax.train.mesh import (
     replicated,
     state_shardings,
 )
+from anlr_jax.train.lock import DirectoryLock
 from anlr_jax.train.metrics import MetricsWriter
 from anlr_jax.train.schedule import linear_warmup_decay
 from anlr_jax.train.step import (
@@ -51,6 +60,89 @@ from anlr_jax.train.step import (
 )
 
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+
+logger = logging.getLogger('anlr_jax.train')
+
+STUCK_ROWS = 3
+"""Logged rows in a row with zero gradient norm and an unchanged loss before the trainer warns."""
+
+
+class TrainingInterrupted(Exception):
+  """SIGINT/SIGTERM arrived during :meth:`Trainer.run`; the message says what was saved."""
+
+  def __init__(self, message: str, signum: int):
+    super().__init__(message)
+    self.signum = signum
+    self.exit_code = 128 + signum
+
+
+class NonFiniteError(RuntimeError):
+  """The loss or gradient stayed non-finite for ``max_nonfinite`` consecutive updates."""
+
+
+class CheckpointMismatchError(ValueError):
+  """A checkpoint was written by a run with other settings (or another state structure)."""
+
+
+def identity_changes(
+    saved: Mapping[str, Any], current: Mapping[str, Any], allow: Sequence[str] = ()
+) -> list[str]:
+  """``["key: old -> new", ...]`` for every key whose value differs (keys in ``allow`` aside)."""
+  out = []
+  for key in sorted(set(saved) | set(current)):
+    if key in allow:
+      continue
+    old, new = saved.get(key, '<unset>'), current.get(key, '<unset>')
+    if old != new:
+      out.append(f'{key}: {old!r} -> {new!r}')
+  return out
+
+
+IDENTITY_KEYS = (
+    'steps',
+    'epochs',
+    'learning_rate',
+    'warmup_steps',
+    'weight_decay',
+    'b1',
+    'b2',
+    'eps',
+    'clip_norm',
+    'global_batch',
+    'micro_batches',
+    'compute_dtype',
+)
+"""The :class:`TrainerConfig` fields that determine a run's trajectory (with ``seed``)."""
+
+
+def trainer_identity(config: 'TrainerConfig') -> dict[str, Any]:
+  """``{"trainer.<field>": value}`` of :data:`IDENTITY_KEYS`, plus ``seed``."""
+  return {**{f'trainer.{k}': getattr(config, k) for k in IDENTITY_KEYS}, 'seed': config.seed}
+
+
+@contextlib.contextmanager
+def _deferred_signals(signums=(signal.SIGINT, signal.SIGTERM)):
+  """Within the block, SIGINT/SIGTERM only record themselves (``caught[0]``) for the loop to act on.
+
+  Outside the main thread (where handlers cannot be installed) nothing changes.
+  """
+  caught: list[int] = []
+  if threading.current_thread() is not threading.main_thread():
+    yield caught
+    return
+  previous = {s: signal.getsignal(s) for s in signums}
+
+  def handler(signum, frame):
+    del frame
+    caught.append(signum)
+
+  for s in signums:
+    signal.signal(s, handler)
+  try:
+    yield caught
+  finally:
+    for s, h in previous.items():
+      signal.signal(s, h)
 
 
 @dataclasses.dataclass
@@ -86,18 +178,27 @@ class TrainerConfig:
   async_save: bool = True
   save_full_model: bool = False
   resume: bool = True
+  resume_allow: list[str] = dataclasses.field(
+      default_factory=list
+  )  # keys that may differ from the checkpoint's run, e.g. [trainer.steps]
+  max_nonfinite: int = 5  # consecutive updates with a non-finite loss/gradient before stopping
   log_every: int = 1
   diag_every: int = 0
   progress: bool | None = None  # None: a tqdm bar only on a terminal
   seed: int = 0
 
   def __post_init__(self):
-    for name in ('global_batch', 'micro_batches', 'keep', 'log_every'):
+    for name in ('global_batch', 'micro_batches', 'log_every', 'max_nonfinite'):
       if getattr(self, name) < 1:
         raise ValueError(f'TrainerConfig.{name}={getattr(self, name)} must be >= 1')
     for name in ('warmup_steps', 'save_every', 'diag_every'):
       if getattr(self, name) < 0:
         raise ValueError(f'TrainerConfig.{name}={getattr(self, name)} must be >= 0')
+    if self.keep < 2:
+      raise ValueError(
+          f'TrainerConfig.keep={self.keep} must be >= 2 (a corrupt newest checkpoint falls back'
+          ' to the previous one)'
+      )
     if self.steps is None and self.epochs is None:
       raise ValueError('TrainerConfig needs `steps` or `epochs`')
     if self.global_batch % self.micro_batches:
@@ -149,6 +250,10 @@ class Trainer:
     batches: a batch source (batch contract).
     config: :class:`TrainerConfig`.
     tx: an optax transform over the LoRA param tree (default: :func:`default_optimizer`).
+    identity: what determines the trajectory besides the trainer settings (method, model
+      fingerprint, LoRA and optimizer settings, data hash, ...) as ``{dotted key: JSON value}``;
+      stored in every checkpoint. Resuming a checkpoint whose identity differs (keys in
+      ``config.resume_allow`` aside) raises :class:`CheckpointMismatchError` naming each key.
     schedule: the schedule used for the ``lr`` metric (default: the config's, when ``tx`` is None).
     mesh: a ``('data', 'fsdp', 'tensor')`` mesh (default: from the config's sizes over ``devices``).
     devices: devices for the default mesh (default: all).
@@ -162,6 +267,7 @@ class Trainer:
       config: TrainerConfig,
       tx: optax.GradientTransformation | None = None,
       *,
+      identity: Mapping[str, Any] | None = None,
       schedule: optax.Schedule | None = None,
       mesh: jax.sharding.Mesh | None = None,
       devices: Sequence[jax.Device] | None = None,
@@ -176,6 +282,7 @@ class Trainer:
       schedule = linear_warmup_decay(config.learning_rate, self.total_steps, config.warmup_steps)
       tx = default_optimizer(config, schedule)
     self.tx, self.schedule = tx, schedule
+    self.identity = {**trainer_identity(config), **dict(identity or {})}
     self.mesh = (
         mesh
         if mesh is not None
@@ -242,6 +349,11 @@ class Trainer:
     )
 
     self.checkpointer = None
+    self._locks = []
+    if jax.process_index() == 0:
+      for directory, what in ((config.ckpt_dir, 'checkpoint directory'), (config.run_dir, 'run')):
+        if directory is not None:
+          self._locks.append(DirectoryLock(directory, what=what).acquire())
     if config.ckpt_dir is not None:
       self.checkpointer = TrainCheckpointer(
           config.ckpt_dir,
@@ -275,6 +387,10 @@ class Trainer:
         self.state_shardings,
     )
 
+  def _state_shapes(self) -> dict[str, list]:
+    flat = abstract_for_checkpoint(self.abstract_state())
+    return {name: [list(x.shape), str(x.dtype)] for name, x in flat.items()}
+
   def save(self, *, force: bool = True) -> bool:
     """Starts a checkpoint of the current state (collective: every process must call it)."""
     if self.checkpointer is None:
@@ -285,34 +401,85 @@ class Trainer:
         'seed': self.config.seed,
         'total_steps': self.total_steps,
         'config': dataclasses.asdict(self.config),
+        'identity': self.identity,
+        'state_shapes': self._state_shapes(),
     }
     frozen = self.frozen if self.config.save_full_model else None
     return self.checkpointer.save(step, self.state, meta, frozen, force=force)
 
+  def _check_meta(self, step: int, meta: dict) -> None:
+    """Raises :class:`CheckpointMismatchError` if checkpoint ``step`` belongs to another run."""
+    where = f'checkpoint {step} in {self.config.ckpt_dir}'
+    saved = meta.get('config', {}).get('lora_layout', 'per-layer')
+    if saved != self.config.lora_layout:
+      raise CheckpointMismatchError(
+          f'{where} holds LoRA params in the {saved!r} layout but trainer.lora_layout='
+          f'{self.config.lora_layout!r}: set trainer.lora_layout: {saved} to resume it'
+      )
+    if 'identity' in meta:
+      changes = identity_changes(meta['identity'], self.identity, self.config.resume_allow)
+      if changes:
+        raise CheckpointMismatchError(
+            f'{where} belongs to a run with other settings ({"; ".join(changes)}): resume with'
+            ' the same settings, use another trainer.ckpt_dir, or allow a deliberate change with'
+            ' trainer.resume_allow=[<key>,...]'
+        )
+    if 'state_shapes' in meta:
+      describe = lambda v: 'absent' if v is None else f'{tuple(v[0])} {v[1]}'  # noqa: E731
+      saved_shapes, now = meta['state_shapes'], self._state_shapes()
+      differ = [
+          f'{k}: {describe(saved_shapes.get(k))} -> {describe(now.get(k))}'
+          for k in sorted(set(saved_shapes) | set(now))
+          if saved_shapes.get(k) != now.get(k)
+      ]
+      if differ:
+        more = f' (+{len(differ) - 3} more)' if len(differ) > 3 else ''
+        raise CheckpointMismatchError(
+            f'{where} holds a train state of another structure (other LoRA rank, targets or'
+            f' optimizer?): {"; ".join(differ[:3])}{more}'
+        )
+
   def restore(self, step: int | None = None) -> int:
-    """Loads checkpoint ``step`` (default: the latest complete one); returns its step."""
+    """Loads checkpoint ``step`` (default: the newest valid one); returns its step.
+
+    With ``step=None`` a newest checkpoint that is corrupt (checksum mismatch, unreadable bytes,
+    non-finite values) is reported in one warning and the one before it is tried. A checkpoint of
+    another run raises :class:`CheckpointMismatchError`.
+    """
+    if self.checkpointer is None:
+      raise ValueError('TrainerConfig.ckpt_dir is not set: nothing to restore from')
     frozen_target = None
     if self.config.save_full_model:
       frozen_target = jax.tree.map(
           lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.frozen
       )
-    step = self.checkpointer.latest_step() if step is None else step
-    if step is not None:
-      saved = self.checkpointer.read_meta(step).get('config', {}).get('lora_layout', 'per-layer')
-      if saved != self.config.lora_layout:
-        raise ValueError(
-            f'checkpoint {step} in {self.config.ckpt_dir} holds LoRA params in the {saved!r} '
-            f'layout but trainer.lora_layout={self.config.lora_layout!r}: set '
-            f'trainer.lora_layout: {saved} to resume it'
+    candidates = [step] if step is not None else self.checkpointer.all_steps()[::-1]
+    if not candidates:
+      raise FileNotFoundError(f'no complete checkpoint under {self.checkpointer.directory}')
+    for i, candidate in enumerate(candidates):
+      last = i == len(candidates) - 1
+      try:
+        self._check_meta(candidate, self.checkpointer.read_meta(candidate))
+        state, meta, frozen = self.checkpointer.restore(
+            candidate, self.abstract_state(), frozen_target, key_source=self.state
         )
-    state, meta, frozen = self.checkpointer.restore(
-        step, self.abstract_state(), frozen_target, key_source=self.state
-    )
-    self.state = state
-    self._host_step = None
-    if frozen is not None:
-      self.frozen = frozen
-    return int(meta['step'])
+        bad = _first_nonfinite(state if frozen is None else (state, frozen))
+        if bad is not None:
+          raise CorruptCheckpointError(
+              f'checkpoint {candidate} in {self.checkpointer.directory} holds non-finite values'
+              f' ({bad})'
+          )
+      except CorruptCheckpointError as err:
+        if last:
+          raise
+        logger.warning('%s; using the previous checkpoint', err)
+        continue
+      self.state = state
+      self._host_step = None
+      if frozen is not None:
+        self.frozen = frozen
+      return int(meta['step'])
+    raise AssertionError('unreachable')
 
   def _diagnostics_fn(self):
     """``(opt_state, lora) -> anlr_jax.diagnostics(opt_state)`` plus the per-rank contribution
@@ -374,38 +541,129 @@ class Trainer:
     return metrics
 
   def run(self, steps: int | None = None) -> list[dict[str, float]]:
-    """Trains until ``steps`` (default: the config's total) updates are done; returns logged rows."""
+    """Trains until ``steps`` (default: the config's total) updates are done; returns the logged
+    rows of the whole run (those of earlier processes of a resumed run included).
+
+    SIGINT/SIGTERM during the loop finish the update in flight, save a checkpoint (when
+    ``ckpt_dir`` is set) and raise :class:`TrainingInterrupted`. ``max_nonfinite`` consecutive
+    skipped updates (non-finite loss or gradient) raise :class:`NonFiniteError`.
+    """
     end = self.total_steps if steps is None else min(steps, self.total_steps)
     diagnostics = self._diagnostics_fn()
+    step = self.step
     writer = MetricsWriter(
         self.config.run_dir,
         total_steps=self.total_steps,
         log_every=self.config.log_every,
         progress=self.config.progress,
+        start_step=step,
     )
-    step = self.step
     writer.start(step)
+    stuck = 0
     try:
-      while step < end:
-        metrics = self.train_step()
-        step += 1
-        log_now = step % self.config.log_every == 0 or step == end
-        diag_now = bool(self.config.diag_every) and step % self.config.diag_every == 0
-        extra = None
-        if diagnostics is not None and (log_now or diag_now):
-          diag = diagnostics(self.state.opt_state, self.state.lora)
-          extra = {'anlr': diag['mean']} if log_now else None
-          if diag_now:
-            writer.write_diagnostics(step, diag)
-        writer.record(step, metrics, extra, flush=log_now)
-        if self.checkpointer is not None and self.checkpointer.should_save(step):
-          self.save(force=False)
-      if self.checkpointer is not None and step == self.total_steps:
-        self.save(force=True)
-        self.checkpointer.wait()
+      with _deferred_signals() as caught:
+        while step < end:
+          metrics = self.train_step()
+          step += 1
+          log_now = step % self.config.log_every == 0 or step == end or bool(caught)
+          diag_now = bool(self.config.diag_every) and step % self.config.diag_every == 0
+          extra = None
+          if diagnostics is not None and (log_now or diag_now):
+            diag = diagnostics(self.state.opt_state, self.state.lora)
+            extra = {'anlr': diag['mean']} if log_now else None
+            if diag_now:
+              writer.write_diagnostics(step, diag)
+          row = writer.record(step, metrics, extra, flush=log_now)
+          if row is not None:
+            self._check_health(writer, step)
+            stuck = stuck + 1 if _looks_stuck(writer.rows) else 0
+            if stuck == STUCK_ROWS:
+              logger.warning(
+                  'the loss has not moved and the gradient norm is 0 for %d logged steps (up to'
+                  ' step %d, loss %.4f): the adapters no longer learn; a learning rate of %g may'
+                  ' be too high',
+                  STUCK_ROWS,
+                  step,
+                  row.get('loss', float('nan')),
+                  self.config.learning_rate,
+              )
+          if caught:
+            raise self._interrupted(caught[0], step)
+          if self.checkpointer is not None and self.checkpointer.should_save(step):
+            self.save(force=False)
+        if self.checkpointer is not None and step == self.total_steps:
+          self.save(force=True)
+          self.checkpointer.wait()
+        if caught:
+          raise self._interrupted(caught[0], step)
     finally:
       writer.close()
     return writer.rows
+
+  def _check_health(self, writer: MetricsWriter, step: int) -> None:
+    n = writer.consecutive_skipped
+    if n < self.config.max_nonfinite:
+      return
+    saved = self.checkpointer.all_steps() if self.checkpointer is not None else []
+    kept = (
+        f'the last checkpoint (step {saved[-1]} in {self.config.ckpt_dir}) is kept'
+        if saved
+        else 'no checkpoint was written'
+    )
+    raise NonFiniteError(
+        f'the loss or gradient was not finite for {n} consecutive updates (steps'
+        f' {step - n + 1}-{step}, {writer.skipped_total} skipped in all): stopping (limit:'
+        f' trainer.max_nonfinite={self.config.max_nonfinite}); the parameters are those before'
+        f' step {step - n + 1} and {kept}; lower trainer.learning_rate or check the data'
+    )
+
+  def _interrupted(self, signum: int, step: int) -> TrainingInterrupted:
+    name = signal.Signals(signum).name
+    if self.checkpointer is None:
+      return TrainingInterrupted(
+          f'{name} at update {step} of {self.total_steps}: stopped; no checkpoint was written'
+          ' (set trainer.ckpt_dir to make the run resumable)',
+          signum,
+      )
+    self.save(force=True)
+    self.checkpointer.wait()
+    return TrainingInterrupted(
+        f'{name} at update {step} of {self.total_steps}: checkpoint saved in'
+        f' {self.config.ckpt_dir}; run the same command again to resume',
+        signum,
+    )
+
+  def close(self) -> None:
+    """Waits for the checkpoint in flight and releases the directory locks."""
+    if self.checkpointer is not None:
+      self.checkpointer.close()
+      self.checkpointer = None
+    for lock in self._locks:
+      lock.release()
+    self._locks = []
+
+
+def _looks_stuck(rows: list[dict[str, float]]) -> bool:
+  if len(rows) < 2:
+    return False
+  last, before = rows[-1], rows[-2]
+  return last.get('grad_norm') == 0.0 and last.get('loss') == before.get('loss')
+
+
+def _first_nonfinite(tree) -> str | None:
+  """The name of the first floating leaf holding a NaN/Inf, or None (one device reduction)."""
+  leaves = [
+      (jax.tree_util.keystr(path), x)
+      for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+      if hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jnp.inexact)
+  ]
+  if not leaves:
+    return None
+  flags = jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))(
+      [x for _, x in leaves]
+  )
+  flags = np.asarray(jax.device_get(flags))
+  return None if flags.all() else leaves[int(np.argmin(flags))][0]
 
 
 def train(
