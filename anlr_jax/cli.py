@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import pathlib
+import signal
 import sys
+import threading
 import time
 from typing import Sequence
 
@@ -249,13 +252,62 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.print_help()
     return 2
   from anlr_jax.config import ConfigError
+  from anlr_jax.train.lock import DirectoryLockedError
+  from anlr_jax.train.trainer import NonFiniteError, TrainingInterrupted
 
+  _log_warnings_plainly()
+  in_main = threading.current_thread() is threading.main_thread()
+  previous_term = signal.signal(signal.SIGTERM, _terminate) if in_main else None
   try:
     return int(args.func(args) or 0)
-  except (CLIError, ConfigError, FileNotFoundError, KeyError, ValueError) as err:
+  except TrainingInterrupted as err:
+    print(f"anlr {args.command}: {err}", file=sys.stderr)
+    return err.exit_code
+  except (KeyboardInterrupt, _Terminated) as err:
+    signum = signal.SIGTERM if isinstance(err, _Terminated) else signal.SIGINT
+    print(f"anlr {args.command}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+    return 128 + signum
+  except NonFiniteError as err:
+    print(f"anlr {args.command}: error: {err}", file=sys.stderr)
+    return 3
+  except (
+      CLIError,
+      ConfigError,
+      FileNotFoundError,
+      KeyError,
+      ValueError,
+      DirectoryLockedError,
+  ) as err:
     message = err.args[0] if isinstance(err, KeyError) and err.args else err
     print(f"anlr {args.command}: error: {message}", file=sys.stderr)
     return 2
+  finally:
+    if in_main:
+      signal.signal(signal.SIGTERM, previous_term)
+
+
+class _StderrHandler(logging.Handler):
+  """Writes to whatever ``sys.stderr`` is at the time (so redirected or captured output gets it)."""
+
+  def emit(self, record: logging.LogRecord) -> None:
+    print(f"anlr: {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr, flush=True)
+
+
+def _log_warnings_plainly() -> None:
+  """The library's warnings (checkpoint fallback, a stuck loss, ...) as ``anlr: warning: ...``."""
+  logger = logging.getLogger("anlr_jax")
+  if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+    logger.addHandler(_StderrHandler(logging.WARNING))
+    logger.propagate = False
+
+
+class _Terminated(BaseException):
+  """SIGTERM outside the training loop (which saves a checkpoint first)."""
+
+
+def _terminate(signum, frame):
+  del signum, frame
+  raise _Terminated()
 
 
 if __name__ == "__main__":

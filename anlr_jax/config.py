@@ -21,7 +21,9 @@ key (and the file), with the allowed keys, values or type.
 
 Paths may start with ``asset://`` (``asset://quickstart/train.json``): the rest is resolved inside
 ``anlr_jax/assets``, so the shipped quickstart config works wherever the package is installed.
-``run_dir`` may use ``{method}``, ``{seed}`` and ``{timestamp}`` placeholders.
+``run_dir`` may use ``{method}``, ``{seed}`` and ``{timestamp}`` placeholders; every other path key
+(``model.path``, ``model.tokenizer``, ``data.train``, ``eval.tasks.*``, ``trainer.ckpt_dir``) may use
+``{method}``, ``{seed}`` and ``{run_dir}`` (the method's run directory).
 """
 
 from __future__ import annotations
@@ -228,6 +230,8 @@ CHECKS: dict[str, Callable[[], tuple[Callable[[Any], bool], str]]] = {
     "trainer.base_dtype": lambda: _one_of((*DTYPES, None)),
     "trainer.remat": lambda: _one_of(("none", "full", "dots")),
     "trainer.lora_layout": lambda: _one_of(LORA_LAYOUTS),
+    "trainer.keep": lambda: _in_range(2, None),
+    "trainer.max_nonfinite": lambda: _in_range(1, None),
     "eval.tasks{}": lambda: _one_of(_task_names()),
     "eval.batch_size": lambda: _in_range(1, None),
     "eval.max_new_tokens": lambda: _in_range(1, None),
@@ -254,9 +258,10 @@ TRAINER_FIELD_DOCS = {
     "mesh_data": "devices on the 'data' mesh axis",
     "mesh_fsdp": "devices on the 'fsdp' mesh axis (-1: all the rest)",
     "mesh_tensor": "devices on the 'tensor' mesh axis",
-    "ckpt_dir": "orbax checkpoint directory; None: no checkpoints",
+    "ckpt_dir": "orbax checkpoint directory ({method}, {seed}, {run_dir} expand); None: "
+    "<run dir>/checkpoints",
     "save_every": "checkpoint every N updates (0: only at the end)",
-    "keep": "checkpoints kept",
+    "keep": "checkpoints kept (at least 2: a corrupt newest one falls back to the previous)",
     "async_save": "write checkpoints in the background",
     "save_full_model": "also checkpoint the frozen base weights",
     "resume": "resume from the latest checkpoint in ckpt_dir",

@@ -21,25 +21,39 @@ tasks), ``accuracy.csv`` / ``accuracy.md`` and ``eval_<task>.jsonl`` (every gene
 comparison (``summary.json``, ``accuracy.*`` with one row per method, ``loss.png`` with every curve).
 Every process trains and evaluates; only process 0 writes files (in a multi-process run give
 ``run_dir`` without ``{timestamp}``, so that every process agrees on it).
+
+A run belongs to its settings. What determines its trajectory (method, model path and fingerprint,
+LoRA, optimizer, AnLR and LoRA+ settings, schedule, seed, data file size and hash, batch layout) is
+its *identity*, stored in every checkpoint, in ``lora_final.safetensors``' metadata and in
+``results.json``. Checkpoints go to ``trainer.ckpt_dir`` (default ``<run dir>/checkpoints``; with
+``compare`` each method gets its own), ``{method}``, ``{seed}`` and ``{run_dir}`` expand in every path
+key, and running the same command again continues the run: from its newest valid checkpoint, or, when
+training is done, it completes what is missing (evaluation, results) or says that the run is
+complete. A different identity stops with one line naming each differing key.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
+import shutil
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
-from anlr_jax.config import RunConfig, format_run_dir, resolve_path, save_config
+from anlr_jax.config import ConfigError, RunConfig, format_run_dir, resolve_path, save_config
 from anlr_jax.methods import get_method, method_optimizer
+from anlr_jax.train.lock import DirectoryLock
+from anlr_jax.train.metrics import read_metrics
+from anlr_jax.train.trainer import CheckpointMismatchError, identity_changes, trainer_identity
 
 LORA_FILE = "lora_final.safetensors"
 RESULTS_FILE = "results.json"
@@ -99,8 +113,15 @@ def inject_method(model: nnx.Module, config: RunConfig, method: str) -> nnx.Modu
   )
 
 
-def save_lora_params(model: nnx.Module, path: str | os.PathLike) -> list[str]:
-  """Writes every adapter param as ``<module path>/<name>`` (Flax layout, float32); returns keys."""
+def save_lora_params(
+    model: nnx.Module, path: str | os.PathLike, *, identity: Mapping[str, Any] | None = None
+) -> list[str]:
+  """Writes every adapter param as ``<module path>/<name>`` (Flax layout, float32); returns keys.
+
+  ``identity`` (the run's, see the module docstring) goes into the file's metadata. Non-finite
+  values raise ``ValueError``: a NaN adapter is never written. The file is written to a temporary
+  name and renamed, so a crash never leaves a partial file under the final name.
+  """
   from anlr_jax.nn import iter_lora_layers
 
   tensors = {}
@@ -110,10 +131,38 @@ def save_lora_params(model: nnx.Module, path: str | os.PathLike) -> list[str]:
         tensors[f"{module_path}/{name[0]}"] = np.asarray(jax.device_get(value[...]), np.float32)
   if not tensors:
     raise ValueError("the model has no LoRA adapters to save")
-  save_file(
-      tensors, os.fspath(path), metadata={"layout": "flax: lora_a (d_in, r), lora_b (r, d_out)"}
-  )
+  bad = [k for k, v in tensors.items() if not np.isfinite(v).all()]
+  if bad:
+    raise ValueError(f"refusing to write {os.fspath(path)}: adapter {bad[0]} holds NaN/Inf values")
+  metadata = {"layout": "flax: lora_a (d_in, r), lora_b (r, d_out)"}
+  if identity is not None:
+    metadata["identity"] = json.dumps(dict(identity), sort_keys=True)
+  tmp = f"{os.fspath(path)}.tmp"
+  save_file(tensors, tmp, metadata=metadata)
+  os.chmod(tmp, 0o644)
+  os.replace(tmp, os.fspath(path))
   return sorted(tensors)
+
+
+def _read_safetensors(path: str):
+  """``(tensors, metadata)`` of a safetensors file; one-line ValueError if it is cut or corrupt."""
+  from safetensors import safe_open
+
+  try:
+    with safe_open(path, framework="numpy") as f:
+      metadata = f.metadata() or {}
+      tensors = {k: f.get_tensor(k) for k in f.keys()}
+  except Exception as err:  # noqa: BLE001  (safetensors raises its own error types)
+    raise ValueError(
+        f"{path}: not a readable safetensors file (truncated or corrupt?): {str(err)[:160]}"
+    ) from None
+  return tensors, metadata
+
+
+def lora_file_identity(path: str) -> dict[str, Any] | None:
+  """The run identity stored in a :func:`save_lora_params` file, or None."""
+  _, metadata = _read_safetensors(path)
+  return json.loads(metadata["identity"]) if "identity" in metadata else None
 
 
 def load_lora_params(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
@@ -123,7 +172,10 @@ def load_lora_params(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"no LoRA params file at {path}")
-  tensors = load_file(path)
+  tensors, _ = _read_safetensors(path)
+  bad = [k for k, v in tensors.items() if not np.isfinite(v).all()]
+  if bad:
+    raise ValueError(f"{path}: adapter {bad[0]} holds NaN/Inf values")
   expected = set()
   for module_path, layer in iter_lora_layers(model):
     for name, variable in nnx.to_flat_state(nnx.state(layer, nnx.LoRAParam)):
@@ -184,21 +236,42 @@ def make_generate_fn(
   return generate_fn
 
 
-def evaluate_tasks(
-    model, tokenizer, config: RunConfig, *, out_dir: str | None = None, log: Log = _print
-) -> dict[str, Any]:
-  """Scores ``model`` on every ``eval.tasks`` file; returns ``{task: EvalResult}``."""
-  from anlr_jax.evals import evaluate, load_eval_examples
+def load_eval_sets(config: RunConfig, tasks: Sequence[str] | None = None) -> dict[str, list]:
+  """``{task: examples}`` of ``eval.tasks`` (or the named subset), every file read and checked
+  before any is scored (``eval.limit`` applied)."""
+  from anlr_jax.evals import load_eval_examples
 
+  sets = {}
+  for task, file in config.eval.tasks.items():
+    if tasks is not None and task not in tasks:
+      continue
+    examples = load_eval_examples(_require_path(file, f"eval.tasks.{task}", kind="test file"))
+    if not examples:
+      raise ValueError(f"eval.tasks.{task}: {file} holds no test examples")
+    sets[task] = examples if config.eval.limit is None else examples[: config.eval.limit]
+  return sets
+
+
+def evaluate_tasks(
+    model,
+    tokenizer,
+    config: RunConfig,
+    *,
+    out_dir: str | None = None,
+    log: Log = _print,
+    tasks: Sequence[str] | None = None,
+) -> dict[str, Any]:
+  """Scores ``model`` on every ``eval.tasks`` file (or the named ``tasks``); returns
+  ``{task: EvalResult}``. Every file is read and checked before the first is scored."""
+  from anlr_jax.evals import evaluate
+
+  sets = load_eval_sets(config, tasks)
   model.eval()
   generate_fn = make_generate_fn(
       model, tokenizer, max_new_tokens=config.eval.max_new_tokens, batch_size=config.eval.batch_size
   )
   results = {}
-  for task, file in config.eval.tasks.items():
-    examples = load_eval_examples(_require_path(file, f"eval.tasks.{task}", kind="test file"))
-    if config.eval.limit is not None:
-      examples = examples[: config.eval.limit]
+  for task, examples in sets.items():
     start = time.perf_counter()
     result = evaluate(generate_fn, examples, task, batch_size=config.eval.batch_size)
     log(
@@ -263,90 +336,311 @@ def _write_json(path: str, payload: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------ train
-def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = _print) -> dict:
-  """Trains one method into ``run_dir`` (see the module docstring); returns its results dict."""
-  from anlr_jax.data import make_source
-  from anlr_jax.train import Trainer, linear_warmup_decay
+PLACEHOLDERS = ("{method}", "{seed}", "{run_dir}")
+"""Expanded in every path key (``run_dir`` also takes ``{timestamp}``, see ``format_run_dir``)."""
 
-  os.makedirs(run_dir, exist_ok=True)
-  config = dataclasses.replace(config, method=method, compare=[], run_dir=run_dir)
-  if _is_writer():
-    save_config(config, os.path.join(run_dir, CONFIG_FILE))
-  model, _, tokenizer = load_base(config)
-  inject_method(model, config, method)
-  train_path = _require_path(config.data.train, "data.train", kind="training file")
-  tc = dataclasses.replace(
-      config.trainer,
-      run_dir=run_dir,
-      seed=config.seed,
-      optimizer="anlr" if get_method(method).uses_anlr else "adamw",
-  )
-  source = make_source(
-      train_path,
-      tokenizer,
-      format=config.data.format,
-      max_length=config.data.max_length,
-      global_batch=tc.global_batch,
-      seed=config.seed,
-      on_error=config.data.on_error,
-      pad_multiple=config.data.pad_multiple,
-  )
-  total = tc.total_steps(len(source))
-  schedule = linear_warmup_decay(tc.learning_rate, total, min(tc.warmup_steps, total))
-  tx = method_optimizer(
-      method,
-      schedule,
-      b1=tc.b1,
-      b2=tc.b2,
-      eps=tc.eps,
-      weight_decay=tc.weight_decay,
-      clip_norm=tc.clip_norm,
-      anlr_kwargs=config.anlr.as_kwargs(),
-      lr_ratio=config.loraplus.lr_ratio,
-      seed=config.seed,
-      track_rank_stats=tc.diag_every > 0,
-  )
-  log(
-      f"[{method}] {len(source.examples)} examples, {len(source)} batches/epoch of "
-      f"{tc.global_batch}; {total} updates at lr {tc.learning_rate:g} -> {run_dir}"
-  )
-  model.train()
-  start = time.perf_counter()
-  trainer = Trainer(model, source, tc, tx, schedule=schedule)
-  rows = trainer.run()
-  train_seconds = time.perf_counter() - start
-  model = trainer.updated_model()
-  model.eval()
-  if _is_writer():
-    save_lora_params(model, os.path.join(run_dir, LORA_FILE))
-  curve = _loss_curve(rows)
-  plot_losses({method: curve}, os.path.join(run_dir, LOSS_PLOT))
-  final = float(np.mean(curve[1][-max(1, len(curve[1]) // 10) :])) if curve[1] else None
-  log(f"[{method}] trained {total} updates in {train_seconds:.1f}s; final loss {final:.4f}")
 
-  start = time.perf_counter()
-  evals = evaluate_tasks(model, tokenizer, config, out_dir=run_dir, log=log)
-  accuracy, avg = accuracy_summary(evals)
-  results = {
+def _expand(value: str | None, **fields: str) -> str | None:
+  if value is None:
+    return None
+  for name, text in fields.items():
+    value = value.replace("{" + name + "}", text)
+  return value
+
+
+def expand_paths(config: RunConfig, method: str, run_dir: str) -> RunConfig:
+  """``config`` with ``{method}``, ``{seed}``, ``{run_dir}`` filled in every path key, and
+  ``trainer.ckpt_dir`` defaulting to ``<run_dir>/checkpoints``."""
+  fields = dict(method=method.replace("+", "_"), seed=str(config.seed), run_dir=run_dir)
+  ckpt = config.trainer.ckpt_dir
+  ckpt = os.path.join(run_dir, "checkpoints") if ckpt is None else _expand(ckpt, **fields)
+  return dataclasses.replace(
+      config,
+      model=dataclasses.replace(
+          config.model,
+          path=_expand(config.model.path, **fields),
+          tokenizer=_expand(config.model.tokenizer, **fields),
+      ),
+      data=dataclasses.replace(config.data, train=_expand(config.data.train, **fields)),
+      eval=dataclasses.replace(
+          config.eval, tasks={t: _expand(f, **fields) for t, f in config.eval.tasks.items()}
+      ),
+      trainer=dataclasses.replace(config.trainer, ckpt_dir=ckpt),
+  )
+
+
+def _file_digest(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 22), b""):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+def model_fingerprint(model_config, model: nnx.Module) -> str:
+  """A short hash of the model config and the shapes and dtypes of every weight."""
+  shapes = sorted(
+      (str(path), tuple(x.shape), str(x.dtype))
+      for path, x in nnx.to_flat_state(nnx.state(model, nnx.Param))
+  )
+  text = json.dumps([dataclasses.asdict(model_config), shapes], sort_keys=True, default=str)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def run_identity(
+    config: RunConfig, method: str, *, model_path: str, fingerprint: str, data_path: str
+) -> dict[str, Any]:
+  """What determines a run's trajectory besides the trainer settings (the trainer adds those)."""
+  spec = get_method(method)
+  identity = {
       "method": method,
-      "learning_rate": tc.learning_rate,
-      "seed": config.seed,
-      "accuracy": accuracy,
-      "avg": avg,
-      "steps": total,
-      "final_loss": final,
-      "train_seconds": round(train_seconds, 2),
-      "eval_seconds": round(time.perf_counter() - start, 2),
+      "model.path": os.path.abspath(model_path),
+      "model.fingerprint": fingerprint,
+      "model.dtype": config.model.dtype,
+      "lora.rank": config.lora.rank,
+      "lora.alpha": config.lora.alpha,
+      "lora.dropout": config.lora.dropout,
+      "lora.targets": list(config.lora.targets),
+      "data.train": os.path.abspath(data_path),
+      "data.size": os.path.getsize(data_path),
+      "data.sha256": _file_digest(data_path),
+      "data.format": config.data.format,
+      "data.max_length": config.data.max_length,
+      "data.pad_multiple": config.data.pad_multiple,
+      "data.on_error": config.data.on_error,
   }
-  if evals and _is_writer():
+  if spec.uses_anlr:
+    identity.update({f"anlr.{k}": v for k, v in config.anlr.as_kwargs().items()})
+  if spec.optimizer == "loraplus":
+    identity["loraplus.lr_ratio"] = config.loraplus.lr_ratio
+  return identity
+
+
+def _check_same_run(what: str, saved: Mapping[str, Any] | None, identity: Mapping[str, Any]):
+  changes = identity_changes(saved or {}, identity) if saved is not None else []
+  if changes:
+    raise CheckpointMismatchError(
+        f"{what} belongs to a run with other settings ({'; '.join(changes)}): use another run_dir"
+    )
+
+
+def _describe_data(source, path: str, config: RunConfig) -> str:
+  examples = source.examples
+  records = len(examples) + examples.dropped + source.records_skipped
+  parts = [f"{records} records in {path}: {len(examples)} used"]
+  if examples.truncated:
+    parts.append(
+        f"{examples.truncated} of them cut at data.max_length={config.data.max_length} tokens"
+    )
+  if examples.dropped:
+    parts.append(
+        f"{examples.dropped} dropped (no response token left within data.max_length="
+        f"{config.data.max_length})"
+    )
+  if source.records_skipped:
+    parts.append(f"{source.records_skipped} malformed skipped (data.on_error=skip)")
+  return ", ".join(parts)
+
+
+def _check_vocab(source, vocab_size: int, config: RunConfig) -> None:
+  top = max(int(ids.max()) for ids in source.examples.input_ids if len(ids))
+  if top >= vocab_size:
+    tokenizer = resolve_path(config.model.tokenizer) or config.model.path
+    raise ValueError(
+        f"data.train: token id {top} is outside the model's vocabulary of {vocab_size}: the"
+        f" tokenizer ({tokenizer}) does not belong to the model ({config.model.path})"
+    )
+
+
+def _check_schedule(config: RunConfig, method: str, total: int, log: Log) -> int:
+  """The LR warmup actually used; ConfigError if AnLR would never switch on."""
+  spec = get_method(method)
+  if spec.uses_anlr and spec.signal != "uniform" and config.anlr.warmup_steps >= total:
+    raise ConfigError(
+        f"anlr.warmup_steps={config.anlr.warmup_steps} is not below the run's {total} updates:"
+        f" every multiplier would stay 1 and method={method} would train exactly like lora;"
+        f" lower anlr.warmup_steps (e.g. anlr.warmup_steps={max(1, total // 10)})"
+    )
+  warmup = config.trainer.warmup_steps
+  if warmup > total:
+    log(
+        f"[{method}] trainer.warmup_steps={warmup} is more than the run's {total} updates: the"
+        f" learning rate warms up over all {total} and never decays"
+    )
+  return min(warmup, total)
+
+
+def _finish(
+    config: RunConfig,
+    method: str,
+    run_dir: str,
+    model,
+    tokenizer,
+    identity: Mapping[str, Any],
+    results: dict,
+    log: Log,
+) -> dict:
+  """Evaluates the tasks that ``results`` lacks, writes results.json and the tables."""
+  missing = [t for t in config.eval.tasks if t not in results.get("accuracy", {})]
+  start = time.perf_counter()
+  evals = evaluate_tasks(model, tokenizer, config, out_dir=run_dir, log=log, tasks=missing)
+  accuracy = {**results.get("accuracy", {}), **accuracy_summary(evals)[0]}
+  results.update(
+      accuracy=accuracy,
+      avg=float(np.mean(list(accuracy.values()))) if accuracy else None,
+      eval_seconds=round(results.get("eval_seconds", 0.0) + time.perf_counter() - start, 2),
+      identity=dict(identity),
+  )
+  if accuracy and _is_writer():
     from anlr_jax.evals import write_accuracy_table
 
     write_accuracy_table(
         {method: accuracy}, os.path.join(run_dir, ACCURACY_TABLE), tasks=list(accuracy)
     )
   _write_json(os.path.join(run_dir, RESULTS_FILE), results)
-  results["loss_curve"] = curve
   return results
+
+
+def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = _print) -> dict:
+  """Trains one method into ``run_dir`` (see the module docstring); returns its results dict.
+
+  Run again on the same ``run_dir``, it resumes from the newest valid checkpoint, or completes
+  what is missing of a trained run, or returns the stored results of a complete one.
+  """
+  from anlr_jax.data import make_source
+  from anlr_jax.train import Trainer, linear_warmup_decay
+
+  os.makedirs(run_dir, exist_ok=True)
+  config = dataclasses.replace(config, method=method, compare=[], run_dir=run_dir)
+  with DirectoryLock(run_dir, what="run directory") if _is_writer() else _no_lock():
+    model, model_config, tokenizer = load_base(config)
+    train_path = _require_path(config.data.train, "data.train", kind="training file")
+    tc = dataclasses.replace(
+        config.trainer,
+        run_dir=run_dir,
+        seed=config.seed,
+        optimizer="anlr" if get_method(method).uses_anlr else "adamw",
+    )
+    identity = run_identity(
+        config,
+        method,
+        model_path=resolve_path(config.model.path),
+        fingerprint=model_fingerprint(model_config, model),
+        data_path=train_path,
+    )
+    identity.update(trainer_identity(tc))
+    load_eval_sets(config)  # every test file is checked before hours of training
+    results_path = os.path.join(run_dir, RESULTS_FILE)
+    lora_path = os.path.join(run_dir, LORA_FILE)
+    stored = None
+    if os.path.isfile(results_path):
+      with open(results_path, encoding="utf-8") as f:
+        stored = json.load(f)
+      _check_same_run(f"run directory {run_dir}", stored.get("identity", {}), identity)
+      if all(t in stored.get("accuracy", {}) for t in config.eval.tasks):
+        log(f"[{method}] complete already: {results_path}")
+        stored["loss_curve"] = _loss_curve(read_metrics(run_dir))
+        return stored
+    if _is_writer():
+      save_config(config, os.path.join(run_dir, CONFIG_FILE))
+    inject_method(model, config, method)
+    if os.path.isfile(lora_path):
+      _check_same_run(lora_path, lora_file_identity(lora_path) or {}, identity)
+      log(f"[{method}] trained already ({lora_path}): evaluating")
+      load_lora_params(model, lora_path)
+      rows = read_metrics(run_dir)
+      curve = _loss_curve(rows)
+      results = stored or {
+          "method": method,
+          "learning_rate": config.trainer.learning_rate,
+          "seed": config.seed,
+          "steps": int(rows[-1]["step"]) if rows else None,
+          "final_loss": _final_loss(curve),
+          "train_seconds": None,
+      }
+      model.eval()
+      results = _finish(config, method, run_dir, model, tokenizer, identity, results, log)
+      results["loss_curve"] = curve
+      return results
+
+    source = make_source(
+        train_path,
+        tokenizer,
+        format=config.data.format,
+        max_length=config.data.max_length,
+        global_batch=tc.global_batch,
+        seed=config.seed,
+        on_error=config.data.on_error,
+        pad_multiple=config.data.pad_multiple,
+    )
+    log(f"[{method}] data: {_describe_data(source, train_path, config)}")
+    _check_vocab(source, model_config.vocab_size, config)
+    total = tc.total_steps(len(source))
+    warmup = _check_schedule(config, method, total, log)
+    schedule = linear_warmup_decay(tc.learning_rate, total, warmup)
+    tx = method_optimizer(
+        method,
+        schedule,
+        b1=tc.b1,
+        b2=tc.b2,
+        eps=tc.eps,
+        weight_decay=tc.weight_decay,
+        clip_norm=tc.clip_norm,
+        anlr_kwargs=config.anlr.as_kwargs(),
+        lr_ratio=config.loraplus.lr_ratio,
+        seed=config.seed,
+        track_rank_stats=tc.diag_every > 0,
+    )
+    log(
+        f"[{method}] {len(source)} batches/epoch of {tc.global_batch}; {total} updates at lr"
+        f" {tc.learning_rate:g} -> {run_dir}"
+    )
+    model.train()
+    start = time.perf_counter()
+    trainer = Trainer(model, source, tc, tx, identity=identity, schedule=schedule)
+    if trainer.step:
+      log(f"[{method}] resumed at update {trainer.step} from {tc.ckpt_dir}")
+    try:
+      rows = trainer.run()
+    finally:
+      trainer.close()
+    train_seconds = time.perf_counter() - start
+    model = trainer.updated_model()
+    model.eval()
+    if _is_writer():
+      save_lora_params(model, lora_path, identity=identity)
+    curve = _loss_curve(rows)
+    plot_losses({method: curve}, os.path.join(run_dir, LOSS_PLOT))
+    final = _final_loss(curve)
+    log(
+        f"[{method}] trained {total} updates in {train_seconds:.1f}s; final loss "
+        + ("n/a" if final is None else f"{final:.4f}")
+    )
+    results = {
+        "method": method,
+        "learning_rate": tc.learning_rate,
+        "seed": config.seed,
+        "steps": total,
+        "final_loss": final,
+        "train_seconds": round(train_seconds, 2),
+    }
+    results = _finish(config, method, run_dir, model, tokenizer, identity, results, log)
+    results["loss_curve"] = curve
+    return results
+
+
+def _final_loss(curve) -> float | None:
+  losses = curve[1]
+  return float(np.mean(losses[-max(1, len(losses) // 10) :])) if losses else None
+
+
+class _no_lock:
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return None
 
 
 def evaluate_base(config: RunConfig, out_dir: str, *, log: Log = _print) -> dict[str, float]:
@@ -367,10 +661,26 @@ def train_run(config: RunConfig, *, log: Log = _print, timestamp: str | None = N
       config.run_dir, method="-vs-".join(methods), seed=config.seed, timestamp=timestamp
   )
   os.makedirs(run_dir, exist_ok=True)
+  with DirectoryLock(run_dir, what="run directory") if _is_writer() else _no_lock():
+    return _train_run(config, methods, run_dir, log)
+
+
+def _method_config(config: RunConfig, method: str, run_dir: str, several: bool) -> RunConfig:
+  """The config of one method's run: paths expanded; a shared ``trainer.ckpt_dir`` without
+  ``{method}`` or ``{run_dir}`` gets a sub-directory per method when several are compared."""
+  ckpt = config.trainer.ckpt_dir
+  if several and ckpt is not None and "{method}" not in ckpt and "{run_dir}" not in ckpt:
+    ckpt = os.path.join(ckpt, "{method}")
+    config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, ckpt_dir=ckpt))
+  return expand_paths(config, method, run_dir)
+
+
+def _train_run(config: RunConfig, methods: list[str], run_dir: str, log: Log) -> dict:
   if _is_writer():
     save_config(dataclasses.replace(config, run_dir=run_dir), os.path.join(run_dir, CONFIG_FILE))
   if len(methods) == 1 and not config.eval.include_base:
-    results = train_method(config, methods[0], run_dir, log=log)
+    method_config = _method_config(config, methods[0], run_dir, several=False)
+    results = train_method(method_config, methods[0], run_dir, log=log)
     results.pop("loss_curve")
     return {
         "run_dir": run_dir,
@@ -380,17 +690,19 @@ def train_run(config: RunConfig, *, log: Log = _print, timestamp: str | None = N
     }
 
   start = time.perf_counter()
-  base = (
-      evaluate_base(config, run_dir, log=log)
-      if config.eval.include_base and config.eval.tasks
-      else None
-  )
+  load_eval_sets(expand_paths(config, methods[0], run_dir))  # check every test file up front
   runs, curves = [], {}
   for method in methods:
     sub = run_dir if len(methods) == 1 else os.path.join(run_dir, method.replace("+", "_"))
-    results = train_method(config, method, sub, log=log)
+    method_config = _method_config(config, method, sub, several=len(methods) > 1)
+    results = train_method(method_config, method, sub, log=log)
     curves[method] = results.pop("loss_curve")
     runs.append(results)
+  base = (
+      evaluate_base(expand_paths(config, methods[0], run_dir), run_dir, log=log)
+      if config.eval.include_base and config.eval.tasks
+      else None
+  )
   plot_losses(curves, os.path.join(run_dir, LOSS_PLOT))
   table = {BASE_ROW: base} if base else {}
   table.update({r["method"]: r["accuracy"] for r in runs if r["accuracy"]})
@@ -434,7 +746,7 @@ def _table_text(base: Mapping[str, float] | None, runs: list[dict]) -> str:
             *(f"{100 * acc[t]:.1f}" if t in acc else "" for t in tasks),
             "" if r["avg"] is None else f"{100 * r['avg']:.1f}",
             "" if r["final_loss"] is None else f"{r['final_loss']:.4f}",
-            f"{r['train_seconds']:.0f}",
+            "" if r.get("train_seconds") is None else f"{r['train_seconds']:.0f}",
         ]
     )
   widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
@@ -524,9 +836,33 @@ def export_run(run_dir: str, fmt: str, out: str, *, log: Log = _print) -> str:
     export_peft_adapter(model, out, base_model_name_or_path=resolve_path(config.model.path))
   else:
     save_hf_model(model, model_config, out, merge_lora=True)
+    _keep_base_config(resolve_path(config.model.path), out)
     tokenizer.save_pretrained(out)
+  for folder, _, files in os.walk(out):
+    for name in files:
+      os.chmod(os.path.join(folder, name), 0o644)
   log(f"exported {run_dir} ({config.method}) as {fmt} -> {out}")
   return out
+
+
+def _keep_base_config(base_dir: str, out: str) -> None:
+  """A merged model has the base's architecture: its ``config.json`` is the base's (special token
+  ids, sliding window and every other field kept) with the written dtype, and the base's
+  ``generation_config.json`` is copied (without it Qwen2 chat models never stop at eos)."""
+  base_config = os.path.join(base_dir, "config.json")
+  if os.path.isfile(base_config):
+    with open(base_config, encoding="utf-8") as f:
+      merged = json.load(f)
+    with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+      written = json.load(f)
+    for key in ("torch_dtype", "dtype"):
+      if key in written:
+        merged[key] = written[key]
+    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+      json.dump(merged, f, indent=2)
+  generation = os.path.join(base_dir, "generation_config.json")
+  if os.path.isfile(generation):
+    shutil.copyfile(generation, os.path.join(out, "generation_config.json"))
 
 
 def generate_text(

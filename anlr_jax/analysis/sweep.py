@@ -95,6 +95,12 @@ def subprocess_runner(
         f'trainer.learning_rate={cell.learning_rate!r}',
         f'seed={cell.seed}',
         'compare=[]',
+        # each cell checkpoints into its own directory, unless the overrides say otherwise
+        *(
+            []
+            if any(o.startswith('trainer.ckpt_dir=') for o in overrides)
+            else ['trainer.ckpt_dir={run_dir}/checkpoints']
+        ),
         *overrides,
     ]
     log_path = os.path.join(run_dir, 'train.log')
