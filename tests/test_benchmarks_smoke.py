@@ -236,3 +236,16 @@ def test_memory_phases_repeated_summary_gives_medians_and_ranges_against_adamw()
   assert table["anlr"]["live_heap_diff_mib"] == {"median": 1, "min": 1, "max": 2}
   assert table[CONTROL]["step_peak_rss_ratio"] == {"median": 1.0, "min": 0.99, "max": 1.01}
   assert "over 3 rounds" in text and "adamw-control 1.0000 [0.9900, 1.0100]" in text
+
+
+def test_nonfinite_guard_times_both_steps_and_prints_the_ratio(tmp_path, capsys):
+  from benchmarks import nonfinite_guard
+
+  res = nonfinite_guard.main(TINY + ["--rounds", "3", "--out", str(tmp_path / "guard.json")])
+  printed = capsys.readouterr().out
+  assert set(res["median_ms"]) == {"guarded", "unguarded"}
+  assert res["ratio_guarded_over_unguarded"] == pytest.approx(
+      res["median_ms"]["guarded"] / res["median_ms"]["unguarded"]
+  )
+  assert re.search(r"ratio \d\.\d{4} \(paired \d\.\d{4}\), 3 rounds", printed)
+  assert json.loads((tmp_path / "guard.json").read_text())["rounds"] == 3
