@@ -1,5 +1,7 @@
 """AnLR against independent references: NumPy from the equations, optax.adamw, Proposition 2."""
 
+import itertools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -202,3 +204,134 @@ def test_peft_layout_equals_flax_layout():
     chex.assert_trees_all_close(up["m"]["lora_B"]["weight"], uf["m"]["lora_b"].T, rtol=1e-6)
     flax_p, peft_p = optax.apply_updates(flax_p, uf), optax.apply_updates(peft_p, up)
   assert float(jnp.ptp(anlr_jax.find_anlr_state(sp).multipliers["m"])) > 1e-3
+
+
+def _modules(params):
+  """Module name -> (A, B) flat keys of ``_params``' LoRA modules."""
+  return {
+      f"{group}/{leaf}": (f"['{group}']['{leaf}']['lora_a']", f"['{group}']['{leaf}']['lora_b']")
+      for group in ("attn", "mlp")
+      for leaf in params[group]
+  }
+
+
+def _per_slice(fn, a, *rest):
+  """``fn`` of 2-D (A, B, ...) slices over the leading axes of ``a``: an array ``(..., r)``."""
+  out = np.zeros(a.shape[:-2] + (a.shape[-1],))
+  for idx in itertools.product(*[range(n) for n in a.shape[:-2]]):
+    out[idx] = fn(a[idx], *(x[idx] for x in rest))
+  return out
+
+
+def _np_sensitivity(a, b, ga, gb):
+  """sum over A[:, k] and B[k, :] of |g * theta|, rank by rank (2-D slices)."""
+  r = a.shape[1]
+  return np.array(
+      [np.sum(np.abs(ga[:, k] * a[:, k])) + np.sum(np.abs(gb[k, :] * b[k, :])) for k in range(r)]
+  )
+
+
+def _np_score_multipliers(score, kappa):
+  """log s_k = clip(log(x_k / mean_j x_j), -log kappa, log kappa), then s / mean(s)."""
+  log_s = np.clip(np.log(score / score.mean(-1, keepdims=True)), -np.log(kappa), np.log(kappa))
+  s = np.exp(log_s)
+  return s / s.mean(-1, keepdims=True)
+
+
+def _permuted_rank_grads(rng, params, step):
+  """Gradients whose per-rank scale is a fresh permutation every step: the ordering of the
+  current per-rank signals differs from that of their EMA."""
+
+  def g(path, x):
+    out = rng.normal(size=x.shape)
+    if x.ndim >= 2:
+      is_a = jax.tree_util.keystr(path).endswith("'lora_a']")
+      r = x.shape[-1] if is_a else x.shape[-2]
+      w = np.geomspace(0.1, 4.0, r)[np.random.default_rng(100 + step).permutation(r)]
+      out = out * (w if is_a else w[:, None])
+    return out
+
+  return jax.tree_util.tree_map_with_path(g, params)
+
+
+@pytest.mark.parametrize("batch_modules", [True, False])
+def test_sensitivity_signal_matches_numpy(batch_modules):
+  """signal='sensitivity': EMA (rho) of sum |g * theta| per component, from this step's gradients
+  and pre-update parameters; log s = clip(log(score / mean score)), mean-normalised. A larger
+  sensitivity gives a larger multiplier."""
+  rng = np.random.default_rng(5)
+  rho, kappa = 0.7, 4.0
+  with jax.enable_x64(True):
+    params = _params(rng)
+    modules = _modules(params)
+    tx = anlr_jax.anlr(
+        3e-3,
+        **HP,
+        rho=rho,
+        kappa=kappa,
+        warmup_steps=0,
+        signal="sensitivity",
+        batch_modules=batch_modules,
+    )
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    ema = {
+        n: np.zeros(_flat(params)[a].shape[:-2] + (_flat(params)[a].shape[-1],))
+        for n, (a, _) in modules.items()
+    }
+    inside_clamp = 0
+    for step in range(5):
+      grads = _permuted_rank_grads(rng, params, step)
+      fp, fg = _flat(params), _flat(grads)
+      updates, state = update(grads, state, params)
+      st = anlr_jax.find_anlr_state(state)
+      ema_matters = False
+      for name, (ka, kb) in modules.items():
+        score = _per_slice(_np_sensitivity, fp[ka], fp[kb], fg[ka], fg[kb])
+        ema[name] = rho * ema[name] + (1 - rho) * score
+        np.testing.assert_allclose(np.asarray(st.sensitivity[name]), ema[name], rtol=1e-12)
+        want = _np_score_multipliers(ema[name], kappa)
+        got = np.asarray(st.multipliers[name])
+        np.testing.assert_allclose(got, want, rtol=1e-10, err_msg=f"{name} step {step + 1}")
+        # the sign: the multipliers are non-decreasing in the (EMA) sensitivity
+        log_ratio = np.log(ema[name] / ema[name].mean(-1, keepdims=True))
+        inside_clamp += int(np.sum(np.abs(log_ratio) < np.log(kappa)))
+        order = np.argsort(ema[name], axis=-1)
+        assert np.all(np.diff(np.take_along_axis(got, order, -1), axis=-1) >= -1e-12)
+        ema_matters |= bool(np.abs(_np_score_multipliers(score, kappa) - want).max() > 1e-2)
+      if step > 0:  # without the EMA (current score only) the multipliers would differ
+        assert ema_matters
+      params = optax.apply_updates(params, updates)
+    assert inside_clamp > 80  # most multipliers (101 of 125) are set by the score, not the clamp
+
+
+def test_velocity_ema_starts_at_zero_and_runs_during_warmup():
+  """nu_bar_1 = (1-rho) nu_1 and nu_bar_2 = rho (1-rho) nu_1 + (1-rho) nu_2, with nu_t the
+  materialised Frobenius velocity of update t (pre-update parameters), during warmup too."""
+  rng = np.random.default_rng(6)
+  rho = 0.7
+  with jax.enable_x64(True):
+    params = _params(rng)
+    modules = _modules(params)
+    for warmup in (0, 10):
+      tx = anlr_jax.anlr(1e-2, **HP, alpha=2.0, beta=1.0, kappa=3.0, rho=rho, warmup_steps=warmup)
+      state, p, update = tx.init(params), params, jax.jit(tx.update)
+      nus = []
+      for step in range(2):
+        grads = _grads(rng, p)
+        fp, fg = _flat(p), _flat(grads)
+        nus.append(
+            {
+                n: _per_slice(numpy_anlr.velocity, fp[ka], fp[kb], fg[ka], fg[kb])
+                for n, (ka, kb) in modules.items()
+            }
+        )
+        updates, state = update(grads, state, p)
+        nu_bar = anlr_jax.find_anlr_state(state).nu_bar
+        for n in modules:
+          if step == 0:
+            want = (1 - rho) * nus[0][n]
+          else:
+            want = rho * (1 - rho) * nus[0][n] + (1 - rho) * nus[1][n]
+          np.testing.assert_allclose(np.asarray(nu_bar[n]), want, rtol=1e-12, err_msg=n)
+        p = optax.apply_updates(p, updates)

@@ -176,6 +176,39 @@ def test_loraplus_scales_only_b():
     chex.assert_trees_all_close(o["q"]["lora_b"], 4.0 * r["q"]["lora_b"], atol=1e-7, rtol=1e-6)
 
 
+def test_loraplus_peft_layout_scales_lora_B_only():
+  """lora_dims=PEFT: lora_B (d_out, r) gets lr_ratio x the AdamW update, lora_A (r, d_in) and other
+  leaves exactly AdamW's; with the default (Flax) layout no PEFT factor is found or scaled."""
+  rng = np.random.default_rng(4)
+  f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  params = {
+      "q_proj": {"lora_A": {"weight": f32(R, D_IN)}, "lora_B": {"weight": f32(D_OUT, R)}},
+      "stack": {"lora_A": f32(3, R, D_IN), "lora_B": f32(3, D_OUT, R)},  # stacked, no 'weight'
+      "bias": f32(D_OUT),
+  }
+  ratio = 4.0  # a power of two: the scaled update is exactly representable
+  kw = dict(weight_decay=0.1)
+  ours = anlr_jax.loraplus(1e-2, lr_ratio=ratio, lora_dims=anlr_jax.PEFT, **kw)
+  flax_dims = anlr_jax.loraplus(1e-2, lr_ratio=ratio, **kw)
+  ref = optax.adamw(1e-2, **kw)
+  states = [t.init(params) for t in (ours, flax_dims, ref)]
+  p = params
+  for _ in range(3):
+    g = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
+    (u, s0), (u_flax, s1), (u_ref, s2) = (
+        t.update(g, st, p) for t, st in zip((ours, flax_dims, ref), states)
+    )
+    states = [s0, s1, s2]
+    for name in ("q_proj", "stack"):
+      chex.assert_trees_all_equal(u[name]["lora_A"], u_ref[name]["lora_A"])
+      chex.assert_trees_all_equal(
+          u[name]["lora_B"], jax.tree.map(lambda x: ratio * x, u_ref[name]["lora_B"])
+      )
+    chex.assert_trees_all_equal(u["bias"], u_ref["bias"])
+    chex.assert_trees_all_equal(u_flax, u_ref)  # lora_A/lora_B are not Flax names: plain AdamW
+    p = optax.apply_updates(p, u)  # the same parameters for every optimizer (weight decay)
+
+
 def _numpy_multipliers(params2, grads, *, alpha, beta, kappa, b1=0.9, b2=0.999, eps=1e-8):
   """METHOD.md steps 2-6 at update t=2 with rho=0 (EMA = current velocity), in float64 NumPy."""
   a, b = (np.asarray(params2["q"][k], np.float64) for k in ("lora_a", "lora_b"))
