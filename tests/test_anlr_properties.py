@@ -422,3 +422,18 @@ def test_cancelling_velocity_through_the_transform_is_finite_and_non_negative():
     assert np.all(np.isfinite(s)) and np.all(s > 0.0)
     np.testing.assert_allclose(s.mean(-1), 1.0, rtol=1e-5)
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(u))
+
+
+def test_init_gives_every_state_leaf_its_own_buffer():
+  """A train step donates its state: two leaves sharing one buffer would be donated twice."""
+  params = {
+      "q": {"lora_a": jnp.ones((2, 8, 4)), "lora_b": jnp.zeros((2, 4, 8))},
+      "v": {"lora_a": jnp.ones((8, 4)), "lora_b": jnp.zeros((4, 8))},
+  }
+  for signal in ("anlr", "sensitivity"):
+    state = anlr_jax.anlr(1e-3, signal=signal).init(params)
+    leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
+    pointers = [x.unsafe_buffer_pointer() for x in leaves]
+    assert len(set(pointers)) == len(pointers), signal
+    step = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
+    jax.block_until_ready(step(state))

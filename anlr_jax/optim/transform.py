@@ -242,14 +242,15 @@ def _anlr_transform(
     def per_rank(value):
       return {m.name: _per_rank_filled(leaves[m.a_index], m.a_feature_axis, value) for m in modules}
 
-    zeros = per_rank(0.0)
+    # every state leaf gets its own buffer: a train step that donates its state must never see
+    # one buffer twice
     return AnLRState(
         count=jnp.zeros([], jnp.int32),
         inner_state=inner_init(params),
-        nu_bar=zeros,
-        snr=dict(zeros),
+        nu_bar=per_rank(0.0),
+        snr=per_rank(0.0),
         multipliers=per_rank(1.0),
-        sensitivity=dict(zeros) if signal == "sensitivity" else {},
+        sensitivity=per_rank(0.0) if signal == "sensitivity" else {},
     )
 
   def update_fn(updates, state, params=None, **extra_args):
