@@ -12,6 +12,7 @@ Examples::
     anlr eval --config configs/quickstart.yaml --adapter runs/quickstart-.../anlr
     anlr export --run runs/quickstart-.../anlr --format peft --out adapters/anlr
     anlr generate --model models/Llama-2-7b-hf --adapter adapters/anlr --prompt "..."
+    anlr convert --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out models/smollm2-135m
     anlr analyze ... / anlr sweep ...                   # see anlr_jax.analysis
 """
 
@@ -135,6 +136,21 @@ def cmd_export(args) -> int:
   return 0
 
 
+def cmd_convert(args) -> int:
+  from anlr_jax.models import convert_gguf
+
+  if not os.path.isfile(args.gguf):
+    raise FileNotFoundError(f"--gguf {args.gguf}: no such file")
+  start = time.perf_counter()
+  written = convert_gguf(args.gguf, args.out, dtype=args.dtype)
+  print(
+      f"converted {args.gguf} -> {args.out} ({len(written)} files, "
+      f"{time.perf_counter() - start:.1f}s)",
+      flush=True,
+  )
+  return 0
+
+
 def cmd_generate(args) -> int:
   from anlr_jax.run import generate_text
 
@@ -213,8 +229,18 @@ def build_parser() -> argparse.ArgumentParser:
   ex.add_argument("--out", required=True, help="output directory")
   ex.set_defaults(func=cmd_export)
 
+  conv = sub.add_parser(
+      "convert", help="write a LLaMA/Qwen2 GGUF file as a Hugging Face checkpoint directory"
+  )
+  conv.add_argument(
+      "--gguf", required=True, help="the .gguf file (quantised weights are dequantised)"
+  )
+  conv.add_argument("--out", required=True, help="output directory")
+  conv.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+  conv.set_defaults(func=cmd_convert)
+
   gen = sub.add_parser("generate", help="greedy/sampled generation from a prompt")
-  gen.add_argument("--model", required=True, help="local HF model directory")
+  gen.add_argument("--model", required=True, help="local HF model directory or .gguf file")
   gen.add_argument("--adapter", help="a run directory or a PEFT adapter directory")
   gen.add_argument("--prompt", required=True)
   gen.add_argument("--max-new-tokens", type=int, default=64)

@@ -573,3 +573,21 @@ def test_smollm2_greedy_next_token_after_chat_prompt(smollm2):
   ours, theirs = smollm2["ours"][1, -1], smollm2["theirs"][1, -1]
   assert int(ours.argmax()) == int(theirs.argmax())
   assert tok.decode([int(ours.argmax())]).strip()  # a real token, e.g. "The"
+
+
+def test_anlr_convert_writes_the_checkpoint_and_names_a_missing_file(tiny, tmp_path, capsys):
+  from anlr_jax import cli
+
+  file = tiny["files"]["llama", "Q8_0"]
+  assert cli.main(["convert", "--gguf", str(file), "--out", str(tmp_path / "hf")]) == 0
+  assert "converted" in capsys.readouterr().out
+  from_dir, _ = load_hf_model(tmp_path / "hf")
+  from_file, _ = load_hf_model(file)
+  for (path, a), (_, b) in zip(
+      nnx.to_flat_state(nnx.state(from_dir)), nnx.to_flat_state(nnx.state(from_file))
+  ):
+    np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), str(path))
+  missing = tmp_path / "none.gguf"
+  assert cli.main(["convert", "--gguf", str(missing), "--out", str(tmp_path / "x")]) == 2
+  err = capsys.readouterr().err
+  assert f"--gguf {missing}: no such file" in err and len(err.strip().splitlines()) == 1
