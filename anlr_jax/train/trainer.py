@@ -20,7 +20,7 @@ import logging
 import math
 import signal
 import threading
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -258,6 +258,14 @@ class Trainer:
     mesh: a ``('data', 'fsdp', 'tensor')`` mesh (default: from the config's sizes over ``devices``).
     devices: devices for the default mesh (default: all).
     logical_axis_rules: logical name -> mesh axis table.
+    loss_regularizer: ``R(lora) -> scalar`` added to the differentiated loss (see
+      :func:`anlr_jax.train.step.make_train_step`; the ``loss`` metric stays the cross-entropy and
+      ``regularizer`` reports ``R``), e.g. AdaLoRA's orthogonal regulariser.
+    on_step: ``on_step(trainer, step)`` called by :meth:`run` on the host with the number of
+      updates done: once before its first update and after every update (before the step's metrics
+      are logged and its checkpoint is written, so a checkpoint holds what the hook did). It may
+      replace ``trainer.state`` with a state of the same structure, shapes, dtypes and shardings
+      (the step is not recompiled), e.g. LoRA-Dash's launch writing new ``extra`` state.
   """
 
   def __init__(
@@ -272,6 +280,8 @@ class Trainer:
       mesh: jax.sharding.Mesh | None = None,
       devices: Sequence[jax.Device] | None = None,
       logical_axis_rules=DEFAULT_LOGICAL_AXIS_RULES,
+      loss_regularizer: Callable[[Any], jax.Array] | None = None,
+      on_step: Callable[['Trainer', int], None] | None = None,
   ):
     if not hasattr(batches, 'get_batch') or not hasattr(batches, '__len__'):
       raise TypeError(f'batches={batches!r} must have __len__ and get_batch(step, ...)')
@@ -289,6 +299,7 @@ class Trainer:
         else make_mesh(config.mesh_data, config.mesh_fsdp, config.mesh_tensor, devices=devices)
     )
     self.model = model
+    self.on_step = on_step
 
     graphdef, lora, frozen, extra = nnx.split(model, nnx.LoRAParam, nnx.Param, ...)
     if not jax.tree.leaves(lora):
@@ -330,6 +341,7 @@ class Trainer:
         remat=config.remat,
         batch_spec=jax.sharding.PartitionSpec(BATCH_AXES),
         stacked_layers=self.stacked,
+        loss_regularizer=loss_regularizer,
     )
     self.step_traces = 0  # how many times the step was traced (= compiled); 1 in a healthy run
 
@@ -463,7 +475,7 @@ class Trainer:
         state, meta, frozen = self.checkpointer.restore(
             candidate, self.abstract_state(), frozen_target, key_source=self.state
         )
-        bad = _first_nonfinite(state if frozen is None else (state, frozen))
+        bad = _first_nonfinite(state if frozen is None else (state, frozen), self.mesh)
         if bad is not None:
           raise CorruptCheckpointError(
               f'checkpoint {candidate} in {self.checkpointer.directory} holds non-finite values'
@@ -560,11 +572,15 @@ class Trainer:
     )
     writer.start(step)
     stuck = 0
+    if self.on_step is not None:
+      self.on_step(self, step)
     try:
       with _deferred_signals() as caught:
         while step < end:
           metrics = self.train_step()
           step += 1
+          if self.on_step is not None:
+            self.on_step(self, step)
           log_now = step % self.config.log_every == 0 or step == end or bool(caught)
           diag_now = bool(self.config.diag_every) and step % self.config.diag_every == 0
           extra = None
@@ -650,8 +666,9 @@ def _looks_stuck(rows: list[dict[str, float]]) -> bool:
   return last.get('grad_norm') == 0.0 and last.get('loss') == before.get('loss')
 
 
-def _first_nonfinite(tree) -> str | None:
-  """The name of the first floating leaf holding a NaN/Inf, or None (one device reduction)."""
+def _first_nonfinite(tree, mesh: jax.sharding.Mesh) -> str | None:
+  """The name of the first floating leaf holding a NaN/Inf, or None (one device reduction, its
+  result replicated on ``mesh`` so that every process reads it)."""
   leaves = [
       (jax.tree_util.keystr(path), x)
       for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
@@ -659,10 +676,10 @@ def _first_nonfinite(tree) -> str | None:
   ]
   if not leaves:
     return None
-  flags = jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))(
-      [x for _, x in leaves]
+  all_finite = jax.jit(
+      lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]), out_shardings=replicated(mesh)
   )
-  flags = np.asarray(jax.device_get(flags))
+  flags = np.asarray(all_finite([x for _, x in leaves]).addressable_data(0))
   return None if flags.all() else leaves[int(np.argmin(flags))][0]
 
 
