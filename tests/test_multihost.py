@@ -24,8 +24,8 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def test_two_processes_match_one_process(tmp_path):
-  out = tmp_path / 'losses.npy'
+def _launch(out, steps, extra=()):
+  """Runs the 2-process job to the end; returns each process's stdout."""
   port = _free_port()
   procs = []
   for pid in range(2):
@@ -46,9 +46,10 @@ def test_two_processes_match_one_process(tmp_path):
                 '--devices',
                 '4',
                 '--steps',
-                str(STEPS),
+                str(steps),
                 '--out',
                 str(out),
+                *extra,
             ],
             cwd=REPO,
             env=env,
@@ -68,8 +69,10 @@ def test_two_processes_match_one_process(tmp_path):
   for proc, (stdout, stderr) in zip(procs, outputs):
     assert proc.returncode == 0, stderr[-3000:]
   assert 'process 1/2' in outputs[1][0]
-  multi = np.load(out)
+  return [stdout for stdout, _ in outputs]
 
+
+def _single_process_losses():
   cfg = TrainerConfig(
       steps=STEPS,
       global_batch=8,
@@ -81,9 +84,25 @@ def test_two_processes_match_one_process(tmp_path):
       mesh_tensor=2,
   )
   trainer = Trainer(make_toy_model(), ToyBatches(), cfg, optax.adamw(1e-2))
-  single = [float(trainer.train_step()['loss']) for _ in range(STEPS)]
-  np.testing.assert_allclose(multi, single, rtol=1e-5, atol=1e-5)
+  return [float(trainer.train_step()['loss']) for _ in range(STEPS)]
+
+
+def test_two_processes_match_one_process(tmp_path):
+  _launch(tmp_path / 'losses.npy', STEPS)
+  single = _single_process_losses()
+  np.testing.assert_allclose(np.load(tmp_path / 'losses.npy'), single, rtol=1e-5, atol=1e-5)
   assert len(set(np.round(single, 4))) == STEPS  # the losses move: the test compares real steps
+
+
+def test_two_processes_checkpoint_and_resume(tmp_path):
+  """Process 0 seals the checkpoint (checksums); both verify and check it on restore."""
+  ckpt = tmp_path / 'ckpt'
+  _launch(tmp_path / 'first.npy', STEPS - 1, ['--ckpt', str(ckpt)])
+  assert (ckpt / str(STEPS - 1) / 'anlr_checksums.json').is_file()
+  stdouts = _launch(tmp_path / 'rest.npy', STEPS, ['--ckpt', str(ckpt)])
+  assert all(f'resumed at step {STEPS - 1}' in out for out in stdouts)
+  losses = list(np.load(tmp_path / 'first.npy')) + list(np.load(tmp_path / 'rest.npy'))
+  np.testing.assert_allclose(losses, _single_process_losses(), rtol=1e-5, atol=1e-5)
 
 
 def test_initialize_distributed_validates_settings(monkeypatch):

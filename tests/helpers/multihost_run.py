@@ -13,6 +13,7 @@ def main():
   parser.add_argument('--devices', type=int, required=True)
   parser.add_argument('--steps', type=int, default=3)
   parser.add_argument('--out', required=True)
+  parser.add_argument('--ckpt', help='checkpoint dir: train with Trainer.run (resuming, saving)')
   args = parser.parse_args()
   jax.config.update('jax_num_cpu_devices', args.devices)  # before any JAX call
 
@@ -35,8 +36,15 @@ def main():
       mesh_fsdp=2,
       mesh_tensor=2,
   )
+  if args.ckpt:
+    cfg.ckpt_dir, cfg.resume_allow = args.ckpt, ['trainer.steps']
   trainer = Trainer(make_toy_model(), ToyBatches(), cfg, optax.adamw(1e-2))
-  losses = [float(trainer.train_step()['loss']) for _ in range(args.steps)]
+  if args.ckpt:
+    print(f'resumed at step {trainer.step}', flush=True)
+    losses = [row['loss'] for row in trainer.run()]
+    trainer.close()
+  else:
+    losses = [float(trainer.train_step()['loss']) for _ in range(args.steps)]
   if jax.process_index() == 0:
     np.save(args.out, np.asarray(losses, np.float64))
   print(f'process {jax.process_index()}/{jax.process_count()} losses {losses}', flush=True)
