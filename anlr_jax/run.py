@@ -800,6 +800,7 @@ def eval_run(
     raise ValueError(
         "eval.tasks is empty: name at least one task, e.g. eval.tasks.boolq=<test file>"
     )
+  load_eval_sets(config)  # every test file read and checked before anything is written
   model, _, tokenizer = load_adapted_model(config, adapter)
   out_dir = out_dir or os.path.join(
       adapter if adapter else ".", f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
