@@ -9,6 +9,9 @@ A run config is the YAML mapping
    lora:    {rank: 32, alpha: 64, dropout: 0.05, targets: [q_proj, k_proj, v_proj, up_proj, down_proj]}
    anlr:    {alpha: 2.0, beta: 1.0, kappa: 3.0, rho: 0.95, warmup_steps: 100}
    loraplus: {lr_ratio: 16}
+   adalora: {target_r: 8, tinit: 0, tfinal: 0, delta_t: 1}   # method adalora (init_r = lora.rank)
+   lorapro: {mode: full}
+   loradash: {num_directions: 8, launch_step: 100}
    data:    {train: data/commonsense_170k.json, max_length: 512}
    trainer: {learning_rate: 1.0e-4, global_batch: 16, epochs: 3}   # anlr_jax.train.TrainerConfig
    eval:    {tasks: {boolq: data/boolq/test.json}, batch_size: 16, max_new_tokens: 32}
@@ -43,6 +46,8 @@ import yaml
 from anlr_jax.methods import METHOD_NAMES
 from anlr_jax.models.config import ATTENTION_IMPLS
 from anlr_jax.nn.inject import PAPER_TARGET_MODULES
+from anlr_jax.nn.loradash import LORADASH_DEFAULTS
+from anlr_jax.optim.lorapro import MODES as LORAPRO_MODES
 from anlr_jax.optim.transform import DEFAULTS as ANLR_DEFAULTS
 from anlr_jax.train.step import LORA_LAYOUTS
 from anlr_jax.train.trainer import TrainerConfig
@@ -100,6 +105,37 @@ class LoraPlusSection:
 
 
 @dataclasses.dataclass
+class AdaLoRASection:
+  """AdaLoRA settings (method adalora; PEFT's AdaLoraConfig defaults; init_r is lora.rank)."""
+
+  target_r: int = 8  # average rank per module at the end of the budget schedule (<= lora.rank)
+  tinit: int = 0  # warm-up updates before any triplet is pruned
+  tfinal: int = 0  # final updates with the final mask fixed (tinit + tfinal < the run's updates)
+  delta_t: int = 1  # updates between two maskings while the budget decreases (PEFT's deltaT)
+  beta1: float = 0.85  # EMA decay of the sensitivity |theta * grad|
+  beta2: float = 0.85  # EMA decay of the sensitivity's uncertainty
+  orth_reg_weight: float = 0.5  # weight of the orthogonal regulariser added to the loss
+
+
+@dataclasses.dataclass
+class LoraProSection:
+  """LoRA-Pro setting (method lorapro)."""
+
+  mode: str = "full"  # 'full': the paper's Algorithm 1; 'efficient': low-memory (official code)
+
+
+_DASH = LORADASH_DEFAULTS
+
+
+@dataclasses.dataclass
+class LoraDashSection:
+  """LoRA-Dash settings (methods loradash, anlr+loradash; the paper's defaults)."""
+
+  num_directions: int = _DASH["num_directions"]  # task-specific directions s per module (paper: 8)
+  launch_step: int = _DASH["launch_step"]  # plain-LoRA updates before choosing them (paper: 100)
+
+
+@dataclasses.dataclass
 class DataSection:
   """The fine-tuning data (see anlr_jax.data.formats)."""
 
@@ -108,6 +144,7 @@ class DataSection:
   max_length: int = 512  # tokens per sequence at most (longer ones are cut at the end)
   on_error: str = "raise"  # malformed record: 'raise' or 'skip'
   pad_multiple: int = 64  # sequence length rounded up to a multiple of this
+  template: str = "alpaca"  # prompts of training and eval: 'alpaca' or 'chat' (tokenizer's template)
 
 
 @dataclasses.dataclass
@@ -137,6 +174,9 @@ class RunConfig:
   lora: LoraSection = dataclasses.field(default_factory=LoraSection)
   anlr: AnLRSection = dataclasses.field(default_factory=AnLRSection)
   loraplus: LoraPlusSection = dataclasses.field(default_factory=LoraPlusSection)
+  adalora: AdaLoRASection = dataclasses.field(default_factory=AdaLoRASection)
+  lorapro: LoraProSection = dataclasses.field(default_factory=LoraProSection)
+  loradash: LoraDashSection = dataclasses.field(default_factory=LoraDashSection)
   data: DataSection = dataclasses.field(default_factory=DataSection)
   trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
   eval: EvalSection = dataclasses.field(default_factory=EvalSection)
@@ -151,6 +191,9 @@ SECTIONS: dict[str, type] = {
     "lora": LoraSection,
     "anlr": AnLRSection,
     "loraplus": LoraPlusSection,
+    "adalora": AdaLoRASection,
+    "lorapro": LoraProSection,
+    "loradash": LoraDashSection,
     "data": DataSection,
     "trainer": TrainerConfig,
     "eval": EvalSection,
@@ -199,6 +242,12 @@ def _format_names():
   return (*FORMATS, None)
 
 
+def _template_names():
+  from anlr_jax.data.chat import TEMPLATES
+
+  return TEMPLATES
+
+
 CHECKS: dict[str, Callable[[], tuple[Callable[[Any], bool], str]]] = {
     "method": lambda: _one_of(METHOD_NAMES),
     "compare[]": lambda: _one_of(METHOD_NAMES),
@@ -214,10 +263,21 @@ CHECKS: dict[str, Callable[[], tuple[Callable[[Any], bool], str]]] = {
     "anlr.rho": lambda: _in_range(0, 1, hi_open=True),
     "anlr.warmup_steps": lambda: _in_range(0, None),
     "loraplus.lr_ratio": lambda: _in_range(0, None, lo_open=True),
+    "adalora.target_r": lambda: _in_range(1, None),
+    "adalora.tinit": lambda: _in_range(0, None),
+    "adalora.tfinal": lambda: _in_range(0, None),
+    "adalora.delta_t": lambda: _in_range(1, None),
+    "adalora.beta1": lambda: _in_range(0, 1, lo_open=True, hi_open=True),
+    "adalora.beta2": lambda: _in_range(0, 1, lo_open=True, hi_open=True),
+    "adalora.orth_reg_weight": lambda: _in_range(0, None),
+    "lorapro.mode": lambda: _one_of(LORAPRO_MODES),
+    "loradash.num_directions": lambda: _in_range(1, None),
+    "loradash.launch_step": lambda: _in_range(0, None),
     "data.format": lambda: _one_of(_format_names()),
     "data.max_length": lambda: _in_range(2, None),
     "data.on_error": lambda: _one_of(("raise", "skip")),
     "data.pad_multiple": lambda: _in_range(1, None),
+    "data.template": lambda: _one_of(_template_names()),
     "trainer.steps": lambda: _in_range(1, None),
     "trainer.epochs": lambda: _in_range(0, None, lo_open=True),
     "trainer.learning_rate": lambda: _in_range(0, None, lo_open=True),
@@ -451,7 +511,22 @@ def config_from_dict(raw: Mapping[str, Any] | None) -> RunConfig:
     else:
       raise ConfigError(f"unknown key {name!r}; allowed top-level keys: {', '.join(allowed)}")
   top_cls = _build_section(_TopLevel, top, "")
-  return RunConfig(**dataclasses.asdict(top_cls), **sections)
+  config = RunConfig(**dataclasses.asdict(top_cls), **sections)
+  check_method_settings(config)
+  return config
+
+
+def check_method_settings(config: RunConfig) -> None:
+  """Checks between keys that matter only for the methods the config trains (ConfigError)."""
+  from anlr_jax.methods import get_method
+
+  specs = [get_method(m) for m in config.methods()]
+  if any(s.uses_adalora for s in specs) and config.adalora.target_r > config.lora.rank:
+    raise ConfigError(
+        f"adalora.target_r={config.adalora.target_r} exceeds lora.rank={config.lora.rank} (AdaLoRA's"
+        " initial rank): the final budget cannot be larger than the initial one; lower"
+        " adalora.target_r or raise lora.rank"
+    )
 
 
 @dataclasses.dataclass
@@ -631,18 +706,22 @@ def help_text() -> str:
 
 __all__ = [
     "ASSET_PREFIX",
+    "AdaLoRASection",
     "AnLRSection",
     "CHECKS",
     "ConfigError",
     "DataSection",
     "EvalSection",
+    "LoraDashSection",
     "LoraPlusSection",
+    "LoraProSection",
     "LoraSection",
     "ModelSection",
     "RunConfig",
     "SECTIONS",
     "SET_ELSEWHERE",
     "apply_overrides",
+    "check_method_settings",
     "config_from_dict",
     "config_to_dict",
     "field_docs",

@@ -7,28 +7,38 @@ A fine-tuning method is a pair (how the LoRA layers are built, how their params 
    y = x W_0 + c\,x A B \quad (c = \alpha_{lora}/r \text{ or } \alpha_{lora}/\sqrt r),
    \qquad \theta_{t+1} = \theta_t + \mathrm{tx}\big(\mathrm{clip}_c(\nabla_\theta L)\big),
 
-with the layer settings (``init``, ``use_rslora``, ``use_dora``) passed to
-:func:`anlr_jax.nn.inject_lora` and ``tx`` one of ``optax.adamw`` (LoRA and its layer variants),
-:func:`anlr_jax.loraplus` (``\eta_B = \lambda \eta_A``) or :func:`anlr_jax.anlr` with a ``signal``
-(AnLR-LoRA and the paper's ablations, Tab. 6/9). Every ``tx`` runs on the trainer's schedule
-``\eta_t`` after ``clip_by_global_norm`` (when ``clip_norm`` is set).
+with the layer (``layer``) one of :class:`anlr_jax.nn.LoRALinear` (``init``, ``use_rslora``,
+``use_dora`` passed to :func:`anlr_jax.nn.inject_lora`), :class:`anlr_jax.nn.AdaLoRALinear`
+(AdaLoRA's SVD form ``x A diag(E) B``, :func:`anlr_jax.nn.inject_adalora`) or
+:class:`anlr_jax.nn.LoRADashLinear` (LoRA plus the amplified task-specific directions of ``W_0``
+after ``loradash.launch_step`` updates, :func:`anlr_jax.nn.inject_loradash`), and ``tx`` one of
+``optax.adamw`` (LoRA and its layer variants), :func:`anlr_jax.loraplus`
+(``\eta_B = \lambda \eta_A``), :func:`anlr_jax.anlr` with a ``signal`` (AnLR-LoRA and the paper's
+ablations, Tab. 6/9), AdaLoRA's :func:`anlr_jax.optim.adalora.rank_allocator` over AdamW (the
+orthogonal regulariser is added to the loss by the trainer) or :func:`anlr_jax.optim.lorapro.lorapro`
+(``scale = c``). Every ``tx`` runs on the trainer's schedule ``\eta_t`` after
+``clip_by_global_norm`` (when ``clip_norm`` is set).
 
-==================  =========  ======  ====  ===========================
-method              init       rsLoRA  DoRA  optimizer
-==================  =========  ======  ====  ===========================
-lora                default    no      no    adamw
-rslora              default    yes     no    adamw
-loraplus            default    no      no    loraplus (lr_ratio)
-anlr                default    no      no    anlr (signal="anlr")
-pissa / milora      pissa/...  no      no    adamw
-dora                default    no      yes   adamw
-anlr+pissa/milora   pissa/...  no      no    anlr
-anlr+dora           default    no      yes   anlr
-anlr-velocity       default    no      no    anlr (signal="velocity", beta = 0)
-anlr-snr            default    no      no    anlr (signal="snr", alpha = 0)
-random              default    no      no    anlr (signal="random")
-sensitivity         default    no      no    anlr (signal="sensitivity")
-==================  =========  ======  ====  ===========================
+==================  ========  =========  ======  ====  ====================================
+method              layer     init       rsLoRA  DoRA  optimizer
+==================  ========  =========  ======  ====  ====================================
+lora                lora      default    no      no    adamw
+rslora              lora      default    yes     no    adamw
+loraplus            lora      default    no      no    loraplus (lr_ratio)
+anlr                lora      default    no      no    anlr (signal="anlr")
+pissa / milora      lora      pissa/...  no      no    adamw
+dora                lora      default    no      yes   adamw
+anlr+pissa/milora   lora      pissa/...  no      no    anlr
+anlr+dora           lora      default    no      yes   anlr
+anlr-velocity       lora      default    no      no    anlr (signal="velocity", beta = 0)
+anlr-snr            lora      default    no      no    anlr (signal="snr", alpha = 0)
+random              lora      default    no      no    anlr (signal="random")
+sensitivity         lora      default    no      no    anlr (signal="sensitivity")
+adalora             adalora   (PEFT's)   no      no    adalora (rank_allocator over adamw)
+lorapro             lora      default    no      no    lorapro (scale = alpha / r)
+loradash            loradash  default    no      no    adamw
+anlr+loradash       loradash  default    no      no    anlr
+==================  ========  =========  ======  ====  ====================================
 """
 
 from __future__ import annotations
@@ -38,8 +48,11 @@ from typing import Any, Mapping
 
 import optax
 
-OPTIMIZERS = ("adamw", "loraplus", "anlr")
+OPTIMIZERS = ("adamw", "loraplus", "anlr", "adalora", "lorapro")
 """Optimizer families a method can use."""
+
+LAYERS = ("lora", "adalora", "loradash")
+"""Adapter layers a method can use: ``LoRALinear``, ``AdaLoRALinear``, ``LoRADashLinear``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +61,7 @@ class Method:
 
   name: str
   description: str
+  layer: str = "lora"  # one of LAYERS
   init: str = "default"  # LoRALinear init: 'default', 'pissa' or 'milora'
   use_rslora: bool = False  # scale c = alpha / sqrt(r) instead of alpha / r
   use_dora: bool = False  # DoRA magnitude/direction decomposition
@@ -61,6 +75,14 @@ class Method:
   @property
   def uses_anlr(self) -> bool:
     return self.optimizer == "anlr"
+
+  @property
+  def uses_adalora(self) -> bool:
+    return self.layer == "adalora"
+
+  @property
+  def uses_loradash(self) -> bool:
+    return self.layer == "loradash"
 
 
 def _table(*methods: Method) -> dict[str, Method]:
@@ -120,6 +142,29 @@ METHODS: dict[str, Method] = _table(
         optimizer="anlr",
         signal="sensitivity",
     ),
+    Method(
+        "adalora",
+        "AdaLoRA: SVD-form adapters, rank budget pruned by sensitivity, orthogonal regulariser",
+        layer="adalora",
+        optimizer="adalora",
+    ),
+    Method(
+        "lorapro",
+        "LoRA-Pro: LoRA steps that approximate full fine-tuning's AdamW step",
+        optimizer="lorapro",
+    ),
+    Method(
+        "loradash",
+        "LoRA-Dash: LoRA plus amplified task-specific directions of W0 after launch_step updates",
+        layer="loradash",
+    ),
+    Method(
+        "anlr+loradash",
+        "AnLR-LoRA on LoRA-Dash layers",
+        layer="loradash",
+        optimizer="anlr",
+        signal="anlr",
+    ),
 )
 """Method name -> :class:`Method`; the one source of truth for ``method:``."""
 
@@ -146,6 +191,9 @@ def method_optimizer(
     lr_ratio: float = 16.0,
     seed: int = 0,
     track_rank_stats: bool = False,
+    adalora_config: Any = None,
+    lora_scale: float | None = None,
+    lorapro_mode: str = "full",
 ) -> optax.GradientTransformation:
   r"""``clip_by_global_norm(clip_norm)`` followed by the method's optimizer on ``learning_rate``.
 
@@ -160,7 +208,14 @@ def method_optimizer(
     seed: seed of the ``random`` signal.
     track_rank_stats: for the AdamW methods, use ``anlr_jax.anlr(signal="uniform")`` instead of
       ``optax.adamw``: the same updates (``s = 1``), plus per-rank velocity and SNR in the optimizer
-      state, so that a plain-LoRA run logs the diagnostics that ``anlr analyze`` draws.
+      state, so that a plain-LoRA run logs the diagnostics that ``anlr analyze`` draws. Ignored by
+      ``adalora`` (its ``lora_a``/``lora_b`` are not a LoRA pair: ``E`` sits between them) and
+      ``lorapro`` (it keeps no per-factor Adam moments).
+    adalora_config: the :class:`anlr_jax.optim.adalora.AdaLoRAConfig` of ``adalora`` (required
+      there: its ``total_step`` is the run's number of updates). Ignored by the other methods.
+    lora_scale: the LoRA scale ``c`` the adapters' forward pass uses (``alpha / r``), required by
+      ``lorapro``. Ignored by the other methods.
+    lorapro_mode: ``lorapro``'s ``mode``: ``"full"`` (the paper's Algorithm 1) or ``"efficient"``.
 
   Returns:
     An optax transformation over the LoRA param tree.
@@ -183,6 +238,23 @@ def method_optimizer(
           f"anlr_kwargs has unknown keys {unknown}; allowed: {sorted(anlr_jax.DEFAULTS)}"
       )
     inner = anlr_jax.anlr(learning_rate, **adam, **knobs, signal=spec.signal, seed=seed)
+  elif spec.optimizer == "adalora":
+    from anlr_jax.optim.adalora import AdaLoRAConfig, rank_allocator
+
+    if not isinstance(adalora_config, AdaLoRAConfig):
+      raise ValueError(
+          f"method {spec.name!r} needs adalora_config=AdaLoRAConfig(...) (with total_step), got"
+          f" {adalora_config!r}"
+      )
+    inner = rank_allocator(optax.adamw(learning_rate, **adam), adalora_config)
+  elif spec.optimizer == "lorapro":
+    from anlr_jax.optim.lorapro import lorapro
+
+    if lora_scale is None:
+      raise ValueError(
+          f"method {spec.name!r} needs lora_scale (the adapters' c = alpha / r), got None"
+      )
+    inner = lorapro(learning_rate, scale=lora_scale, mode=lorapro_mode, **adam)
   else:  # a Method built by hand with a bad optimizer
     raise ValueError(
         f"method {spec.name!r} has optimizer={spec.optimizer!r}; allowed: {OPTIMIZERS}"
@@ -192,4 +264,12 @@ def method_optimizer(
   return optax.chain(optax.clip_by_global_norm(clip_norm), inner)
 
 
-__all__ = ["METHODS", "METHOD_NAMES", "OPTIMIZERS", "Method", "get_method", "method_optimizer"]
+__all__ = [
+    "LAYERS",
+    "METHODS",
+    "METHOD_NAMES",
+    "OPTIMIZERS",
+    "Method",
+    "get_method",
+    "method_optimizer",
+]
