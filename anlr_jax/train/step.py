@@ -157,6 +157,7 @@ def make_train_step(
     batch_spec: P | None = None,
     stacked_layers: bool = False,
     skip_nonfinite: bool = True,
+    loss_regularizer: Callable[[Any], jax.Array] | None = None,
 ) -> Callable[[TrainState, Any, dict], tuple[TrainState, dict]]:
   """Builds ``train_step(state, frozen, batch) -> (state, metrics)`` (not yet jitted).
 
@@ -172,11 +173,16 @@ def make_train_step(
       and its state see one stacked module per projection); they are unstacked for the model.
     skip_nonfinite: keep params and optimizer state unchanged when the loss or the gradient norm
       is not finite (``skipped`` metric); False applies every update (benchmarks compare the two).
+    loss_regularizer: ``R(lora) -> scalar`` added to the loss that is differentiated,
+      ``L + R(θ)`` (e.g. AdaLoRA's orthogonal regulariser); it gets the LoRA params as the model's
+      pure dict, per layer whatever ``stacked_layers`` (float32, evaluated once per update, not per
+      micro-batch). None: no regulariser.
 
-  Metrics (device scalars): ``loss``, ``grad_norm`` (before clipping), ``lr``, ``tokens``
-  (non-padding tokens), ``loss_tokens`` (response tokens), ``skipped`` (1.0 when the loss or the
+  Metrics (device scalars): ``loss`` (the cross-entropy ``L``, without ``R``), ``grad_norm`` (of
+  the differentiated loss, before clipping), ``lr``, ``tokens`` (non-padding tokens),
+  ``loss_tokens`` (response tokens), ``skipped`` (1.0 when the loss, the regulariser or the
   gradient norm was not finite: the update was not applied, params and optimizer state are
-  unchanged).
+  unchanged), and with a ``loss_regularizer`` ``regularizer`` (``R(θ)``).
   """
   if micro_batches < 1:
     raise ValueError(f'micro_batches={micro_batches} must be >= 1')
@@ -195,6 +201,10 @@ def make_train_step(
   if remat != 'none':
     loss_sum = jax.checkpoint(loss_sum, policy=REMAT_POLICIES[remat])
   grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+
+  def regularizer(lora):
+    lora = unstack_layers(lora) if stacked_layers else lora
+    return jnp.asarray(loss_regularizer(lora), jnp.float32)
 
   def train_step(state: TrainState, frozen, batch: dict):
     missing = [k for k in BATCH_KEYS if k not in batch]
@@ -224,11 +234,16 @@ def make_train_step(
     (grads, extra, total, count), _ = jax.lax.scan(accumulate, init, micro)
     denom = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / denom, grads)
-    grad_norm = optax.tree.norm(grads)
     loss = total / denom
+    finite = jnp.isfinite(loss)
+    if loss_regularizer is not None:
+      reg, reg_grads = jax.value_and_grad(regularizer)(state.lora)
+      grads = jax.tree.map(jnp.add, grads, reg_grads)
+      finite = finite & jnp.isfinite(reg)
+    grad_norm = optax.tree.norm(grads)
     # A non-finite loss or gradient skips the update: params and optimizer state stay as they were
     # (the step counter still advances, so the data order is unchanged); `skipped` reports it.
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    finite = finite & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.lora)
     lora = optax.apply_updates(state.lora, updates)
     if skip_nonfinite:
@@ -248,6 +263,8 @@ def make_train_step(
         'tokens': jnp.sum(batch['attention_mask']).astype(jnp.float32),
         'loss_tokens': count,
     }
+    if loss_regularizer is not None:
+      metrics['regularizer'] = reg
     return TrainState(state.step + 1, lora, opt_state, extra), metrics
 
   return train_step
