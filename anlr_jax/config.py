@@ -144,7 +144,6 @@ class DataSection:
   max_length: int = 512  # tokens per sequence at most (longer ones are cut at the end)
   on_error: str = "raise"  # malformed record: 'raise' or 'skip'
   pad_multiple: int = 64  # sequence length rounded up to a multiple of this
-  template: str = "alpaca"  # prompts of training and eval: 'alpaca' or 'chat' (tokenizer's template)
 
 
 @dataclasses.dataclass
@@ -242,12 +241,6 @@ def _format_names():
   return (*FORMATS, None)
 
 
-def _template_names():
-  from anlr_jax.data.chat import TEMPLATES
-
-  return TEMPLATES
-
-
 CHECKS: dict[str, Callable[[], tuple[Callable[[Any], bool], str]]] = {
     "method": lambda: _one_of(METHOD_NAMES),
     "compare[]": lambda: _one_of(METHOD_NAMES),
@@ -277,7 +270,6 @@ CHECKS: dict[str, Callable[[], tuple[Callable[[Any], bool], str]]] = {
     "data.max_length": lambda: _in_range(2, None),
     "data.on_error": lambda: _one_of(("raise", "skip")),
     "data.pad_multiple": lambda: _in_range(1, None),
-    "data.template": lambda: _one_of(_template_names()),
     "trainer.steps": lambda: _in_range(1, None),
     "trainer.epochs": lambda: _in_range(0, None, lo_open=True),
     "trainer.learning_rate": lambda: _in_range(0, None, lo_open=True),
@@ -523,8 +515,8 @@ def check_method_settings(config: RunConfig) -> None:
   specs = [get_method(m) for m in config.methods()]
   if any(s.uses_adalora for s in specs) and config.adalora.target_r > config.lora.rank:
     raise ConfigError(
-        f"adalora.target_r={config.adalora.target_r} exceeds lora.rank={config.lora.rank} (AdaLoRA's"
-        " initial rank): the final budget cannot be larger than the initial one; lower"
+        f"adalora.target_r={config.adalora.target_r} exceeds lora.rank={config.lora.rank}"
+        " (AdaLoRA's initial rank): the final budget cannot be larger than the initial one; lower"
         " adalora.target_r or raise lora.rank"
     )
 
