@@ -13,7 +13,9 @@ greedy generation on each eval task and ``accuracy = (1/N) \sum_i [\hat y_i = y_
 
 A run directory holds: ``config.yaml`` (resolved), ``metrics.jsonl`` / ``metrics.csv`` (the
 trainer's), ``loss.png``, ``lora_final.safetensors`` (Flax layout: ``<module path>/lora_a`` of shape
-``(d_in, r)``, ``<module path>/lora_b`` ``(r, d_out)``, ``<module path>/lora_magnitude`` for DoRA),
+``(d_in, r)``, ``<module path>/lora_b`` ``(r, d_out)``, ``<module path>/lora_magnitude`` for DoRA,
+``lora_e`` ``(r,)`` for AdaLoRA, ``dash_scale`` and the frozen directions ``dash_u``, ``dash_v``,
+``dash_change_rate``, ``dash_index`` for LoRA-Dash),
 ``results.json`` = ``{"method", "learning_rate", "seed", "accuracy": {task: fraction}, "avg", ...}``
 (accuracies are fractions in ``[0, 1]``; ``avg`` is their unweighted mean, None without eval
 tasks), ``accuracy.csv`` / ``accuracy.md`` and ``eval_<task>.jsonl`` (every generation). With
@@ -22,8 +24,14 @@ comparison (``summary.json``, ``accuracy.*`` with one row per method, ``loss.png
 Every process trains and evaluates; only process 0 writes files (in a multi-process run give
 ``run_dir`` without ``{timestamp}``, so that every process agrees on it).
 
+Method-specific parts of a run: AdaLoRA's orthogonal regulariser is added to the loss
+(``regularizer`` metric) and its allocator runs over ``total_step`` = the run's updates; LoRA-Dash
+chooses its directions after update ``loradash.launch_step``, and a run resumed past it keeps the
+checkpoint's (:mod:`anlr_jax.method_hooks`). ``anlr export --format peft`` writes PEFT's LoRA or AdaLoRA
+adapter; LoRA-Dash has no PEFT format (``--format merged`` includes its directions).
+
 A run belongs to its settings. What determines its trajectory (method, model path and fingerprint,
-LoRA, optimizer, AnLR and LoRA+ settings, schedule, seed, data file size and hash, batch layout) is
+LoRA, optimizer, AnLR, LoRA+, AdaLoRA, LoRA-Pro and LoRA-Dash settings, schedule, seed, data file size and hash, batch layout) is
 its *identity*, stored in every checkpoint, in ``lora_final.safetensors``' metadata and in
 ``results.json``. Checkpoints go to ``trainer.ckpt_dir`` (default ``<run dir>/checkpoints``; with
 ``compare`` each method gets its own), ``{method}``, ``{seed}`` and ``{run_dir}`` expand in every path
@@ -50,6 +58,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from anlr_jax.config import ConfigError, RunConfig, format_run_dir, resolve_path, save_config
+from anlr_jax.method_hooks import ADALORA_TOTAL_STEP, adalora_config, export_adalora_run, method_hooks
 from anlr_jax.methods import get_method, method_optimizer
 from anlr_jax.train.lock import DirectoryLock
 from anlr_jax.train.metrics import read_metrics
@@ -99,46 +108,91 @@ def load_base(config: RunConfig, model_path: str | None = None):
 
 
 def inject_method(model: nnx.Module, config: RunConfig, method: str) -> nnx.Module:
-  """Wraps the targeted layers with the LoRA variant of ``method`` (seeded by ``config.seed``)."""
-  from anlr_jax.nn import inject_lora
+  """Wraps the targeted layers with the adapter layer of ``method`` (seeded by ``config.seed``):
+  ``LoRALinear`` (its init/rsLoRA/DoRA), ``AdaLoRALinear`` (initial rank ``lora.rank``) or
+  ``LoRADashLinear`` (``loradash.num_directions``, ``loradash.launch_step``)."""
+  from anlr_jax.nn import inject_adalora, inject_lora, inject_loradash
 
-  return inject_lora(
-      model,
+  spec = get_method(method)
+  common = dict(
       target_modules=tuple(config.lora.targets),
       rank=config.lora.rank,
       alpha=config.lora.alpha,
       dropout=config.lora.dropout,
       rngs=nnx.Rngs(params=config.seed, dropout=config.seed + 1),
-      **get_method(method).lora_kwargs(),
   )
+  if spec.layer == "adalora":
+    return inject_adalora(model, **common)
+  if spec.layer == "loradash":
+    try:
+      return inject_loradash(
+          model,
+          num_directions=config.loradash.num_directions,
+          launch_step=config.loradash.launch_step,
+          use_rslora=spec.use_rslora,
+          **common,
+      )
+    except ValueError as err:
+      if "num_directions" not in str(err):
+        raise
+      raise ConfigError(
+          f"loradash.num_directions={config.loradash.num_directions}: {err}"
+      ) from None
+  return inject_lora(model, **common, **spec.lora_kwargs())
+
+
+def _adapter_layers(model: nnx.Module) -> list[tuple[str, nnx.Module]]:
+  """``(dotted path, layer)`` of every adapter layer (LoRA and its variants, LoRA-Dash, AdaLoRA)."""
+  from anlr_jax.nn import iter_adalora_layers, iter_lora_layers
+
+  return sorted([*iter_lora_layers(model), *iter_adalora_layers(model)], key=lambda item: item[0])
+
+
+def _adapter_variables(layer: nnx.Module) -> list[tuple[str, nnx.Variable]]:
+  """The layer's own adapter variables: its ``nnx.LoRAParam`` s and LoRA-Dash's frozen
+  ``DashDirections`` (directions chosen at launch, which cannot be recomputed later)."""
+  from anlr_jax.nn import DashDirections
+
+  out = []
+  for kind in (nnx.LoRAParam, DashDirections):
+    for name, variable in nnx.to_flat_state(nnx.state(layer, kind)):
+      if len(name) == 1:  # the layer's own variables, not those of nested modules
+        out.append((name[0], variable))
+  return out
 
 
 def save_lora_params(
-    model: nnx.Module, path: str | os.PathLike, *, identity: Mapping[str, Any] | None = None
+    model: nnx.Module,
+    path: str | os.PathLike,
+    *,
+    identity: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, str] | None = None,
 ) -> list[str]:
-  """Writes every adapter param as ``<module path>/<name>`` (Flax layout, float32); returns keys.
+  """Writes every adapter variable as ``<module path>/<name>`` (Flax layout); returns the keys.
 
-  ``identity`` (the run's, see the module docstring) goes into the file's metadata. Non-finite
-  values raise ``ValueError``: a NaN adapter is never written. The file is written to a temporary
-  name and renamed, so a crash never leaves a partial file under the final name.
+  Adapter variables are the ``nnx.LoRAParam`` s of every adapter layer (float32) and LoRA-Dash's
+  ``DashDirections`` (``dash_u``, ``dash_v``, ``dash_change_rate`` in float32, ``dash_index`` in
+  int32). ``identity`` (the run's, see the module docstring) and ``metadata`` go into the file's
+  metadata. Non-finite values raise ``ValueError``: a NaN adapter is never written. The file is
+  written to a temporary name and renamed, so a crash never leaves a partial file under the final
+  name.
   """
-  from anlr_jax.nn import iter_lora_layers
-
   tensors = {}
-  for module_path, layer in iter_lora_layers(model):
-    for name, value in nnx.to_flat_state(nnx.state(layer, nnx.LoRAParam)):
-      if len(name) == 1:  # the layer's own params, not those of nested modules
-        tensors[f"{module_path}/{name[0]}"] = np.asarray(jax.device_get(value[...]), np.float32)
+  for module_path, layer in _adapter_layers(model):
+    for name, variable in _adapter_variables(layer):
+      value = np.asarray(jax.device_get(variable[...]))
+      dtype = value.dtype if np.issubdtype(value.dtype, np.integer) else np.float32
+      tensors[f"{module_path}/{name}"] = value.astype(dtype)
   if not tensors:
     raise ValueError("the model has no LoRA adapters to save")
   bad = [k for k, v in tensors.items() if not np.isfinite(v).all()]
   if bad:
     raise ValueError(f"refusing to write {os.fspath(path)}: adapter {bad[0]} holds NaN/Inf values")
-  metadata = {"layout": "flax: lora_a (d_in, r), lora_b (r, d_out)"}
+  meta = {"layout": "flax: lora_a (d_in, r), lora_b (r, d_out)", **dict(metadata or {})}
   if identity is not None:
-    metadata["identity"] = json.dumps(dict(identity), sort_keys=True)
+    meta["identity"] = json.dumps(dict(identity), sort_keys=True)
   tmp = f"{os.fspath(path)}.tmp"
-  save_file(tensors, tmp, metadata=metadata)
+  save_file(tensors, tmp, metadata=meta)
   os.chmod(tmp, 0o644)
   os.replace(tmp, os.fspath(path))
   return sorted(tensors)
@@ -167,8 +221,6 @@ def lora_file_identity(path: str) -> dict[str, Any] | None:
 
 def load_lora_params(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
   """Loads a :func:`save_lora_params` file into the matching adapters of ``model`` (in place)."""
-  from anlr_jax.nn import iter_lora_layers
-
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"no LoRA params file at {path}")
@@ -177,11 +229,9 @@ def load_lora_params(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
   if bad:
     raise ValueError(f"{path}: adapter {bad[0]} holds NaN/Inf values")
   expected = set()
-  for module_path, layer in iter_lora_layers(model):
-    for name, variable in nnx.to_flat_state(nnx.state(layer, nnx.LoRAParam)):
-      if len(name) != 1:
-        continue
-      key = f"{module_path}/{name[0]}"
+  for module_path, layer in _adapter_layers(model):
+    for name, variable in _adapter_variables(layer):
+      key = f"{module_path}/{name}"
       expected.add(key)
       if key not in tensors:
         raise KeyError(f"{path}: missing tensor {key!r} (the run's method/lora settings differ?)")
@@ -190,7 +240,7 @@ def load_lora_params(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
             f"{path}: tensor {key!r} has shape {tensors[key].shape}, the model "
             f"expects {variable[...].shape}"
         )
-      getattr(layer, name[0])[...] = jnp.asarray(tensors[key], variable[...].dtype)
+      getattr(layer, name)[...] = jnp.asarray(tensors[key], variable[...].dtype)
   extra = sorted(set(tensors) - expected)
   if extra:
     raise KeyError(f"{path}: tensors {extra[:4]} match no adapter of the model")
@@ -413,6 +463,12 @@ def run_identity(
     identity.update({f"anlr.{k}": v for k, v in config.anlr.as_kwargs().items()})
   if spec.optimizer == "loraplus":
     identity["loraplus.lr_ratio"] = config.loraplus.lr_ratio
+  sections = {"adalora": spec.uses_adalora, "lorapro": spec.optimizer == "lorapro"}
+  sections["loradash"] = spec.uses_loradash
+  for section, used in sections.items():
+    if used:
+      values = dataclasses.asdict(getattr(config, section))
+      identity.update({f"{section}.{k}": v for k, v in values.items()})
   return identity
 
 
@@ -461,6 +517,21 @@ def _check_schedule(config: RunConfig, method: str, total: int, log: Log) -> int
         f" every multiplier would stay 1 and method={method} would train exactly like lora;"
         f" lower anlr.warmup_steps (e.g. anlr.warmup_steps={max(1, total // 10)})"
     )
+  if spec.uses_loradash and config.loradash.launch_step >= total:
+    raise ConfigError(
+        f"loradash.launch_step={config.loradash.launch_step} is not below the run's {total}"
+        f" updates: the dash phase would never start and method={method} would train exactly like"
+        f" {'anlr' if spec.uses_anlr else 'lora'}; lower loradash.launch_step (e.g."
+        f" loradash.launch_step={total // 2})"
+    )
+  if spec.uses_adalora:
+    ada = config.adalora
+    if ada.tinit + ada.tfinal >= total:
+      raise ConfigError(
+          f"adalora.tinit + adalora.tfinal = {ada.tinit} + {ada.tfinal} is not below the run's"
+          f" {total} updates: AdaLoRA's budget would never decrease; lower adalora.tinit or"
+          " adalora.tfinal"
+      )
   warmup = config.trainer.warmup_steps
   if warmup > total:
     log(
@@ -508,6 +579,7 @@ def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = _pr
   what is missing of a trained run, or returns the stored results of a complete one.
   """
   from anlr_jax.data import make_source
+  from anlr_jax.nn import lora_scale
   from anlr_jax.train import Trainer, linear_warmup_decay
 
   os.makedirs(run_dir, exist_ok=True)
@@ -578,6 +650,7 @@ def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = _pr
     total = tc.total_steps(len(source))
     warmup = _check_schedule(config, method, total, log)
     schedule = linear_warmup_decay(tc.learning_rate, total, warmup)
+    spec = get_method(method)
     tx = method_optimizer(
         method,
         schedule,
@@ -590,14 +663,18 @@ def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = _pr
         lr_ratio=config.loraplus.lr_ratio,
         seed=config.seed,
         track_rank_stats=tc.diag_every > 0,
+        adalora_config=adalora_config(config, total) if spec.uses_adalora else None,
+        lora_scale=lora_scale(config.lora.rank, config.lora.alpha, spec.use_rslora),
+        lorapro_mode=config.lorapro.mode,
     )
+    hooks = method_hooks(config, method)
     log(
         f"[{method}] {len(source)} batches/epoch of {tc.global_batch}; {total} updates at lr"
         f" {tc.learning_rate:g} -> {run_dir}"
     )
     model.train()
     start = time.perf_counter()
-    trainer = Trainer(model, source, tc, tx, identity=identity, schedule=schedule)
+    trainer = Trainer(model, source, tc, tx, identity=identity, schedule=schedule, **hooks)
     if trainer.step:
       log(f"[{method}] resumed at update {trainer.step} from {tc.ckpt_dir}")
     try:
@@ -608,7 +685,8 @@ def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = _pr
     model = trainer.updated_model()
     model.eval()
     if _is_writer():
-      save_lora_params(model, lora_path, identity=identity)
+      metadata = {ADALORA_TOTAL_STEP: str(total)} if spec.uses_adalora else None
+      save_lora_params(model, lora_path, identity=identity, metadata=metadata)
     curve = _loss_curve(rows)
     plot_losses({method: curve}, os.path.join(run_dir, LOSS_PLOT))
     final = _final_loss(curve)
@@ -766,7 +844,7 @@ def load_adapted_model(config: RunConfig, adapter: str | None, *, model_path: st
   rebuilt with the run's method and LoRA settings) or a PEFT adapter directory. Returns
   ``(model, model_config, tokenizer)``."""
   from anlr_jax.config import load_config
-  from anlr_jax.nn import import_peft_adapter
+  from anlr_jax.nn import import_adalora_adapter, import_peft_adapter
   from anlr_jax.nn.peft_io import ADAPTER_CONFIG_FILE
 
   if adapter is None:
@@ -782,7 +860,10 @@ def load_adapted_model(config: RunConfig, adapter: str | None, *, model_path: st
     load_lora_params(model, os.path.join(adapter, LORA_FILE))
   elif os.path.isfile(os.path.join(adapter, ADAPTER_CONFIG_FILE)):
     model, model_config, tokenizer = load_base(config, model_path)
-    import_peft_adapter(model, adapter)
+    if _peft_type(os.path.join(adapter, ADAPTER_CONFIG_FILE)) == "ADALORA":
+      import_adalora_adapter(model, adapter)
+    else:
+      import_peft_adapter(model, adapter)
   else:
     raise FileNotFoundError(
         f"--adapter {adapter}: neither a run directory ({LORA_FILE} + "
@@ -790,6 +871,14 @@ def load_adapted_model(config: RunConfig, adapter: str | None, *, model_path: st
     )
   model.eval()
   return model, model_config, tokenizer
+
+
+def _peft_type(config_path: str) -> str | None:
+  try:
+    with open(config_path, encoding="utf-8") as f:
+      return json.load(f).get("peft_type")
+  except (OSError, ValueError, AttributeError):
+    return None  # import_peft_adapter says what is wrong with the file
 
 
 def eval_run(
@@ -832,8 +921,16 @@ def export_run(run_dir: str, fmt: str, out: str, *, log: Log = _print) -> str:
         f"--run {run_dir}: not a run directory (needs {LORA_FILE} and {CONFIG_FILE})"
     )
   config = load_config(os.path.join(run_dir, CONFIG_FILE))
+  spec = get_method(config.method)
+  if fmt == "peft" and spec.uses_loradash:
+    raise ValueError(
+        f"--format peft: method {config.method} (LoRA-Dash) has no PEFT adapter format (PEFT"
+        " cannot hold its amplified directions); export it with --format merged"
+    )
   model, model_config, tokenizer = load_adapted_model(config, run_dir)
-  if fmt == "peft":
+  if fmt == "peft" and spec.uses_adalora:
+    export_adalora_run(model, config, os.path.join(run_dir, LORA_FILE), out)
+  elif fmt == "peft":
     export_peft_adapter(model, out, base_model_name_or_path=resolve_path(config.model.path))
   else:
     save_hf_model(model, model_config, out, merge_lora=True)
