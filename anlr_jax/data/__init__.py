@@ -1,5 +1,6 @@
 """Instruction-tuning data: file formats, tokenisation with response-only loss masks, batch sources."""
 
+from anlr_jax.data.chat import TEMPLATES, chat_prompt, chat_turns, end_of_turn_id
 from anlr_jax.data.formats import (
     FORMATS,
     DataFormatError,
@@ -8,6 +9,7 @@ from anlr_jax.data.formats import (
     alpaca_prompt,
     detect_format,
     read_examples,
+    user_message,
 )
 from anlr_jax.data.source import BatchSource, LengthBucketedSource, make_source
 from anlr_jax.data.tokenize import TokenizedExamples, tokenize_examples
@@ -19,10 +21,15 @@ __all__ = [
     "Example",
     "LengthBucketedSource",
     "ReadResult",
+    "TEMPLATES",
     "TokenizedExamples",
     "alpaca_prompt",
+    "chat_prompt",
+    "chat_turns",
     "detect_format",
+    "end_of_turn_id",
     "make_source",
     "read_examples",
     "tokenize_examples",
+    "user_message",
 ]

@@ -33,6 +33,13 @@ consecutive user messages are joined by a blank line, and each later prompt is
 ``### Instruction:\n{user}\n\n### Response:\n``. User messages after the last assistant message carry
 no loss and are dropped.
 
+Every record also yields its conversation as ``messages``: `(role, content)` pairs with roles
+``system``, ``user``, ``assistant`` (consecutive user messages joined by a blank line, user messages
+after the last assistant message dropped, as above). An Alpaca-style record is one user message,
+``instruction`` followed by a blank line and ``input`` when there is one (:func:`user_message`), and
+one assistant message. ``data.template: chat`` renders these with the tokenizer's chat template
+instead of the Alpaca template (see `anlr_jax.data.chat`).
+
 Files are JSON lists (first non-blank character `[`) or JSONL (one object per line; blank lines are
 ignored). A malformed record raises `DataFormatError` naming the file and the 1-based line where the
 record starts, or with ``on_error="skip"`` is skipped and counted in `ReadResult.skipped`. A syntax
@@ -53,6 +60,9 @@ logger = logging.getLogger(__name__)
 Turn = tuple[str, str]
 """One `(prompt, response)` pair; the loss covers only the response (and its eos)."""
 
+Message = tuple[str, str]
+"""One `(role, content)` message of a conversation; role is system, user or assistant."""
+
 OnError = Literal["raise", "skip"]
 
 ALPACA_PREAMBLE = (
@@ -71,10 +81,12 @@ class DataFormatError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-  """One training example: `turns` of `(prompt, response)`; `source_line` is its 1-based line."""
+  """One training example: `turns` of `(prompt, response)` in the Alpaca template, the same
+  conversation as `messages` of `(role, content)`; `source_line` is its 1-based line."""
 
   turns: tuple[Turn, ...]
   source_line: int = 0
+  messages: tuple[Message, ...] = ()
 
   @property
   def prompt(self) -> str:
@@ -111,8 +123,19 @@ def alpaca_prompt(instruction: str, input: str | None = None) -> str:  # noqa: A
   return f"{ALPACA_PREAMBLE}### Instruction:\n{instruction}\n\n### Response:\n"
 
 
+def user_message(instruction: str, input: str | None = None) -> str:  # noqa: A002 (dataset key)
+  """The user message of an Alpaca-style record in a chat: `instruction`, then a blank line and
+  `input` when it is not blank."""
+  if input and input.strip():
+    return f"{instruction}\n\n{input}"
+  return instruction
+
+
 # --------------------------------------------------------------------------------------------------
-# Per-format record converters: record -> turns, raising _RecordError(reason) when malformed.
+# Per-format record converters: record -> (turns, messages), raising _RecordError(reason) when
+# malformed.
+
+Converted = tuple[tuple[Turn, ...], tuple[Message, ...]]
 
 
 class _RecordError(Exception):
@@ -132,31 +155,40 @@ def _text(record: Mapping[str, Any], key: str, *, optional: bool = False) -> str
   return value
 
 
-def _alpaca_turns(record: Mapping[str, Any]) -> tuple[Turn, ...]:
-  prompt = alpaca_prompt(_text(record, "instruction"), _text(record, "input", optional=True))
-  return ((prompt, _text(record, "output")),)
+def _single(prompt: str, user: str, response: str) -> Converted:
+  return ((prompt, response),), (("user", user), ("assistant", response))
 
 
-def _commonsense_turns(record: Mapping[str, Any]) -> tuple[Turn, ...]:
+def _alpaca_turns(record: Mapping[str, Any]) -> Converted:
+  instruction, extra = _text(record, "instruction"), _text(record, "input", optional=True)
+  output = _text(record, "output")
+  return _single(alpaca_prompt(instruction, extra), user_message(instruction, extra), output)
+
+
+def _commonsense_turns(record: Mapping[str, Any]) -> Converted:
   _text(record, "answer")  # the label must be present, even though `output` is what is trained on
   return _alpaca_turns(record)
 
 
-def _metamath_turns(record: Mapping[str, Any]) -> tuple[Turn, ...]:
-  return ((alpaca_prompt(_text(record, "query")), _text(record, "response")),)
+def _metamath_turns(record: Mapping[str, Any]) -> Converted:
+  query = _text(record, "query")
+  return _single(alpaca_prompt(query), query, _text(record, "response"))
 
 
-def _completion_turns(record: Mapping[str, Any]) -> tuple[Turn, ...]:
-  return ((_text(record, "prompt", optional=True), _text(record, "completion")),)
+def _completion_turns(record: Mapping[str, Any]) -> Converted:
+  prompt = _text(record, "prompt", optional=True)
+  return _single(prompt, prompt, _text(record, "completion"))
 
 
 def _chat_turns(
     messages: Any, *, list_key: str, role_key: str, content_key: str, roles: Mapping[str, str]
-) -> tuple[Turn, ...]:
-  """Turns from chat messages; `roles` maps the file's role names to system/user/assistant."""
+) -> Converted:
+  """Turns and messages from chat messages; `roles` maps the file's role names to
+  system/user/assistant."""
   if not isinstance(messages, list) or not messages:
     raise _RecordError(f"key {list_key!r} must be a non-empty list of messages")
   turns: list[Turn] = []
+  conversation: list[Message] = []
   system = ""
   users: list[str] = []
   for i, message in enumerate(messages):
@@ -173,6 +205,7 @@ def _chat_turns(
       if turns or users:
         raise _RecordError(f"{list_key}[{i}]: a system message must come first")
       system = content
+      conversation[:] = [("system", content)] if content.strip() else []
     elif kind == "user":
       users.append(content)
     else:
@@ -185,13 +218,16 @@ def _chat_turns(
       user_text = "\n\n".join(users)
       prompt = head + (f"### Instruction:\n{user_text}\n\n" if users else "")
       turns.append((prompt + "### Response:\n", content))
+      if users:
+        conversation.append(("user", user_text))
+      conversation.append(("assistant", content))
       users = []
   if not turns:
     raise _RecordError(f"key {list_key!r} has no assistant message to train on")
-  return tuple(turns)
+  return tuple(turns), tuple(conversation)
 
 
-def _messages_turns(record: Mapping[str, Any]) -> tuple[Turn, ...]:
+def _messages_turns(record: Mapping[str, Any]) -> Converted:
   roles = {"system": "system", "user": "user", "assistant": "assistant"}
   return _chat_turns(
       record.get("messages"),
@@ -202,7 +238,7 @@ def _messages_turns(record: Mapping[str, Any]) -> tuple[Turn, ...]:
   )
 
 
-def _sharegpt_turns(record: Mapping[str, Any]) -> tuple[Turn, ...]:
+def _sharegpt_turns(record: Mapping[str, Any]) -> Converted:
   roles = {
       "system": "system",
       "human": "user",
@@ -222,7 +258,7 @@ def _sharegpt_turns(record: Mapping[str, Any]) -> tuple[Turn, ...]:
 @dataclasses.dataclass(frozen=True)
 class _Format:
   required_keys: frozenset[str]
-  turns: Callable[[Mapping[str, Any]], tuple[Turn, ...]]
+  convert: Callable[[Mapping[str, Any]], Converted]
 
 
 FORMATS: dict[str, _Format] = {
@@ -334,7 +370,8 @@ def read_examples(
         raise _RecordError(f"a record must be a JSON object, got {type(record).__name__}")
       if format is None:
         format = detect_format(record)  # noqa: A001
-      examples.append(Example(FORMATS[format].turns(record), source_line=line))
+      turns, messages = FORMATS[format].convert(record)
+      examples.append(Example(turns, source_line=line, messages=messages))
     except _RecordError as err:
       if on_error == "raise":
         raise DataFormatError(f"{path}:{line}: {err}") from None

@@ -191,6 +191,7 @@ def make_source(
     on_error: OnError = "raise",
     pad_multiple: int = 64,
     pool_batches: int = 32,
+    template: str = "alpaca",
 ) -> LengthBucketedSource:
   """Reads, tokenises and batches a local JSON/JSONL instruction dataset.
 
@@ -204,12 +205,21 @@ def make_source(
     on_error: "raise" on a malformed record, or "skip" it and count it (`source.records_skipped`).
     pad_multiple: `T` is rounded up to a multiple of this (fewer distinct shapes to compile).
     pool_batches: batches per length-sorting pool (larger: less padding, less randomness).
+    template: prompt format, "alpaca" or "chat" (the tokenizer's chat template; see
+      `anlr_jax.data.chat`).
 
   Returns:
     A `LengthBucketedSource`; `source.examples.truncated` / `.dropped` count truncation effects.
   """
   read = read_examples(path, format=format, on_error=on_error)
-  tokenized = tokenize_examples(read.examples, tokenizer, max_length=max_length)
+  try:
+    tokenized = tokenize_examples(
+        read.examples, tokenizer, max_length=max_length, template=template
+    )
+  except ValueError as err:
+    if template != "chat":
+      raise
+    raise ValueError(f"{os.fspath(path)}: {err}") from None
   if len(tokenized) == 0:
     raise ValueError(
         f"{os.fspath(path)}: every example lost its response to max_length={max_length}"

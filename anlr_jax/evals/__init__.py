@@ -1,6 +1,7 @@
 """The paper's evaluation protocol: generation, answer extraction, accuracy tables."""
 
 from anlr_jax.evals import humaneval
+from anlr_jax.evals.code import CodeEvalResult, evaluate_code, load_code_problems
 from anlr_jax.evals.evaluate import (
     EvalExample,
     EvalRecord,
@@ -8,6 +9,7 @@ from anlr_jax.evals.evaluate import (
     default_prompt,
     evaluate,
     load_eval_examples,
+    template_prompt_fn,
 )
 from anlr_jax.evals.extract import (
     COMMONSENSE_TASKS,
@@ -26,6 +28,7 @@ from anlr_jax.evals.report import accuracy_table, write_accuracy_table
 __all__ = [
     "COMMONSENSE_TASKS",
     "TASKS",
+    "CodeEvalResult",
     "EvalExample",
     "EvalRecord",
     "EvalResult",
@@ -33,14 +36,17 @@ __all__ = [
     "accuracy_table",
     "default_prompt",
     "evaluate",
+    "evaluate_code",
     "extract_choice",
     "extract_number",
     "extract_prediction",
     "get_task",
     "humaneval",
     "is_correct",
+    "load_code_problems",
     "load_eval_examples",
     "normalize_text",
     "parse_gold",
+    "template_prompt_fn",
     "write_accuracy_table",
 ]

@@ -129,6 +129,10 @@ def evaluate(
     An `EvalResult` with one `EvalRecord` per example.
   """
   task = get_task(task)
+  if task.kind == "code":
+    raise ValueError(
+        f"{task.name} is scored by running its unit tests: use anlr_jax.evals.code.evaluate_code"
+    )
   if not isinstance(batch_size, int) or batch_size < 1:
     raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
   items = [_as_example(item, f"examples[{i}]") for i, item in enumerate(examples)]
@@ -169,3 +173,20 @@ def evaluate(
           )
       )
   return EvalResult(task=task.name, records=tuple(records))
+
+
+def template_prompt_fn(template: str, tokenizer=None) -> Callable[[EvalExample], str]:
+  """The prompt builder of a training template (``data.template``): ``alpaca`` gives
+  :func:`default_prompt`; ``chat`` the tokenizer's chat template around one user message,
+  ``instruction`` (and a blank line and ``input`` when there is one), up to where the answer starts
+  (as :mod:`anlr_jax.data.chat` renders the training prompts)."""
+  from anlr_jax.data.chat import TEMPLATES, chat_prompt
+  from anlr_jax.data.formats import user_message
+
+  if template not in TEMPLATES:
+    raise ValueError(f"template must be one of {list(TEMPLATES)}, got {template!r}")
+  if template == "alpaca":
+    return default_prompt
+  if tokenizer is None:
+    raise ValueError("template='chat' needs the tokenizer (its chat template builds the prompt)")
+  return lambda example: chat_prompt(tokenizer, user_message(example.instruction, example.input))

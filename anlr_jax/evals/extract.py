@@ -24,6 +24,9 @@ compared with the gold answer. Three kinds of task:
 
 * **exact** (custom sets): the generation and the gold are equal after collapsing runs of whitespace
   to one space, stripping, and case-folding.
+
+* **code** (HumanEval): nothing is extracted; the completion is run against the problem's unit tests
+  by `anlr_jax.evals.code.evaluate_code` (pass@1 is the accuracy).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import dataclasses
 import re
 from typing import Literal
 
-TaskKind = Literal["choice", "number", "exact"]
+TaskKind = Literal["choice", "number", "exact", "code"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +75,7 @@ TASKS: dict[str, Task] = {
     "openbookqa": Task("openbookqa", "OBQA", "choice", _answers(5)),
     "gsm8k": Task("gsm8k", "GSM8K", "number"),
     "exact_match": Task("exact_match", "Exact match", "exact"),
+    "humaneval": Task("humaneval", "HumanEval", "code"),
 }
 """Known tasks by canonical name (LLM-Adapters' dataset folder names)."""
 
@@ -152,6 +156,11 @@ def extract_prediction(task: Task | str, text: str) -> str | float | None:
 def parse_gold(task: Task | str, answer: str) -> str | float:
   """The gold answer in the form `extract_prediction` returns; ValueError if it cannot be read."""
   task = get_task(task)
+  if task.kind == "code":
+    raise ValueError(
+        f"{task.name} is scored by running its unit tests (anlr_jax.evals.code.evaluate_code),"
+        " not against a gold answer"
+    )
   if task.kind == "choice":
     gold = answer.strip().lower()
     if gold not in task.options:

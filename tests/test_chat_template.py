@@ -1,0 +1,207 @@
+"""`data.template: chat`: training turns, loss masks and eval prompts in the tokenizer's chat
+template, the end-of-turn token as the loss target and the decoding stop; on a tiny ChatML tokenizer
+(built here) and a tiny random LLaMA through `anlr_jax.run.train_run`."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+import yaml
+
+import anlr_jax.models
+from anlr_jax.config import ConfigError, load_config
+from anlr_jax.data import (
+    chat_prompt,
+    chat_turns,
+    end_of_turn_id,
+    make_source,
+    read_examples,
+    tokenize_examples,
+)
+from anlr_jax.evals import EvalExample, template_prompt_fn
+from anlr_jax.run import make_generate_fn, train_run
+from tests.tiny_tokenizer import build_tiny_tokenizer
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def chat_tokenizer(directory=None):
+  """The tiny tokenizer with ChatML's two special tokens and template (bos <s>, eos </s>)."""
+  tok = build_tiny_tokenizer()
+  tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+  tok.chat_template = CHATML
+  if directory is not None:
+    tok.save_pretrained(directory)
+  return tok
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return chat_tokenizer()
+
+
+def enc(tok, text):
+  return tok(text, add_special_tokens=False).input_ids
+
+
+def test_end_of_turn_is_the_templates_special_token_not_eos(tok):
+  start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+  assert (start, end) == (400, 401) and tok.eos_token_id == 2
+  assert end_of_turn_id(tok) == end
+  plain = build_tiny_tokenizer()  # a template that writes no special token after the answer
+  plain.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+  assert end_of_turn_id(plain) == plain.eos_token_id
+
+
+def test_single_turn_ids_and_loss_mask_are_exact(tok, tmp_path):
+  record = {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"}
+  (tmp_path / "a.json").write_text(json.dumps([record]))
+  (example,) = read_examples(tmp_path / "a.json").examples
+  assert example.messages == (("user", "Add the numbers.\n\n2 and 3"), ("assistant", "5"))
+  (turn,) = chat_turns(tok, example.messages)
+  assert turn == (
+      "<|im_start|>user\nAdd the numbers.\n\n2 and 3<|im_end|>\n<|im_start|>assistant\n",
+      "5",
+  )
+  tokenized = tokenize_examples([example], tok, max_length=64, template="chat")
+  S, E = 400, 401
+  prompt = [S] + enc(tok, "user\nAdd the numbers.\n\n2 and 3") + [E] + enc(tok, "\n")
+  prompt += [S] + enc(tok, "assistant\n")
+  target = enc(tok, "5") + [E]  # the answer, then <|im_end|> (not eos </s>, no bos <s> first)
+  assert tokenized.input_ids[0].tolist() == prompt + target
+  assert tokenized.loss_mask[0].tolist() == [0.0] * len(prompt) + [1.0] * len(target)
+  # the Alpaca path of the same example is unchanged: bos, Alpaca prompt, answer, eos
+  alpaca = tokenize_examples([example], tok, max_length=128)
+  assert alpaca.input_ids[0].tolist() == [1] + enc(tok, example.turns[0][0]) + enc(tok, "5") + [2]
+
+
+def test_multi_turn_messages_with_a_system_message(tok, tmp_path):
+  record = {
+      "messages": [
+          {"role": "system", "content": "Be brief."},
+          {"role": "user", "content": "1+2?"},
+          {"role": "assistant", "content": "3"},
+          {"role": "user", "content": "and"},
+          {"role": "user", "content": "2+2?"},
+          {"role": "assistant", "content": "4"},
+          {"role": "user", "content": "dropped: no answer follows"},
+      ]
+  }
+  (tmp_path / "m.jsonl").write_text(json.dumps(record) + "\n")
+  (example,) = read_examples(tmp_path / "m.jsonl").examples
+  assert example.messages == (
+      ("system", "Be brief."),
+      ("user", "1+2?"),
+      ("assistant", "3"),
+      ("user", "and\n\n2+2?"),
+      ("assistant", "4"),
+  )
+  turns = chat_turns(tok, example.messages)
+  assert turns == (
+      (
+          "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n1+2?<|im_end|>\n"
+          "<|im_start|>assistant\n",
+          "3",
+      ),
+      ("\n<|im_start|>user\nand\n\n2+2?<|im_end|>\n<|im_start|>assistant\n", "4"),
+  )
+  ids = tokenize_examples([example], tok, max_length=128, template="chat")
+  x, mask = ids.input_ids[0].tolist(), ids.loss_mask[0].tolist()
+  E = 401
+  # exactly the two answers and their end-of-turn tokens carry loss; the "\n" after <|im_end|> not
+  assert [t for t, m in zip(x, mask) if m] == enc(tok, "3") + [E] + enc(tok, "4") + [E]
+  assert tok.decode(x) == "".join(p + r + "<|im_end|>" for p, r in turns)
+
+
+def test_eval_prompt_is_the_training_prompt_and_decoding_stops_at_end_of_turn(
+    tok, monkeypatch, tmp_path
+):
+  example = EvalExample("Add the numbers.", "5", "2 and 3")
+  prompt = template_prompt_fn("chat", tok)(example)
+  assert prompt == chat_prompt(tok, "Add the numbers.\n\n2 and 3")
+  assert template_prompt_fn("alpaca")(example).startswith("Below is an instruction")
+  record = {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"}
+  (tmp_path / "a.json").write_text(json.dumps([record]))
+  train = tokenize_examples(
+      read_examples(tmp_path / "a.json").examples, tok, max_length=64, template="chat"
+  )
+  n_prompt = int(np.argmax(train.loss_mask[0]))
+  seen = {}
+
+  def fake_generate(model, ids, mask, *, max_new_tokens, eos_token_id, pad_token_id):
+    seen.update(ids=np.asarray(ids), mask=np.asarray(mask), eos=eos_token_id)
+    return np.tile(np.asarray(enc(tok, "5") + [401, 0, 0]), (ids.shape[0], 1))
+
+  monkeypatch.setattr(anlr_jax.models, "generate", fake_generate)
+  generate_fn = make_generate_fn(None, tok, max_new_tokens=4, batch_size=2, template="chat")
+  assert generate_fn([prompt]) == ["5"]
+  row = seen["ids"][0][seen["mask"][0] == 1].tolist()
+  assert row == train.input_ids[0][:n_prompt].tolist()  # no bos, the training prompt's tokens
+  assert seen["eos"] == 401  # <|im_end|>
+  make_generate_fn(None, tok, max_new_tokens=4, batch_size=2)([prompt])
+  assert seen["eos"] == 2 and seen["ids"][0][seen["mask"][0] == 1][0] == 1  # alpaca: bos, eos
+
+
+def test_errors_name_the_problem(tok, tmp_path):
+  no_template = build_tiny_tokenizer()
+  with pytest.raises(ValueError, match="no chat template"):
+    end_of_turn_id(no_template)
+  rewriting = chat_tokenizer()
+  rewriting.chat_template = CHATML.replace("m['content']", "m['content'] | upper")
+  with pytest.raises(ValueError, match="verbatim"):
+    chat_turns(rewriting, (("user", "a"), ("assistant", "b")))
+  with pytest.raises(ValueError, match="template must be one of"):
+    tokenize_examples([], tok, max_length=8, template="llama")
+  (tmp_path / "t.json").write_text(json.dumps([{"instruction": "x", "output": "y"}]))
+  with pytest.raises(ValueError, match=r"t\.json: .*no chat template"):
+    make_source(
+        tmp_path / "t.json", no_template, max_length=64, global_batch=1, seed=0, template="chat"
+    )
+  assert load_config(None, ["data.template=chat"]).data.template == "chat"
+  with pytest.raises(ConfigError, match="data.template: 'llama' is not allowed"):
+    load_config(None, ["data.template=llama"])
+
+
+def test_train_run_with_the_chat_template(tmp_path):
+  tok = chat_tokenizer(tmp_path / "model")
+  torch.manual_seed(0)
+  hf_config = transformers.LlamaConfig(
+      vocab_size=len(tok),
+      hidden_size=32,
+      intermediate_size=64,
+      num_hidden_layers=1,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      max_position_embeddings=256,
+      pad_token_id=0,
+      bos_token_id=1,
+      eos_token_id=2,
+  )
+  transformers.LlamaForCausalLM(hf_config).save_pretrained(tmp_path / "model")
+  records = [{"query": f"What is {i} + 1?", "response": f"#### {i + 1}"} for i in range(8)]
+  (tmp_path / "train.json").write_text(json.dumps(records))
+  tests = [{"instruction": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(4)]
+  (tmp_path / "test.json").write_text(json.dumps(tests))
+  config = {
+      "method": "lora",
+      "run_dir": str(tmp_path / "run"),
+      "model": {"path": str(tmp_path / "model")},
+      "lora": {"rank": 2, "alpha": 4, "dropout": 0.0},
+      "data": {"train": str(tmp_path / "train.json"), "max_length": 64, "template": "chat"},
+      "trainer": {"steps": 2, "global_batch": 8, "compute_dtype": "float32", "progress": False},
+      "eval": {"tasks": {"gsm8k": str(tmp_path / "test.json")}, "batch_size": 4},
+  }
+  config["eval"]["max_new_tokens"] = 3
+  (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+  out = train_run(load_config(tmp_path / "c.yaml"), log=lambda _: None)
+  results = json.loads((tmp_path / "run" / "results.json").read_text())
+  assert results["identity"]["data.template"] == "chat" and 0 <= out["runs"][0]["avg"] <= 1
+  records = [
+      json.loads(l) for l in (tmp_path / "run" / "eval_gsm8k.jsonl").read_text().splitlines()
+  ]
+  assert records[0]["prompt"] == chat_prompt(tok, "What is 0 + 1?")
