@@ -148,7 +148,7 @@ class DataSection:
   max_length: int = 512  # tokens per sequence at most (longer ones are cut at the end)
   on_error: str = "raise"  # malformed record: 'raise' or 'skip'
   pad_multiple: int = 64  # sequence length rounded up to a multiple of this
-  template: str = "alpaca"  # prompts of training and eval: 'alpaca' or 'chat' (tokenizer's template)
+  template: str = "alpaca"  # prompt format (train and eval): 'alpaca' or 'chat' (chat template)
 
 
 @dataclasses.dataclass
