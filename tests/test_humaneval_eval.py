@@ -1,0 +1,141 @@
+"""HumanEval as an `anlr eval` task: `anlr eval` with `eval.tasks.humaneval` and a stub generation
+that answers the problems' canonical solutions (pass@1 = 1) or wrong code (pass@1 = 0); the raw
+prompt, the stop sequences, code_max_new_tokens and eval_humaneval.jsonl."""
+
+import gzip
+import json
+import re
+
+import pytest
+
+import anlr_jax.models
+import anlr_jax.run
+from anlr_jax import cli
+from anlr_jax.config import ConfigError, load_config
+from anlr_jax.evals import evaluate, humaneval, load_code_problems
+from anlr_jax.evals.code import STOP_SEQUENCES, truncate_completion
+from anlr_jax.run import make_generate_fn
+from tests.tiny_tokenizer import build_tiny_tokenizer
+
+N = 3  # problems scored (eval.limit)
+
+
+@pytest.fixture(scope="module")
+def problems():
+  try:
+    return humaneval.load_problems()
+  except ValueError as err:
+    pytest.skip(str(err))
+
+
+class _Model:
+
+  def eval(self):
+    return self
+
+
+def _stub_eval(monkeypatch, problems, answer):
+  """`anlr eval`'s model loading and generation replaced by `answer(problem) -> generation`."""
+  by_prompt = {p["prompt"]: p for p in problems.values()}
+  calls = []
+
+  def fake_make_generate_fn(model, tokenizer, **kwargs):
+    calls.append(kwargs)
+
+    def generate_fn(prompts):
+      return [answer(by_prompt[p]) for p in prompts]  # KeyError unless the prompt is raw
+
+    return generate_fn
+
+  monkeypatch.setattr(anlr_jax.run, "make_generate_fn", fake_make_generate_fn)
+  monkeypatch.setattr(
+      anlr_jax.run, "load_adapted_model", lambda config, adapter: (_Model(), None, None)
+  )
+  return calls
+
+
+def _eval(tmp_path, *overrides):
+  """`anlr eval --config <humaneval only> --out <dir> [overrides]`: (results.json, records)."""
+  out = tmp_path / "out"
+  config = {"model": {"path": "unused"}, "eval": {"tasks": {"humaneval": "humaneval"}}}
+  config["eval"].update(limit=N, batch_size=2)
+  (tmp_path / "he.yaml").write_text(json.dumps(config))
+  args = ["eval", "--config", str(tmp_path / "he.yaml"), "--out", str(out), *overrides]
+  assert cli.main(args) == 0
+  results = json.loads((out / "results.json").read_text())
+  records = [json.loads(l) for l in (out / "eval_humaneval.jsonl").read_text().splitlines()]
+  return results, records
+
+
+def test_canonical_solutions_pass_and_are_cut_at_the_stop_sequences(
+    tmp_path, monkeypatch, problems
+):
+  # the completion goes on past the function; without the cut at "\nprint(" the program fails
+  calls = _stub_eval(
+      monkeypatch, problems, lambda p: p["canonical_solution"] + "\nprint(undefined_name)\n"
+  )
+  results, records = _eval(tmp_path, "eval.code_max_new_tokens=300")
+  assert results["accuracy"] == {"humaneval": 1.0}
+  assert [r["task_id"] for r in records] == list(problems)[:N]
+  first = problems["HumanEval/0"]
+  assert records[0]["prompt"] == first["prompt"]  # the raw prompt: no template
+  assert records[0]["completion"] == first["canonical_solution"]
+  assert records[0]["generation"].endswith("print(undefined_name)\n")
+  assert all(r["passed"] and r["result"] == "passed" for r in records)
+  code_calls = [c for c in calls if c.get("exact_continuation")]
+  assert [c["max_new_tokens"] for c in code_calls] == [300]
+  assert (tmp_path / "out" / "accuracy.csv").read_text().startswith("Method,HumanEval,Avg.")
+
+
+def test_wrong_completions_score_zero(tmp_path, monkeypatch, problems):
+  _stub_eval(monkeypatch, problems, lambda p: "    return None\n")
+  results, records = _eval(tmp_path)
+  assert results["accuracy"] == {"humaneval": 0.0}
+  assert len(records) == N and not any(r["passed"] for r in records)
+  assert all(r["result"].startswith("failed") for r in records)
+
+
+def test_a_problems_file_path_and_its_errors(tmp_path, monkeypatch, capsys, problems):
+  subset = [problems["HumanEval/2"], problems["HumanEval/4"]]
+  with gzip.open(tmp_path / "two.jsonl.gz", "wt") as f:
+    f.write("".join(json.dumps(p) + "\n" for p in subset))
+  assert [p["task_id"] for p in load_code_problems(tmp_path / "two.jsonl.gz")] == [
+      "HumanEval/2",
+      "HumanEval/4",
+  ]
+  _stub_eval(monkeypatch, problems, lambda p: p["canonical_solution"])
+  results, records = _eval(tmp_path, f"eval.tasks.humaneval={tmp_path / 'two.jsonl.gz'}")
+  assert results["accuracy"] == {"humaneval": 1.0} and len(records) == 2
+  (tmp_path / "bad.jsonl").write_text("{not json\n")
+  config = tmp_path / "he.yaml"
+  for file, message in (
+      ("bad.jsonl", r"eval.tasks.humaneval: HumanEval problems file .*bad.jsonl', line 1: not"),
+      ("missing.jsonl", r"eval.tasks.humaneval: .*missing.jsonl does not exist"),
+  ):
+    args = ["eval", "--config", str(config), f"eval.tasks.humaneval={tmp_path / file}"]
+    assert cli.main(args) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert re.search(message, line), line
+  with pytest.raises(ConfigError, match="eval.code_max_new_tokens"):
+    load_config(None, ["eval.code_max_new_tokens=0"])
+  with pytest.raises(ValueError, match="running its unit tests"):
+    evaluate(lambda ps: ps, [{"instruction": "x", "answer": "y"}], "humaneval", batch_size=1)
+
+
+def test_truncation_and_exact_continuation(monkeypatch):
+  assert STOP_SEQUENCES == ("\ndef ", "\nclass ", "\nif __name__", "\nprint(")
+  text = "    return 1\n\n\ndef helper():\n    pass\n"
+  assert truncate_completion(text) == "    return 1\n\n"
+  assert truncate_completion("    x = 1\nif __name__ == '__main__':\n") == "    x = 1"
+  assert truncate_completion("    return 2") == "    return 2"
+  tok = build_tiny_tokenizer()
+  new = tok("    return a + b\n", add_special_tokens=False).input_ids
+
+  def fake_generate(model, ids, mask, *, max_new_tokens, eos_token_id, pad_token_id):
+    import numpy as np
+
+    return np.tile(np.asarray(new), (ids.shape[0], 1))
+
+  monkeypatch.setattr(anlr_jax.models, "generate", fake_generate)
+  fn = make_generate_fn(None, tok, max_new_tokens=8, batch_size=1, exact_continuation=True)
+  assert fn(["def add(a, b):\n"]) == ["    return a + b\n"]
