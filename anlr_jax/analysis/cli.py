@@ -104,6 +104,11 @@ def sweep_main(argv: Sequence[str] | None = None, *, runner: Runner | None = Non
       parser.error(f'override {item!r}: {key} is set per cell by the sweep')
   if not os.path.exists(args.config):
     parser.error(f'--config {args.config}: no such file')
+  from anlr_jax.methods import METHOD_NAMES
+
+  unknown = [m for m in args.methods if m not in METHOD_NAMES]
+  if unknown:
+    parser.error(f'--methods: unknown {unknown}; allowed: {", ".join(METHOD_NAMES)}')
   try:
     cells = grid(args.methods, args.lrs, args.seeds)
   except ValueError as e:

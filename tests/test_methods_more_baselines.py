@@ -1,0 +1,382 @@
+"""The paper's remaining baselines in the method table: adalora, lorapro, loradash, anlr+loradash.
+
+What the table, the optimizer factory, the config sections, the train step's loss regulariser, the
+LoRA-Dash launch hook and the adapter file do for them (the CLI end to end is in
+``tests/test_cli_baselines.py``).
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import anlr_jax
+from anlr_jax.config import ConfigError, help_text, load_config
+from anlr_jax.method_hooks import adalora_config, dash_launcher, method_hooks
+from anlr_jax.methods import LAYERS, METHOD_NAMES, OPTIMIZERS, get_method, method_optimizer
+from anlr_jax.models.config import ModelConfig
+from anlr_jax.models.llama import LlamaForCausalLM
+from anlr_jax.nn import DashDirections, inject_adalora, inject_loradash
+from anlr_jax.optim.adalora import AdaLoRAConfig, AdaLoRAState, orth_regularization
+from anlr_jax.optim.lorapro import LoraProState
+from anlr_jax.run import inject_method, load_lora_params, run_identity, save_lora_params
+from anlr_jax.train.trainer import Trainer, TrainerConfig
+from tests.helpers.toy_lm import ToyBatches
+
+BASELINES = ("adalora", "lorapro", "loradash", "anlr+loradash")
+ONE_DEVICE = dict(mesh_data=1, mesh_fsdp=1, mesh_tensor=1)
+TARGETS = ("q_proj", "v_proj", "up_proj")
+
+
+def _tiny_llama(seed=0):
+  config = ModelConfig.tiny(
+      vocab_size=32,
+      hidden_size=16,
+      intermediate_size=32,
+      num_hidden_layers=2,
+      num_attention_heads=2,
+      num_key_value_heads=2,
+      dtype=jnp.float32,
+      param_dtype=jnp.float32,
+  )
+  return LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
+
+
+def _find(state, kind):
+  found = [
+      s
+      for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kind))
+      if isinstance(s, kind)
+  ]
+  assert len(found) == 1, (kind, state)
+  return found[0]
+
+
+def _run_config(*overrides):
+  return load_config(None, ["lora.rank=4", "lora.alpha=8", "lora.dropout=0", *overrides])
+
+
+# ------------------------------------------------------------------------------- the table
+def test_table_holds_the_baselines():
+  assert set(BASELINES) <= set(METHOD_NAMES)
+  ada, pro, dash, anlr_dash = (get_method(n) for n in BASELINES)
+  assert (ada.layer, ada.optimizer) == ("adalora", "adalora") and ada.uses_adalora
+  assert (pro.layer, pro.optimizer) == ("lora", "lorapro")
+  assert (dash.layer, dash.optimizer) == ("loradash", "adamw") and dash.uses_loradash
+  assert (anlr_dash.layer, anlr_dash.optimizer, anlr_dash.signal) == ("loradash", "anlr", "anlr")
+  assert anlr_dash.uses_anlr and not dash.uses_anlr
+  assert all(
+      get_method(n).layer in LAYERS and get_method(n).optimizer in OPTIMIZERS for n in METHOD_NAMES
+  )
+  for name in BASELINES:  # the docstring table lists every method
+    assert f"\n{name} " in anlr_jax.methods.__doc__, name
+
+
+def test_method_optimizer_builds_each_baseline():
+  params = {"q": {"lora_a": 0.1 * jnp.ones((6, 2)), "lora_b": jnp.zeros((2, 5))}}
+  ada_params = {"q": {**params["q"], "lora_e": jnp.zeros((2,))}}
+  config = AdaLoRAConfig(init_r=2, target_r=1, total_step=10)
+  state = method_optimizer("adalora", 1e-3, adalora_config=config).init(ada_params)
+  assert _find(state, AdaLoRAState).allocator.mask["q"].shape == (2,)
+  state = method_optimizer("lorapro", 1e-3, lora_scale=2.0).init(params)
+  assert _find(state, LoraProState).lora_mu["q"].shape == (6, 5)  # the paper's full-weight moments
+  assert method_optimizer("lorapro", 1e-3, lora_scale=2.0, lorapro_mode="efficient").init(params)
+  state = method_optimizer("anlr+loradash", 1e-3).init(params)
+  assert set(anlr_jax.find_anlr_state(state).multipliers) == {"q"}
+  with pytest.raises(ValueError, match="AnLRState"):
+    anlr_jax.find_anlr_state(method_optimizer("loradash", 1e-3).init(params))
+  with pytest.raises(ValueError, match="needs adalora_config"):
+    method_optimizer("adalora", 1e-3)
+  with pytest.raises(ValueError, match="needs lora_scale"):
+    method_optimizer("lorapro", 1e-3)
+
+
+def test_adalora_clips_before_the_allocator():
+  """PEFT clips the gradients in place before optimizer.step() and update_and_allocate: the
+  allocator's sensitivities |θ g| see the clipped gradient."""
+  p = {"q": {"lora_a": jnp.ones((3, 2)), "lora_e": jnp.ones((2,)), "lora_b": jnp.ones((2, 4))}}
+  g = jax.tree.map(lambda x: 100.0 * jnp.ones_like(x), p)
+  config = AdaLoRAConfig(init_r=2, target_r=1, total_step=10)
+  tx = method_optimizer("adalora", 1e-3, adalora_config=config, clip_norm=1.0)
+  _, state = tx.update(g, tx.init(p), p)
+  ipt = _find(state, AdaLoRAState).allocator.exp_avg_ipt["q"]["lora_e"]
+  clipped = 100.0 / optax.tree.norm(g)  # every entry of the clipped gradient
+  theta = 1.0 - 1e-3  # the updated parameter (Adam's first step is lr * sign(g))
+  np.testing.assert_allclose(ipt, (1 - config.beta1) * theta * clipped * np.ones(2), rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ config keys
+def test_config_sections_and_errors_name_the_key():
+  config = _run_config("method=adalora", "adalora.target_r=2", "loradash.launch_step=3")
+  assert config.adalora.target_r == 2 and config.loradash.launch_step == 3
+  assert (config.loradash.num_directions, config.lorapro.mode) == (8, "full")
+  assert (config.adalora.beta1, config.adalora.orth_reg_weight) == (0.85, 0.5)  # PEFT's
+  cases = [
+      (["method=adalora"], "adalora.target_r=8 exceeds lora.rank=4"),
+      (["compare=[lora,adalora]"], "adalora.target_r=8 exceeds lora.rank=4"),
+      (["adalora.beta1=1"], "adalora.beta1: 1.0 is not allowed"),
+      (["adalora.delta_t=0"], "adalora.delta_t: 0 is not allowed"),
+      (["adalora.init_r=4"], "unknown key 'adalora.init_r'"),
+      (["lorapro.mode=fast"], "lorapro.mode: 'fast' is not allowed"),
+      (["loradash.launch_step=-1"], "loradash.launch_step: -1 is not allowed"),
+      (["loradash.num_directions=0"], "loradash.num_directions: 0 is not allowed"),
+  ]
+  for overrides, message in cases:
+    with pytest.raises(ConfigError, match=message):
+      _run_config(*overrides)
+  _run_config("method=lora")  # adalora.target_r > lora.rank matters only to adalora
+
+
+def test_adalora_config_errors_name_the_key():
+  config = _run_config("method=adalora", "adalora.target_r=2", "adalora.tinit=5")
+  assert adalora_config(config, 10) == AdaLoRAConfig(
+      init_r=4, target_r=2, tinit=5, total_step=10, beta1=0.85, beta2=0.85
+  )
+  with pytest.raises(ConfigError, match="adalora.tinit \\+ tfinal = 5 \\+ 0 must be < total_step"):
+    adalora_config(config, 5)
+
+
+def test_help_lists_the_new_keys():
+  text = help_text()
+  for key in (
+      "adalora.target_r",
+      "adalora.tinit",
+      "adalora.tfinal",
+      "adalora.delta_t",
+      "adalora.beta1",
+      "adalora.beta2",
+      "adalora.orth_reg_weight",
+      "lorapro.mode",
+      "loradash.num_directions",
+      "loradash.launch_step",
+  ):
+    assert f"  {key} (" in text, key
+  assert "adalora.init_r" not in text  # lora.rank is AdaLoRA's initial rank
+
+
+def test_identity_holds_the_sections_of_the_method(tmp_path):
+  data = tmp_path / "train.json"
+  data.write_text("[]")
+  config = _run_config("adalora.target_r=2")
+  ids = {
+      m: run_identity(config, m, model_path=str(tmp_path), fingerprint="x", data_path=str(data))
+      for m in ("lora", *BASELINES)
+  }
+  assert (
+      ids["adalora"]["adalora.target_r"] == 2 and ids["adalora"]["adalora.orth_reg_weight"] == 0.5
+  )
+  assert ids["lorapro"]["lorapro.mode"] == "full"
+  for m in ("loradash", "anlr+loradash"):
+    assert ids[m]["loradash.launch_step"] == 100 and ids[m]["loradash.num_directions"] == 8
+  assert "anlr.kappa" in ids["anlr+loradash"] and "anlr.kappa" not in ids["loradash"]
+  assert not any(k.split(".")[0] in ("adalora", "lorapro", "loradash") for k in ids["lora"])
+
+
+def test_inject_method_builds_each_layer():
+  config = _run_config("lora.targets=[q_proj,v_proj]", "loradash.num_directions=2")
+  kinds = {
+      "adalora": anlr_jax.nn.AdaLoRALinear,
+      "lorapro": anlr_jax.nn.LoRALinear,
+      "loradash": anlr_jax.nn.LoRADashLinear,
+  }
+  for method, kind in kinds.items():
+    model = inject_method(_tiny_llama(), config, method)
+    assert type(model.model.layers[0].self_attn.q_proj) is kind, method
+  bad = _run_config("lora.targets=[q_proj]", "loradash.num_directions=17")  # min(16, 16) = 16
+  with pytest.raises(ConfigError, match="loradash.num_directions=17: .*exceeds min"):
+    inject_method(_tiny_llama(), bad, "loradash")
+
+
+# ------------------------------------------------------------------------- adapter files
+def test_lora_file_round_trips_adalora_and_dash_directions(tmp_path):
+  """Every adapter variable is written and read back: AdaLoRA's lora_e, LoRA-Dash's dash_scale and
+  its frozen DashDirections (dash_index as int32), so the reloaded model gives the same outputs."""
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 7)))
+  kw = dict(target_modules=TARGETS, rank=2, alpha=4.0, dropout=0.0)
+  for inject in (inject_adalora, functools.partial(inject_loradash, num_directions=3)):
+    model = inject(_tiny_llama(), rngs=nnx.Rngs(1), **kw)
+    lora = nnx.state(model, nnx.LoRAParam)
+    key = jax.random.key(3)
+    nnx.update(model, jax.tree.map(lambda x: x + 0.05 * jax.random.normal(key, x.shape), lora))
+    if inject is not inject_adalora:
+      anlr_jax.nn.launch_dash(model)
+      layer = model.model.layers[1].mlp.up_proj
+      layer.dash_scale[...] = jnp.asarray([0.3, -0.2, 0.1])
+    save_lora_params(model, tmp_path / "a.safetensors")
+    fresh = inject(_tiny_llama(), rngs=nnx.Rngs(7), **kw)
+    load_lora_params(fresh, tmp_path / "a.safetensors")
+    chex.assert_trees_all_equal(nnx.state(fresh, nnx.LoRAParam), nnx.state(model, nnx.LoRAParam))
+    chex.assert_trees_all_equal(nnx.state(fresh, DashDirections), nnx.state(model, DashDirections))
+    np.testing.assert_allclose(fresh(ids), model(ids), rtol=1e-6, atol=1e-6)
+    if inject is not inject_adalora:
+      assert anlr_jax.nn.dash_launched(fresh)
+      assert fresh.model.layers[0].self_attn.q_proj.dash_index[...].dtype == jnp.int32
+
+
+# ------------------------------------------------------------------ trainer: regulariser
+class _LlamaBatches(ToyBatches):
+
+  def get_batch(self, step, **kw):
+    batch = super().get_batch(step, **kw)
+    batch["attention_mask"][:] = 1  # the LLaMA's attention sees every position
+    return batch
+
+
+@pytest.mark.parametrize("lora_layout", ["stacked", "per-layer"])
+def test_orth_regulariser_is_added_to_the_loss(lora_layout):
+  """One AdaLoRA update equals rank_allocator(adamw) on grad(CE) + grad(R) computed apart; the
+  `loss` metric is the cross-entropy alone and `regularizer` is R at the params of the step."""
+  weight = 0.5
+  model = inject_adalora(_tiny_llama(), target_modules=TARGETS, rank=2, alpha=4.0, rngs=nnx.Rngs(1))
+  batches = _LlamaBatches(global_batch=4, seq_len=8, vocab=32)
+  cfg = TrainerConfig(
+      steps=4,
+      global_batch=4,
+      compute_dtype="float32",
+      progress=False,
+      lora_layout=lora_layout,
+      **ONE_DEVICE,
+  )
+  ada = AdaLoRAConfig(init_r=2, target_r=1, total_step=4)
+  tx = method_optimizer("adalora", 1e-2, adalora_config=ada, clip_norm=None)
+  reg = functools.partial(orth_regularization, orth_reg_weight=weight)
+  graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+  lora = nnx.to_pure_dict(lora)
+  batch = jax.tree.map(jnp.asarray, batches.get_batch(0))
+
+  def cross_entropy(lora):
+    logits = nnx.merge(graphdef, lora, rest)(
+        batch["input_ids"], attention_mask=batch["attention_mask"]
+    )
+    logp = jax.nn.log_softmax(logits[:, :-1])
+    nll = -jnp.take_along_axis(logp, batch["input_ids"][:, 1:, None], -1)[..., 0]
+    w = batch["loss_mask"][:, 1:]
+    return jnp.sum(nll * w) / jnp.sum(w)
+
+  ce, grads = jax.value_and_grad(cross_entropy)(lora)
+  r, reg_grads = jax.value_and_grad(reg)(lora)
+  assert r > 0.1  # N(0, 0.02) factors are far from orthonormal
+  total = jax.tree.map(jnp.add, grads, reg_grads)
+  updates, _ = tx.update(total, tx.init(lora), lora)
+  expected = optax.apply_updates(lora, updates)
+  ce_only = optax.apply_updates(lora, tx.update(grads, tx.init(lora), lora)[0])
+
+  trainer = Trainer(model, batches, cfg, tx, loss_regularizer=reg, devices=jax.devices()[:1])
+  metrics = jax.device_get(trainer.train_step())
+  np.testing.assert_allclose(metrics["loss"], ce, rtol=1e-5)
+  np.testing.assert_allclose(metrics["regularizer"], r, rtol=1e-5)
+  np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(total), rtol=1e-5)
+  got = jax.device_get(trainer.lora_params())
+  chex.assert_trees_all_close(got, expected, atol=1e-6, rtol=1e-5)
+  diff = max(
+      jnp.max(jnp.abs(a - b)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ce_only))
+  )
+  assert diff > 1e-4  # without the regulariser the update differs
+  trainer.close()
+
+
+def test_method_hooks():
+  assert set(method_hooks(_run_config("adalora.target_r=2"), "adalora")) == {"loss_regularizer"}
+  off = _run_config("adalora.target_r=2", "adalora.orth_reg_weight=0")
+  assert method_hooks(off, "adalora") == {}
+  assert set(method_hooks(_run_config(), "anlr+loradash")) == {"on_step"}
+  assert method_hooks(_run_config(), "lorapro") == {}
+
+
+# ------------------------------------------------------------------- trainer: dash launch
+def _dash_trainer(launch_step, ckpt_dir=None, steps=4):
+  model = inject_loradash(
+      _tiny_llama(),
+      target_modules=TARGETS,
+      rank=2,
+      alpha=4.0,
+      num_directions=3,
+      launch_step=launch_step,
+      dropout=0.0,
+      rngs=nnx.Rngs(1),
+  )
+  cfg = TrainerConfig(
+      steps=steps,
+      global_batch=4,
+      compute_dtype="float32",
+      progress=False,
+      ckpt_dir=ckpt_dir,
+      async_save=False,
+      save_every=1,
+      learning_rate=1e-2,
+      **ONE_DEVICE,
+  )
+  tx = method_optimizer("loradash", 1e-2)
+  return Trainer(
+      model,
+      _LlamaBatches(global_batch=4, seq_len=8, vocab=32),
+      cfg,
+      tx,
+      on_step=dash_launcher(launch_step),
+      devices=jax.devices()[:1],
+  )
+
+
+def _dash_state(trainer):
+  model = trainer.updated_model()
+  return (
+      jax.device_get(nnx.to_pure_dict(nnx.state(model, DashDirections))),
+      jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam))),
+  )
+
+
+def test_dash_launches_after_update_t_and_resumes_without_relaunch(tmp_path, monkeypatch):
+  trainer = _dash_trainer(2, str(tmp_path / "ckpt"))
+  seen, launch = [], trainer.on_step
+
+  def on_step(t, step):  # the launch hook, then whether the state's model is launched
+    launch(t, step)
+    model = nnx.merge(t.graphdef, t.lora_params(), t.frozen, t.state.extra)
+    seen.append((step, anlr_jax.nn.dash_launched(model)))
+
+  trainer.on_step = on_step
+  trainer.run()
+  assert seen == [(0, False), (1, False), (2, True), (3, True), (4, True)]
+  assert trainer.step_traces == 1  # the launch does not recompile the step
+  directions, lora = _dash_state(trainer)
+  scale = lora["model"]["layers"][0]["self_attn"]["q_proj"]["dash_scale"]
+  assert np.abs(scale).max() > 0  # trained for 2 updates after the launch
+  trainer.close()
+
+  # The directions are chosen from c A B after update 2, with W0's SVD.
+  ref = _dash_trainer(2, steps=2)
+  ref.on_step = None
+  ref.run()
+  model = ref.updated_model()
+  layer = model.model.layers[1].mlp.up_proj
+  chosen = layer.task_directions()
+  saved = directions["model"]["layers"][1]["mlp"]["up_proj"]
+  np.testing.assert_array_equal(saved["dash_index"], chosen.index)
+  np.testing.assert_allclose(np.abs(saved["dash_u"]), np.abs(chosen.u), atol=1e-5)
+  ref.close()
+
+  # Resume from the checkpoint of update 3 (past t = 2): directions restored, never relaunched.
+  import shutil
+
+  shutil.rmtree(tmp_path / "ckpt" / "4")
+  calls = []
+  monkeypatch.setattr(anlr_jax.nn, "launch_dash", lambda *a, **k: calls.append(1))
+  resumed = _dash_trainer(2, str(tmp_path / "ckpt"))
+  assert resumed.step == 3
+  resumed.run()
+  assert calls == []
+  chex.assert_trees_all_close(_dash_state(resumed), (directions, lora), atol=1e-6, rtol=1e-5)
+  resumed.close()
+
+
+def test_dash_launch_at_zero_is_before_the_first_update():
+  trainer = _dash_trainer(0, steps=1)
+  trainer.run()
+  directions, _ = _dash_state(trainer)
+  assert (directions["model"]["layers"][0]["self_attn"]["q_proj"]["dash_index"] >= 0).all()
+  trainer.close()
