@@ -28,6 +28,7 @@ PAPER_METHODS = (
     "random",
     "sensitivity",
 )
+BASELINES = ("adalora", "lorapro", "loradash", "anlr+loradash")  # test_methods_more_baselines.py
 
 
 class TwoProj(nnx.Module):
@@ -41,7 +42,7 @@ class TwoProj(nnx.Module):
 
 
 def test_table_holds_exactly_the_documented_methods():
-  assert set(METHOD_NAMES) == set(PAPER_METHODS)
+  assert set(METHOD_NAMES) == set(PAPER_METHODS) | set(BASELINES)
   assert get_method("anlr+dora").use_dora and get_method("anlr+dora").optimizer == "anlr"
   assert get_method("anlr+pissa").init == "pissa" and get_method("anlr+milora").init == "milora"
   assert get_method("rslora").use_rslora and get_method("lora").optimizer == "adamw"
@@ -60,7 +61,7 @@ def test_unknown_method_lists_the_allowed_ones():
   with pytest.raises(ValueError, match="unknown method 'qlora'.*anlr\\+dora.*sensitivity"):
     get_method("qlora")
   with pytest.raises(ValueError, match="unknown method"):
-    method_optimizer("adalora", 1e-3)
+    method_optimizer("qlora", 1e-3)
   with pytest.raises(ValueError, match="anlr_kwargs has unknown keys \\['gamma'\\]"):
     method_optimizer("anlr", 1e-3, anlr_kwargs={"gamma": 1.0})
 
