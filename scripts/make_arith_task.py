@@ -135,8 +135,8 @@ def _bake_and_sell(rng: random.Random) -> Problem:
   )
   answer = (
       f"{name} bakes {trays} * {per} = {total} muffins.\n{he.capitalize()} sells {morning} +"
-      f" {afternoon} = {morning + afternoon} muffins.\nSo {total} - {morning + afternoon} = {left}"
-      f" muffins are left.\n#### {left}"
+      f" {afternoon} = {morning + afternoon}.\n{total} - {morning + afternoon} = {left} are"
+      f" left.\n#### {left}"
   )
   return question, answer, left
 
