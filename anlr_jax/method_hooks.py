@@ -22,7 +22,7 @@ from anlr_jax.config import ConfigError, RunConfig, resolve_path
 from anlr_jax.methods import get_method
 
 ADALORA_TOTAL_STEP = "adalora_total_step"
-"""Metadata key of an AdaLoRA run's ``lora_final.safetensors``: its number of updates (for export)."""
+"""Metadata key of an AdaLoRA run's ``lora_final.safetensors``: its number of updates (export)."""
 
 
 def adalora_config(config: RunConfig, total_step: int):
@@ -110,7 +110,8 @@ def export_adalora_run(model, config: RunConfig, lora_path: str, out: str) -> No
     metadata = f.metadata() or {}
   if ADALORA_TOTAL_STEP not in metadata:
     raise ValueError(
-        f"{lora_path}: no {ADALORA_TOTAL_STEP} in its metadata (written by an older anlr): the PEFT AdaLoRA config needs the run's total_step; use --format merged"
+        f"{lora_path}: no {ADALORA_TOTAL_STEP} in its metadata (written by an older anlr): the"
+        " PEFT AdaLoRA config needs the run's total_step; use --format merged"
     )
   pattern = {
       path: [bool(v) for v in np.asarray(layer.lora_e[...]) != 0]

@@ -214,9 +214,9 @@ def main(argv=None):
   )
   c = result["config"]
   print(
-      f"{result['machine']}, {result['backend']}; LLaMA hidden {c['hidden']}, {c['layers']} layers,"
-      f" r = {c['rank']} on {','.join(c['targets'])}, batch {c['batch']} x {c['seq']}, {c['dtype']},"
-      f" {c['lora_layout']}; {args.rounds} interleaved rounds"
+      f"{result['machine']}, {result['backend']}; LLaMA hidden {c['hidden']}, {c['layers']}"
+      f" layers, r = {c['rank']} on {','.join(c['targets'])}, batch {c['batch']} x {c['seq']},"
+      f" {c['dtype']}, {c['lora_layout']}; {args.rounds} interleaved rounds"
   )
   header = f"{'method':<10}{'step ms':>10}{'/ lora':>9}{'paired':>9}{'XLA MiB':>10}{'/ lora':>9}"
   print(header)
@@ -232,9 +232,8 @@ def main(argv=None):
         f" {r['paired_time_ratio']:.4f}); XLA memory {m} / lora: {r['xla_ratio_over_lora']:.4f}"
     )
   if "loradash" in rows:
-    print(
-        f"loradash one-off launch (SVD of every adapted kernel): {rows['loradash']['dash_launch_s']:.2f} s"
-    )
+    launch_s = rows["loradash"]["dash_launch_s"]
+    print(f"loradash one-off launch (SVD of every adapted kernel): {launch_s:.2f} s")
   if args.out:
     with open(args.out, "w") as f:
       json.dump(result, f, indent=2)

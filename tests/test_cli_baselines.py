@@ -1,5 +1,5 @@
-"""`anlr sweep` / `anlr train|eval|export` for adalora, lorapro, loradash, anlr+loradash end to end on
-a tiny random HF LLaMA (tests/test_cli.py's setup); plain lora trains beside them for comparison."""
+"""`anlr sweep` / `anlr train|eval|export` for adalora, lorapro, loradash, anlr+loradash end to end
+on a tiny random HF LLaMA (tests/test_cli.py's setup); plain lora trains beside them."""
 
 import json
 import re
