@@ -23,7 +23,9 @@ Several hosts (run the same command on every host; each reads only its rows of e
 
 (on SLURM / GKE / Cloud TPU, ``--auto-distributed`` lets ``jax.distributed.initialize()`` read the
 cluster environment instead). Checkpoints (LoRA params + optimizer state, orbax) go to
-``<out>/ckpt`` every ``--save-every`` updates; re-running the command resumes. At the end process 0
+``<out>/ckpt`` every ``--save-every`` updates; re-running the command resumes (with other settings
+it stops and names them; ``--resume-allow trainer.steps`` lets a re-run extend the run, see
+docs/reliability.md). At the end process 0
 writes the adapter in PEFT format to ``<out>/adapter`` (load it with ``peft.PeftModel``).
 """
 
@@ -63,6 +65,11 @@ def parse_args():
   p.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation chunks")
   p.add_argument("--epochs", type=float, default=3.0)
   p.add_argument("--steps", type=int, default=None, help="overrides --epochs")
+  p.add_argument(
+      "--resume-allow",
+      default="",
+      help="comma-separated settings that may differ from the checkpoint's, e.g. trainer.steps",
+  )
   p.add_argument("--max-length", type=int, default=256)
   p.add_argument("--mesh-data", type=int, default=1)
   p.add_argument("--mesh-fsdp", type=int, default=-1, help="-1: all remaining devices")
@@ -137,6 +144,7 @@ def main():
       run_dir=args.out,
       ckpt_dir=os.path.join(os.path.abspath(args.out), "ckpt"),
       save_every=args.save_every,
+      resume_allow=[k for k in args.resume_allow.split(",") if k],
       diag_every=max(args.save_every // 10, 1),
       seed=args.seed,
   )

@@ -168,6 +168,7 @@ def test_subprocess_runner_passes_the_cell_and_overrides(tmp_path):
       'trainer.learning_rate=0.0002',
       'seed=1',
       'compare=[]',
+      'trainer.ckpt_dir={run_dir}/checkpoints',
       'trainer.steps=5',
   ]
   failing = tmp_path / 'failing_python'
