@@ -380,3 +380,52 @@ def test_dash_launch_at_zero_is_before_the_first_update():
   directions, _ = _dash_state(trainer)
   assert (directions["model"]["layers"][0]["self_attn"]["q_proj"]["dash_index"] >= 0).all()
   trainer.close()
+
+
+def _key_data(x):
+  return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+
+@pytest.mark.parametrize("method", ["adalora", "lorapro", "anlr+loradash"])
+def test_stacked_layout_trains_like_per_layer(method):
+  """Every baseline runs in the trainer's default stacked layout with the updates of the per-layer
+  one (AdaLoRA's global budget, LoRA-Pro's per-module solves and the dash launch included)."""
+  config = _run_config(
+      "lora.rank=2",
+      "adalora.target_r=1",
+      "loradash.num_directions=2",
+      "loradash.launch_step=1",
+      "anlr.warmup_steps=1",
+      f"lora.targets=[{','.join(TARGETS)}]",
+  )
+  out = {}
+  for layout in ("stacked", "per-layer"):
+    model = inject_method(_tiny_llama(), config, method)
+    cfg = TrainerConfig(
+        steps=3,
+        global_batch=4,
+        compute_dtype="float32",
+        progress=False,
+        lora_layout=layout,
+        **ONE_DEVICE,
+    )
+    tx = method_optimizer(
+        method,
+        1e-2,
+        adalora_config=adalora_config(config, 3),
+        lora_scale=2.0 / 2,
+    )
+    trainer = Trainer(
+        model,
+        _LlamaBatches(global_batch=4, seq_len=8, vocab=32),
+        cfg,
+        tx,
+        devices=jax.devices()[:1],
+        **method_hooks(config, method),
+    )
+    trainer.run()
+    extra = jax.tree.map(_key_data, trainer.state.extra)  # the dash directions and RNG keys
+    out[layout] = jax.device_get((trainer.lora_params(), extra))
+    assert trainer.stacked == (layout == "stacked")
+    trainer.close()
+  chex.assert_trees_all_close(out["stacked"], out["per-layer"], atol=1e-5, rtol=1e-5)
