@@ -9,7 +9,7 @@ A run config is the YAML mapping
    lora:    {rank: 32, alpha: 64, dropout: 0.05, targets: [q_proj, k_proj, v_proj, up_proj, down_proj]}
    anlr:    {alpha: 2.0, beta: 1.0, kappa: 3.0, rho: 0.95, warmup_steps: 100}
    loraplus: {lr_ratio: 16}
-   adalora: {target_r: 8, tinit: 0, tfinal: 0, delta_t: 1}   # method adalora (init_r = lora.rank)
+   adalora: {target_r: 21, tinit: 0, tfinal: 0, delta_t: 1}  # method adalora (init_r = lora.rank)
    lorapro: {mode: full}
    loradash: {num_directions: 8, launch_step: 100}
    data:    {train: data/commonsense_170k.json, max_length: 512}
@@ -112,7 +112,7 @@ class LoraPlusSection:
 class AdaLoRASection:
   """AdaLoRA settings (method adalora; PEFT's AdaLoraConfig defaults; init_r is lora.rank)."""
 
-  target_r: int = 8  # average rank per module at the end of the budget schedule (<= lora.rank)
+  target_r: int | None = None  # final average rank per module; None: lora.rank / 1.5 (paper, PEFT)
   tinit: int = 0  # warm-up updates before any triplet is pruned
   tfinal: int = 0  # final updates with the final mask fixed (tinit + tfinal < the run's updates)
   delta_t: int = 1  # updates between two maskings while the budget decreases (PEFT's deltaT)
@@ -529,7 +529,8 @@ def check_method_settings(config: RunConfig) -> None:
   from anlr_jax.methods import get_method
 
   specs = [get_method(m) for m in config.methods()]
-  if any(s.uses_adalora for s in specs) and config.adalora.target_r > config.lora.rank:
+  target_r = config.adalora.target_r
+  if any(s.uses_adalora for s in specs) and target_r is not None and target_r > config.lora.rank:
     raise ConfigError(
         f"adalora.target_r={config.adalora.target_r} exceeds lora.rank={config.lora.rank}"
         " (AdaLoRA's initial rank): the final budget cannot be larger than the initial one; lower"

@@ -25,6 +25,14 @@ ADALORA_TOTAL_STEP = "adalora_total_step"
 """Metadata key of an AdaLoRA run's ``lora_final.safetensors``: its number of updates (export)."""
 
 
+def adalora_target_r(config: RunConfig) -> int:
+  """``adalora.target_r``, or by default ``round(lora.rank / 1.5)`` (at least 1): AdaLoRA's paper
+  starts from ``b(0) = 1.5 b(T)`` and PEFT's defaults are ``init_r = 12``, ``target_r = 8``."""
+  if config.adalora.target_r is not None:
+    return config.adalora.target_r
+  return max(1, round(config.lora.rank / 1.5))
+
+
 def adalora_config(config: RunConfig, total_step: int):
   """The :class:`~anlr_jax.optim.adalora.AdaLoRAConfig` of a run: ``init_r = lora.rank``, the
   ``adalora`` section, and ``total_step`` the run's number of updates."""
@@ -34,7 +42,7 @@ def adalora_config(config: RunConfig, total_step: int):
   try:
     return AdaLoRAConfig(
         init_r=config.lora.rank,
-        target_r=ada.target_r,
+        target_r=adalora_target_r(config),
         tinit=ada.tinit,
         tfinal=ada.tfinal,
         deltaT=ada.delta_t,
@@ -130,6 +138,7 @@ def export_adalora_run(model, config: RunConfig, lora_path: str, out: str) -> No
 __all__ = [
     "ADALORA_TOTAL_STEP",
     "adalora_config",
+    "adalora_target_r",
     "dash_launcher",
     "export_adalora_run",
     "method_hooks",

@@ -58,7 +58,7 @@ ADALORA_TOTAL_STEP = 10_000  # long enough that every timed step is in the budge
 
 def run_config(cfg: BenchConfig):
   """The ``anlr train`` config of the benchmark's LoRA shape (the methods' other keys: defaults,
-  ``anlr.warmup_steps=0``)."""
+  e.g. ``adalora.target_r = round(r / 1.5)``; ``anlr.warmup_steps=0``, LoRA-Dash launched)."""
   from anlr_jax.config import load_config
 
   return load_config(
@@ -68,7 +68,6 @@ def run_config(cfg: BenchConfig):
           f"lora.alpha={cfg.alpha}",
           "lora.dropout=0",
           f"lora.targets=[{','.join(cfg.targets)}]",
-          f"adalora.target_r={max(1, cfg.rank // 2)}",
           f"loradash.num_directions={min(8, cfg.hidden)}",
           "loradash.launch_step=0",
           "anlr.warmup_steps=0",

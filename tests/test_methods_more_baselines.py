@@ -116,9 +116,10 @@ def test_config_sections_and_errors_name_the_key():
   assert config.adalora.target_r == 2 and config.loradash.launch_step == 3
   assert (config.loradash.num_directions, config.lorapro.mode) == (8, "full")
   assert (config.adalora.beta1, config.adalora.orth_reg_weight) == (0.85, 0.5)  # PEFT's
+  assert _run_config("method=adalora").adalora.target_r is None  # lora.rank / 1.5
   cases = [
-      (["method=adalora"], "adalora.target_r=8 exceeds lora.rank=4"),
-      (["compare=[lora,adalora]"], "adalora.target_r=8 exceeds lora.rank=4"),
+      (["method=adalora", "adalora.target_r=8"], "adalora.target_r=8 exceeds lora.rank=4"),
+      (["compare=[lora,adalora]", "adalora.target_r=5"], "adalora.target_r=5 exceeds lora.rank=4"),
       (["adalora.beta1=1"], "adalora.beta1: 1.0 is not allowed"),
       (["adalora.delta_t=0"], "adalora.delta_t: 0 is not allowed"),
       (["adalora.init_r=4"], "unknown key 'adalora.init_r'"),
@@ -129,7 +130,7 @@ def test_config_sections_and_errors_name_the_key():
   for overrides, message in cases:
     with pytest.raises(ConfigError, match=message):
       _run_config(*overrides)
-  _run_config("method=lora")  # adalora.target_r > lora.rank matters only to adalora
+  _run_config("method=lora", "adalora.target_r=8")  # target_r > lora.rank matters only to adalora
 
 
 def test_adalora_config_errors_name_the_key():
@@ -139,6 +140,9 @@ def test_adalora_config_errors_name_the_key():
   )
   with pytest.raises(ConfigError, match="adalora.tinit \\+ tfinal = 5 \\+ 0 must be < total_step"):
     adalora_config(config, 5)
+  # by default the initial rank is 1.5 x the target, as in AdaLoRA's paper and PEFT (12 -> 8)
+  for rank, target in ((12, 8), (32, 21), (4, 3), (1, 1)):
+    assert adalora_config(_run_config(f"lora.rank={rank}"), 10).target_r == target
 
 
 def test_help_lists_the_new_keys():
