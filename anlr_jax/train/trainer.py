@@ -64,7 +64,7 @@ _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.floa
 logger = logging.getLogger('anlr_jax.train')
 
 STUCK_ROWS = 3
-"""Logged rows in a row with zero gradient norm and an unchanged loss before the trainer warns."""
+"""Logged rows in a row with an exactly zero gradient norm before the trainer warns."""
 
 
 class TrainingInterrupted(Exception):
@@ -595,9 +595,9 @@ class Trainer:
             stuck = stuck + 1 if _looks_stuck(writer.rows) else 0
             if stuck == STUCK_ROWS:
               logger.warning(
-                  'the loss has not moved and the gradient norm is 0 for %d logged steps (up to'
-                  ' step %d, loss %.4f): the adapters no longer learn; a learning rate of %g may'
-                  ' be too high',
+                  'the gradient norm is 0 for %d logged steps (up to step %d, loss %.4f): the'
+                  ' loss has stopped moving and the adapters no longer learn; a learning rate of'
+                  ' %g may be too high (or no response tokens reach the loss)',
                   STUCK_ROWS,
                   step,
                   row.get('loss', float('nan')),
@@ -660,10 +660,8 @@ class Trainer:
 
 
 def _looks_stuck(rows: list[dict[str, float]]) -> bool:
-  if len(rows) < 2:
-    return False
-  last, before = rows[-1], rows[-2]
-  return last.get('grad_norm') == 0.0 and last.get('loss') == before.get('loss')
+  """The latest row has an exactly zero gradient norm: nothing can move the adapters."""
+  return bool(rows) and rows[-1].get('grad_norm') == 0.0
 
 
 def _first_nonfinite(tree, mesh: jax.sharding.Mesh) -> str | None:
