@@ -53,8 +53,16 @@ class BenchConfig:
   # JAX only: LoRA params in the train state stacked per projection over the layers (the trainer's
   # default, anlr_jax.train.stack_layers: one optimizer module per projection) or per layer
   lora_layout: str = "stacked"
+  # a real model instead of random weights: a local Hugging Face directory or a LLaMA/Qwen2 .gguf
+  # file; its config then sets hidden, layers, heads, ffn and vocab
+  model: str = ""
 
   def __post_init__(self):
+    if self.model:
+      hf = pretrained_config(self.model)
+      self.hidden, self.layers = hf["hidden_size"], hf["num_hidden_layers"]
+      self.heads, self.ffn = hf["num_attention_heads"], hf["intermediate_size"]
+      self.vocab = hf["vocab_size"]
     for name in ("hidden", "layers", "heads", "ffn", "vocab", "batch", "seq", "rank"):
       if int(getattr(self, name)) < 1:
         raise ValueError(f"BenchConfig.{name}={getattr(self, name)} must be >= 1")
@@ -87,6 +95,18 @@ class BenchConfig:
   @classmethod
   def from_json(cls, text: str) -> "BenchConfig":
     return cls(**json.loads(text))
+
+
+def pretrained_config(path: str) -> dict:
+  """The Hugging Face config dict of a local model directory or ``.gguf`` file."""
+  if not os.path.exists(path):
+    raise ValueError(f"--model {path}: no such file or directory")
+  if path.endswith(".gguf"):
+    from anlr_jax.models.gguf import read_gguf
+
+    return read_gguf(path, lazy=True)[0]
+  with open(os.path.join(path, "config.json")) as f:
+    return json.load(f)
 
 
 def add_config_flags(ap, defaults: BenchConfig | None = None):
@@ -204,8 +224,15 @@ def build_jax_lora_model(cfg: BenchConfig, *, attention: str = "einsum", max_pos
   from anlr_jax.nn import inject_lora
   from anlr_jax.train.step import split_model
 
-  config = model_config(cfg, attention=attention, max_positions=max_positions)
-  model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+  if cfg.model:
+    import jax.numpy as jnp
+
+    from anlr_jax.models import load_hf_model
+
+    model, _ = load_hf_model(cfg.model, dtype=jnp.dtype(cfg.dtype), attention_impl=attention)
+  else:
+    config = model_config(cfg, attention=attention, max_positions=max_positions)
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
   inject_lora(
       model,
       target_modules=cfg.targets,
@@ -240,6 +267,16 @@ def build_peft_model(cfg: BenchConfig, *, device=None, max_positions: int = 2048
   import transformers
 
   torch.manual_seed(0)
+  if cfg.model:
+    folder, name = os.path.split(os.path.abspath(cfg.model))
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder if name.endswith(".gguf") else cfg.model,
+        gguf_file=name if name.endswith(".gguf") else None,
+        torch_dtype=getattr(torch, cfg.dtype),
+        local_files_only=True,
+        use_cache=False,
+    ).to(device or "cpu")
+    return peft.get_peft_model(model, _peft_lora_config(cfg))
   hf_config = transformers.LlamaConfig(
       **model_config(cfg, max_positions=max_positions).to_hf_config(), use_cache=False
   )
@@ -250,14 +287,19 @@ def build_peft_model(cfg: BenchConfig, *, device=None, max_positions: int = 2048
       model = transformers.LlamaForCausalLM(hf_config)
   finally:
     torch.set_default_dtype(default)
-  lora = peft.LoraConfig(
+  return peft.get_peft_model(model, _peft_lora_config(cfg))
+
+
+def _peft_lora_config(cfg: BenchConfig):
+  import peft
+
+  return peft.LoraConfig(
       r=cfg.rank,
       lora_alpha=cfg.alpha,
       lora_dropout=0.0,
       target_modules=list(cfg.targets),
       bias="none",
   )
-  return peft.get_peft_model(model, lora)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -249,3 +249,30 @@ def test_nonfinite_guard_times_both_steps_and_prints_the_ratio(tmp_path, capsys)
   )
   assert re.search(r"ratio \d\.\d{4} \(paired \d\.\d{4}\), 3 rounds", printed)
   assert json.loads((tmp_path / "guard.json").read_text())["rounds"] == 3
+
+
+def test_train_step_on_a_pretrained_model_directory(tmp_path, capsys):
+  import torch
+  import transformers
+
+  torch.manual_seed(0)
+  hf = transformers.LlamaConfig(
+      vocab_size=300,
+      hidden_size=48,
+      intermediate_size=96,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,  # grouped-query attention, as in SmolLM2
+      tie_word_embeddings=True,
+  )
+  transformers.LlamaForCausalLM(hf).save_pretrained(tmp_path / "model")
+  res = train_step.main(
+      ["--model", str(tmp_path / "model"), "--batch", "2", "--seq", "16", "--rank", "4"]
+      + ["--frameworks", "jax-adamw,torch-eager", "--runs", "2", "--warmup", "1", "--settle", "0"]
+  )
+  capsys.readouterr()
+  assert set(res["frameworks"]) == {"jax-adamw", "torch-eager"}, res["failed"]
+  assert (res["config"]["hidden"], res["config"]["vocab"]) == (48, 300)  # from the model's config
+  jax_fw, torch_fw = res["frameworks"]["jax-adamw"], res["frameworks"]["torch-eager"]
+  assert jax_fw["lora_params"] == torch_fw["lora_params"]  # the same LoRA on the same shapes
+  assert jax_fw["first_step_s"] > 0
