@@ -163,6 +163,7 @@ def cmd_generate(args) -> int:
       raw=args.raw,
       seed=args.seed,
       dtype=args.dtype,
+      template=args.template,
   )
   print(text, flush=True)
   return 0
@@ -248,7 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--seed", type=int, default=0, help="sampling seed")
   gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
   gen.add_argument(
-      "--raw", action="store_true", help="do not wrap the prompt in the Alpaca template"
+      "--raw", action="store_true", help="do not wrap the prompt in a template (used verbatim)"
+  )
+  gen.add_argument(
+      "--template",
+      choices=("alpaca", "chat"),
+      help="prompt template: the Alpaca template or the tokenizer's chat template (default: the"
+      " run's data.template for a run directory --adapter, else alpaca)",
   )
   gen.set_defaults(func=cmd_generate)
 

@@ -1032,19 +1032,31 @@ def generate_text(
     raw: bool = False,
     seed: int = 0,
     dtype: str = "float32",
+    template: str | None = None,
 ) -> str:
-  """``anlr generate``: the continuation of ``prompt`` (wrapped in the Alpaca template unless raw)."""
+  """``anlr generate``: the continuation of ``prompt``, wrapped in the Alpaca or the chat template
+  (``template``; None: the run's ``data.template`` when ``adapter`` is a run directory, else
+  ``alpaca``) unless ``raw``. With the chat template no bos is prepended and generation stops at
+  the template's end-of-turn token."""
   from anlr_jax.config import load_config
-  from anlr_jax.data import alpaca_prompt
+  from anlr_jax.data import alpaca_prompt, chat_prompt, end_of_turn_id
   from anlr_jax.models import generate
 
   config = load_config(None, [f"model.path={model_path}", f"model.dtype={dtype}"])
+  if template is None:
+    run_config = adapter is not None and is_run_dir(adapter)
+    template = (
+        load_config(os.path.join(adapter, CONFIG_FILE)).data.template if run_config else "alpaca"
+    )
   model, _, tokenizer = load_adapted_model(config, adapter, model_path=model_path)
   model.eval()
-  text = prompt if raw else alpaca_prompt(prompt)
-  ids = ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + tokenizer(
-      text, add_special_tokens=False
-  ).input_ids
+  chat = template == "chat"
+  if raw:
+    text = prompt
+  else:
+    text = chat_prompt(tokenizer, prompt) if chat else alpaca_prompt(prompt)
+  bos = None if chat else tokenizer.bos_token_id
+  ids = ([bos] if bos is not None else []) + tokenizer(text, add_special_tokens=False).input_ids
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
   out = generate(
       model,
@@ -1053,7 +1065,7 @@ def generate_text(
       max_new_tokens=max_new_tokens,
       temperature=temperature,
       rng=jax.random.key(seed) if temperature > 0 else None,
-      eos_token_id=tokenizer.eos_token_id,
+      eos_token_id=end_of_turn_id(tokenizer) if chat else tokenizer.eos_token_id,
       pad_token_id=int(pad),
   )
   return tokenizer.decode(np.asarray(out)[0], skip_special_tokens=True)

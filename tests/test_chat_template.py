@@ -21,7 +21,7 @@ from anlr_jax.data import (
     tokenize_examples,
 )
 from anlr_jax.evals import EvalExample, template_prompt_fn
-from anlr_jax.run import make_generate_fn, train_run
+from anlr_jax.run import generate_text, make_generate_fn, train_run
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 CHATML = (
@@ -205,3 +205,8 @@ def test_train_run_with_the_chat_template(tmp_path):
       json.loads(l) for l in (tmp_path / "run" / "eval_gsm8k.jsonl").read_text().splitlines()
   ]
   assert records[0]["prompt"] == chat_prompt(tok, "What is 0 + 1?")
+  # `anlr generate` with the run directory takes the run's template: the eval's generation
+  text = generate_text(
+      str(tmp_path / "model"), "What is 0 + 1?", adapter=str(tmp_path / "run"), max_new_tokens=3
+  )
+  assert text == records[0]["generation"]
