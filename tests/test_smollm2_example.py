@@ -119,7 +119,7 @@ def test_peft_logits_check_on_a_tiny_chat_run(example, tmp_path):
       vocab_size=len(tok),
       hidden_size=32,
       intermediate_size=64,
-      num_hidden_layers=2,
+      num_hidden_layers=1,
       num_attention_heads=4,
       num_key_value_heads=2,
       max_position_embeddings=256,
