@@ -46,6 +46,20 @@ for m in lora anlr; do
 done
 anlr analyze "$RUNS/analysis/lora" "$RUNS/analysis/anlr" --out "$RUNS/analysis/figures"
 
+# 5. The other baselines (AdaLoRA, LoRA-Pro, LoRA-Dash, AnLR on LoRA-Dash) next to LoRA and AnLR;
+#    LoRA-Dash launches after 10 % of the updates (the paper's t = 100 is longer than these runs).
+BASE=(loradash.launch_step=10 trainer.diag_every=0)
+anlr sweep --config "$CONFIG" --methods lora,anlr,adalora,lorapro,loradash,anlr+loradash \
+  --lrs 0.005 --seeds 0,1 --out "$RUNS/baselines" "${BASE[@]}"
+anlr sweep --config "$CONFIG" --methods lorapro,loradash,anlr+loradash \
+  --lrs 0.002,0.01 --seeds 0,1 --out "$RUNS/baselines_lr" "${BASE[@]}"
+anlr sweep --config "$CONFIG" --methods adalora --lrs 0.01,0.02,0.05 --seeds 0,1 \
+  --out "$RUNS/adalora_lr" "${BASE[@]}"
+mkdir -p "$DOCS/baselines"
+cp "$RUNS/baselines/results.csv" "$DOCS/baselines/results_5e-3.csv"
+cp "$RUNS/baselines_lr/results.csv" "$DOCS/baselines/results_2e-3_1e-2.csv"
+cp "$RUNS/adalora_lr/results.csv" "$DOCS/baselines/results_adalora_lr.csv"
+
 # Copy tables and figures into the repo.
 for d in lr_sweep ablation variants; do
   mkdir -p "$DOCS/$d"
