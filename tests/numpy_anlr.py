@@ -1,4 +1,4 @@
-"""An independent, naive NumPy (float64) implementation of METHOD.md, for the equivalence tests.
+"""An independent, naive NumPy (float64) implementation of docs/method.md, for the equivalence tests.
 
 Written straight from the equations: rank-one contributions are materialised as ``d_in x d_out``
 matrices, ranks and modules are looped over in Python. Only the Flax layout

@@ -211,7 +211,7 @@ def test_loraplus_peft_layout_scales_lora_B_only():
 
 
 def _numpy_multipliers(params2, grads, *, alpha, beta, kappa, b1=0.9, b2=0.999, eps=1e-8):
-  """METHOD.md steps 2-6 at update t=2 with rho=0 (EMA = current velocity), in float64 NumPy."""
+  """docs/method.md steps 2-6 at update t=2 with rho=0 (EMA = current velocity), in float64 NumPy."""
   a, b = (np.asarray(params2["q"][k], np.float64) for k in ("lora_a", "lora_b"))
   g1, g2 = ({k: np.asarray(g["q"][k], np.float64) for k in ("lora_a", "lora_b")} for g in grads)
   ga, gb = g2["lora_a"], g2["lora_b"]

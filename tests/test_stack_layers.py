@@ -1,7 +1,7 @@
 """The stacked LoRA layout: ``stack_layers`` / ``unstack_layers`` and the train step over it.
 
 With the layers' LoRA params stacked per projection, every optimizer module is one projection of
-all layers (a leading batch axis, METHOD.md), so a step over the stacked layout must give exactly
+all layers (a leading batch axis, docs/method.md), so a step over the stacked layout must give exactly
 the per-layer step's loss, parameters and AnLR multipliers (each slice is an independent module).
 """
 

@@ -1,4 +1,4 @@
-r"""Read-outs of AnLR state and spectra of LoRA updates (METHOD.md, "What to log").
+r"""Read-outs of AnLR state and spectra of LoRA updates (docs/method.md, "What is logged").
 
 * coefficient of variation of per-rank velocity :math:`\mathrm{CV} = \mathrm{std}_k \bar\nu_k /
   \mathrm{mean}_k \bar\nu_k`, max/min velocity ratio, multiplier spread :math:`\max_k s_k / \min_k s_k`;

@@ -1,4 +1,4 @@
-r"""Per-rank statistics of one LoRA module, and the multipliers fused from them (METHOD.md steps 2-7).
+r"""Per-rank statistics of one LoRA module, and the multipliers fused from them (docs/method.md, steps 2-7).
 
 All functions are pure, act on one module's arrays (any leading batch axes), reduce along the feature
 axis of each factor with axis reductions (no loop over ranks) and compute in float32 whatever the
@@ -91,7 +91,7 @@ def _clamp_normalise(log_s, log_kappa, valid):
 
 
 def module_multipliers(nu_bar, snr, *, alpha, beta, kappa):
-  r"""AnLR multipliers of one module (METHOD.md steps 5-6).
+  r"""AnLR multipliers of one module (docs/method.md, steps 5-6).
 
   .. math::
     \log s_k = \mathrm{clip}\big(\alpha \log(1/\tilde\nu_k) + \beta \log \widetilde{\mathrm{snr}}_k,

@@ -12,7 +12,7 @@ For every LoRA module (a pair ``A``, ``B`` found from the pytree structure, see
 
 and the AdamW delta of component ``k`` (weight decay included) is multiplied by ``s_k``; for
 ``t <= warmup_steps``, ``s_k = 1``. Every other leaf gets the plain AdamW update. See
-``METHOD.md`` for the rule this follows to the letter.
+``docs/method.md`` for the rule this follows to the letter.
 """
 
 from __future__ import annotations

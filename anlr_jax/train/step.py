@@ -82,7 +82,7 @@ def stack_layers(tree):
 
   ``{'layers': {0: {'q': {'lora_a': (d, r)}}, 1: ...}}`` becomes ``{'layers': {'*': {'q': {'lora_a':
   (n, d, r)}}}}``: the layout of ``nnx.scan`` models, in which each LoRA module of the optimizer
-  covers one projection of every layer (a leading batch axis, see ``METHOD.md``), so the optimizer
+  covers one projection of every layer (a leading batch axis, see ``docs/method.md``), so the optimizer
   runs one set of kernels per projection instead of one per layer. Lists whose layers differ in
   structure, shape or dtype are left as they are. :func:`unstack_layers` is the inverse.
   """
