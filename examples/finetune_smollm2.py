@@ -13,12 +13,11 @@
    Hugging Face checkpoint (``anlr_jax.models.convert_gguf``), loads both with transformers + peft
    (PyTorch) and checks that their logits on test prompts match ours.
 
-Nothing is downloaded. Cost on a 2-core CPU (lscpu: AMD EPYC; 2026-11-24; measured while two other
-jobs shared the cores): an update of 8 x 128 tokens 9-14 s (the first, compiling the step, 42-72 s),
-scoring 64 problems 58-97 s per model, the PEFT check ~50 s; this example with ``--steps 4`` took
-500 s, so with the config's 32 updates per method ~18 min (estimated; after 24 LoRA updates the
-exact match was 32.8 % against the base model's 9.4 %). On a GPU, more updates and the whole test
-set::
+Nothing is downloaded. Cost on a 2-core CPU (lscpu: AMD EPYC), measured 2026-11-24 on an otherwise
+idle machine: 9 min 46 s wall in all (6.0 GiB peak RSS): 32 updates of 8 x 128 tokens per method
+in ~200 s, scoring 64 problems ~37 s per model, the PEFT check ~1 min. That run printed base 9.4 %,
+LoRA 43.8 %, AnLR-LoRA 45.3 % exact match (one seed; see docs/results.md). On a GPU, more updates
+and the whole test set::
 
   python examples/finetune_smollm2.py --steps 500 --limit 0 model.attention=auto
 """
