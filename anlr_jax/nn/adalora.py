@@ -31,6 +31,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -49,7 +50,7 @@ from anlr_jax.nn.inject import (
     path_str,
     set_submodule,
 )
-from anlr_jax.nn.lora import ADAPTER_DTYPE, low_rank_product
+from anlr_jax.nn.lora import ADAPTER_DTYPE, kernel_axes, low_rank_product
 from anlr_jax.nn.peft_io import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, KEY_PREFIX
 from anlr_jax.optim.adalora import AdaLoRAConfig
 
@@ -114,17 +115,7 @@ class AdaLoRALinear(nnx.Module):
     self.custom_backward = None  # see LoRALinear
     self.dropout = nnx.Dropout(float(dropout), deterministic=True, rngs=rngs)
 
-    kernel_meta = base.kernel.get_metadata()
-    names = kernel_meta.get("out_sharding")
-
-    def axes(*which):
-      """Logical axis names of the kernel carried over to an adapter tensor (rank axis: None)."""
-      if names is None:
-        return {}
-      meta = {"out_sharding": tuple(None if w is None else names[w] for w in which)}
-      if "eager_sharding" in kernel_meta:
-        meta["eager_sharding"] = kernel_meta["eager_sharding"]
-      return meta
+    axes = functools.partial(kernel_axes, base.kernel)
 
     a = INIT_STD * jax.random.normal(rngs.params(), (d_in, rank), ADAPTER_DTYPE)
     b = INIT_STD * jax.random.normal(rngs.params(), (rank, d_out), ADAPTER_DTYPE)

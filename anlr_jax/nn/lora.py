@@ -61,6 +61,20 @@ class DoRAMergedNorm(nnx.Variable):
   """Column norms ``n`` of ``W0 + c A B`` saved by a DoRA ``merge()`` so ``unmerge()`` is exact."""
 
 
+def kernel_axes(kernel: nnx.Variable, *which: int | None) -> dict:
+  """Variable metadata giving an adapter tensor the kernel's logical axis names: ``which[i]`` is
+  the kernel axis (0 = in, 1 = out) that axis ``i`` of the tensor follows, or None (never sharded:
+  the rank axis). Empty when the kernel carries no names."""
+  kernel_meta = kernel.get_metadata()
+  names = kernel_meta.get("out_sharding")
+  if names is None:
+    return {}
+  meta = {"out_sharding": tuple(None if w is None else names[w] for w in which)}
+  if "eager_sharding" in kernel_meta:
+    meta["eager_sharding"] = kernel_meta["eager_sharding"]
+  return meta
+
+
 def lora_scale(rank: int, alpha: float, use_rslora: bool) -> float:
   r"""LoRA output scale: ``c = alpha / r``, or ``c = alpha / sqrt(r)`` for rsLoRA."""
   return float(alpha) / (math.sqrt(rank) if use_rslora else float(rank))
@@ -250,17 +264,7 @@ class LoRALinear(nnx.Module):
     self.custom_backward = None
     self.dropout = nnx.Dropout(float(dropout), deterministic=True, rngs=rngs)
 
-    kernel_meta = base.kernel.get_metadata()
-    names = kernel_meta.get("out_sharding")
-
-    def axes(*which):
-      """Logical axis names of the kernel carried over to an adapter tensor (rank axis: None)."""
-      if names is None:
-        return {}
-      meta = {"out_sharding": tuple(None if w is None else names[w] for w in which)}
-      if "eager_sharding" in kernel_meta:
-        meta["eager_sharding"] = kernel_meta["eager_sharding"]
-      return meta
+    axes = functools.partial(kernel_axes, base.kernel)
 
     if init == "default":
       a = kaiming_uniform_a(rngs.params(), d_in, rank)

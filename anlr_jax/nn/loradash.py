@@ -98,7 +98,7 @@ from anlr_jax.nn.inject import (
     path_str,
     set_submodule,
 )
-from anlr_jax.nn.lora import ADAPTER_DTYPE, LoRALinear, low_rank_product
+from anlr_jax.nn.lora import ADAPTER_DTYPE, LoRALinear, kernel_axes, low_rank_product
 
 LORADASH_DEFAULTS = dict(
     num_directions=8,  # s: the paper's setting and the authors' code (`index = 8`)
@@ -304,17 +304,7 @@ class LoRADashLinear(LoRALinear):
     self.launch_step = launch_step
     d_in, d_out, s = self.in_features, self.out_features, num_directions
 
-    kernel_meta = base.kernel.get_metadata()
-    names = kernel_meta.get("out_sharding")
-
-    def axes(*which):
-      """Logical axis names of the kernel carried over (the direction axis: None)."""
-      if names is None:
-        return {}
-      meta = {"out_sharding": tuple(None if w is None else names[w] for w in which)}
-      if "eager_sharding" in kernel_meta:
-        meta["eager_sharding"] = kernel_meta["eager_sharding"]
-      return meta
+    axes = functools.partial(kernel_axes, base.kernel)
 
     self.dash_scale = nnx.LoRAParam(jnp.zeros((s,), ADAPTER_DTYPE), **axes(None))
     self.dash_u = DashDirections(jnp.zeros((d_in, s), ADAPTER_DTYPE), **axes(0, None))
