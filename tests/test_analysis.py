@@ -2,7 +2,6 @@
 directory reader on the trainer's own diagnostics format, and the command end to end."""
 
 import csv
-import json
 import os
 
 import chex
@@ -15,6 +14,7 @@ import scipy.stats
 from safetensors.numpy import save_file
 
 import anlr_jax
+from anlr_jax import rundir
 from anlr_jax.analysis import analyze_main, figure_data, load_lora, load_run, measures
 from anlr_jax.train.metrics import MetricsWriter
 
@@ -145,10 +145,10 @@ def test_rank_magnitudes_match_materialised_outer_products():
       }
   }
   mags = jax.jit(measures.rank_magnitudes)(params)
-  assert set(mags) == {'layers/q', 'layers/v'}
+  assert set(mags) == {'layers.q', 'layers.v'}
   for name, (lead, a, b) in {
-      'layers/q': ((3,), params['layers']['q']['lora_a'], params['layers']['q']['lora_b']),
-      'layers/v': ((), params['layers']['v']['lora_a'], params['layers']['v']['lora_b']),
+      'layers.q': ((3,), params['layers']['q']['lora_a'], params['layers']['q']['lora_b']),
+      'layers.v': ((), params['layers']['v']['lora_a'], params['layers']['v']['lora_b']),
   }.items():
     expected = np.zeros(lead + (a.shape[-1],))
     for idx in np.ndindex(*lead):
@@ -157,7 +157,7 @@ def test_rank_magnitudes_match_materialised_outer_products():
     chex.assert_trees_all_close(np.asarray(mags[name]), expected, rtol=1e-5)
   chex.assert_trees_all_close(
       measures.rank_magnitudes_np(params['layers']['q']['lora_a'], params['layers']['q']['lora_b']),
-      np.asarray(mags['layers/q']),
+      np.asarray(mags['layers.q']),
       rtol=1e-5,
   )
 
@@ -174,19 +174,19 @@ def test_energy_shift_and_percentiles():
 
 # ---------------------------------------------------------------- synthetic run directories
 
-MODULES = (
-    'layers/0/attn/q_proj',
-    'layers/0/attn/v_proj',
-    'layers/1/attn/q_proj',
-    'layers/1/attn/v_proj',
+MODULES = (  # anlr_jax.rundir.module_name: the optimizer's, the diagnostics' and the adapter's
+    'layers.0.attn.q_proj',
+    'layers.0.attn.v_proj',
+    'layers.1.attn.q_proj',
+    'layers.1.attn.v_proj',
 )
 R = 8
 STEPS = (10, 20, 30, 40, 50, 60)
 SPECTRA = {  # nominal rank 8: two concentrated (erank < 4) and two spread modules
-    'layers/0/attn/q_proj': [4.0, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02, 0.01],
-    'layers/0/attn/v_proj': [1.0] * 8,
-    'layers/1/attn/q_proj': [3.0, 3.0, 0.1, 0.1, 0.0, 0.0, 0.0, 0.0],
-    'layers/1/attn/v_proj': [2.0, 1.8, 1.6, 1.4, 1.2, 1.0, 0.8, 0.6],
+    'layers.0.attn.q_proj': [4.0, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02, 0.01],
+    'layers.0.attn.v_proj': [1.0] * 8,
+    'layers.1.attn.q_proj': [3.0, 3.0, 0.1, 0.1, 0.0, 0.0, 0.0, 0.0],
+    'layers.1.attn.v_proj': [2.0, 1.8, 1.6, 1.4, 1.2, 1.0, 0.8, 0.6],
 }
 
 
@@ -234,15 +234,13 @@ def _write_run(run_dir, *, method='lora', diag=True, lora=True, magnitudes=True,
     tensors = {}
     for name, sigma in SPECTRA.items():
       a, b = _factors_with_spectrum(rng, sigma)
-      dotted = name.replace('/', '.')  # save_lora_params writes dotted module paths
-      tensors[f'{dotted}/lora_a'] = np.ascontiguousarray(a, np.float32)
-      tensors[f'{dotted}/lora_b'] = np.ascontiguousarray(b, np.float32)
-    save_file(tensors, os.path.join(run_dir, 'lora_final.safetensors'))
-  with open(os.path.join(run_dir, 'results.json'), 'w') as f:
-    json.dump(
-        {'method': method, 'learning_rate': 1e-4, 'seed': seed, 'accuracy': {'t': 0.5}, 'avg': 0.5},
-        f,
-    )
+      tensors[rundir.adapter_key(name, 'lora_a')] = np.ascontiguousarray(a, np.float32)
+      tensors[rundir.adapter_key(name, 'lora_b')] = np.ascontiguousarray(b, np.float32)
+    save_file(tensors, os.path.join(run_dir, rundir.LORA_FILE))
+  rundir.write_results(
+      str(run_dir),
+      {'method': method, 'learning_rate': 1e-4, 'seed': seed, 'accuracy': {'t': 0.5}, 'avg': 0.5},
+  )
   return nu
 
 
@@ -321,6 +319,20 @@ def test_analyze_two_runs_writes_every_figure_with_the_planted_numbers(tmp_path,
   assert 'wrote' in capsys.readouterr().out
 
 
+def test_default_output_is_the_analysis_folder_of_the_last_run_dir(tmp_path, capsys):
+  from anlr_jax.analysis.cli import _analyze_parser
+
+  assert 'RUN_DIR_B/analysis' in ' '.join(_analyze_parser().format_help().split())
+  _write_run(tmp_path / 'a', method='lora', seed=0)
+  _write_run(tmp_path / 'b', method='anlr', seed=1)
+  assert analyze_main([str(tmp_path / 'a'), str(tmp_path / 'b')]) == 0
+  assert (tmp_path / 'b' / rundir.ANALYSIS_DIR / 'summary.md').exists()
+  assert not (tmp_path / 'a' / rundir.ANALYSIS_DIR).exists()
+  assert str(tmp_path / 'b' / rundir.ANALYSIS_DIR) in capsys.readouterr().out
+  assert analyze_main([str(tmp_path / 'a')]) == 0
+  assert (tmp_path / 'a' / rundir.ANALYSIS_DIR / 'summary.md').exists()
+
+
 def test_missing_diagnostics_names_the_file_and_the_setting(tmp_path, capsys):
   _write_run(tmp_path / 'run', diag=False)
   out = tmp_path / 'out'
@@ -337,7 +349,7 @@ def test_missing_lora_final_and_magnitudes_still_draw_the_rest(tmp_path, capsys)
   out = tmp_path / 'out'
   assert analyze_main([str(tmp_path / 'run'), '--out', str(out)]) == 0
   err = capsys.readouterr().err
-  assert 'lora_final.safetensors not found' in err and "['magnitudes']" in err
+  assert 'lora_final.safetensors not found' in err and "no 'magnitudes' arrays" in err
   for name in (
       'fig1_velocity_bars',
       'fig2a_velocity_trajectory',
@@ -359,8 +371,8 @@ def test_bad_inputs_name_the_problem(tmp_path, capsys):
   with pytest.raises(ValueError, match='m/lora_a has no sibling m/lora_b'):
     load_lora(str(tmp_path / 'bad' / 'lora_final.safetensors'))
   _write_run(tmp_path / 'run')
-  assert analyze_main([str(tmp_path / 'run'), '--module', 'not/a/module']) == 2
-  assert 'not/a/module' in capsys.readouterr().err
+  assert analyze_main([str(tmp_path / 'run'), '--module', 'not.a.module']) == 2
+  assert 'not.a.module' in capsys.readouterr().err
   with pytest.raises(SystemExit):
     analyze_main([str(tmp_path / 'run')] * 3)
 
@@ -394,17 +406,17 @@ def test_reads_real_anlr_diagnostics_with_stacked_modules(tmp_path):
     )
   writer.close()
   run = load_run(str(tmp_path))
-  assert sorted(run.nu_bar) == ['layers/q[0]', 'layers/q[1]']
+  assert sorted(run.nu_bar) == ['layers.q[0]', 'layers.q[1]']
   np.testing.assert_array_equal(run.steps, [1, 2, 3, 4])
-  final = anlr_jax.diagnostics(state)['modules']['layers/q']
+  final = anlr_jax.diagnostics(state)['modules']['layers.q']
   chex.assert_trees_all_close(
-      run.nu_bar['layers/q[1]'][-1], np.asarray(final['nu_bar'][1]), rtol=1e-6
+      run.nu_bar['layers.q[1]'][-1], np.asarray(final['nu_bar'][1]), rtol=1e-6
   )
   chex.assert_trees_all_close(
-      run.multipliers['layers/q[0]'][-1], np.asarray(final['multipliers'][0])
+      run.multipliers['layers.q[0]'][-1], np.asarray(final['multipliers'][0])
   )
   chex.assert_trees_all_close(
-      run.magnitudes['layers/q[0]'][-1],
+      run.magnitudes['layers.q[0]'][-1],
       measures.rank_magnitudes_np(
           params['layers']['q']['lora_a'][0], params['layers']['q']['lora_b'][0]
       ),

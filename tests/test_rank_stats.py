@@ -134,18 +134,18 @@ def test_find_lora_modules_layouts_and_paths():
       },
   }
   mods = anlr_jax.find_lora_modules(params)
-  assert [m.name for m in mods] == ["model/layers/0/q_proj"]
+  assert [m.name for m in mods] == ["model.layers.0.q_proj"]
   both = anlr_jax.find_lora_modules(params, [anlr_jax.FLAX, anlr_jax.PEFT])
-  assert sorted(m.name for m in both) == ["model/layers/0/q_proj", "peft/x"]
+  assert sorted(m.name for m in both) == ["model.layers.0.q_proj", "peft.x"]
   prefix = {"model": anlr_jax.FLAX, "peft": anlr_jax.PEFT}
   assert sorted(m.name for m in anlr_jax.find_lora_modules(params, prefix)) == [
-      "model/layers/0/q_proj",
-      "peft/x",
+      "model.layers.0.q_proj",
+      "peft.x",
   ]
   assert [
       m.name
       for m in anlr_jax.find_lora_modules(params, lambda p: {"model": None, "peft": anlr_jax.PEFT})
-  ] == ["peft/x"]
+  ] == ["peft.x"]
   with pytest.raises(ValueError, match="a_rank_axis"):
     anlr_jax.LoraDims(a_rank_axis=0)
 

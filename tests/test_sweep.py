@@ -159,7 +159,7 @@ def test_subprocess_runner_passes_the_cell_and_overrides(tmp_path):
   argv = json.load(open(os.path.join(run_dir, 'results.json')))['argv']
   assert argv == [
       '-m',
-      'anlr_jax.cli',
+      'anlr_jax',
       'train',
       '--config',
       'cfg.yaml',

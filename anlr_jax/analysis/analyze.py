@@ -31,11 +31,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from anlr_jax import rundir
 from anlr_jax.analysis import figure_data, figures, measures
 from anlr_jax.analysis.logs import RunLogs, load_run
 from anlr_jax.analysis.tables import write_csv, write_markdown
 
 __all__ = ['AnalysisReport', 'analyze', 'bar_modules']
+
+_DIAG_FILES = f'{rundir.DIAGNOSTICS_DIR}/step_*.npz'
 
 
 @dataclasses.dataclass
@@ -61,7 +64,8 @@ def _module_for(run: RunLogs, wanted: str | None) -> str:
     return wanted
   if wanted is not None and run.nu_bar:
     raise KeyError(
-        f'--module {wanted!r} is not a module of {run.run_dir}/diagnostics; '
+        f'--module {wanted!r} is not a module of '
+        f'{os.path.join(run.run_dir, rundir.DIAGNOSTICS_DIR)}; '
         f'some modules: {sorted(run.nu_bar)[:5]}'
     )
   return figure_data.representative_module(run)
@@ -104,14 +108,14 @@ def analyze(
     bars = {run.run_dir: figure_data.velocity_bars(run) for run in diag_runs}
     files.append(
         write_csv(
-            path('fig1_velocity_bars.csv'),
+            path(f'{rundir.FIG1_VELOCITY_BARS}.csv'),
             [dict(run=r.label, **row) for r in diag_runs for row in bars[r.run_dir]],
         )
     )
     files.append(
         figures.velocity_bars_figure(
             [(r.label, bars[r.run_dir], bar_modules(r)) for r in diag_runs],
-            path('fig1_velocity_bars.png'),
+            path(f'{rundir.FIG1_VELOCITY_BARS}.png'),
         )
     )
     # Fig. 2a
@@ -125,7 +129,7 @@ def analyze(
     }
     files.append(
         write_csv(
-            path('fig2a_velocity_trajectory.csv'),
+            path(f'{rundir.FIG2A_VELOCITY_TRAJECTORY}.csv'),
             [
                 dict(run=r.label, module=chosen[r.run_dir], step=int(s), rank=k, velocity=float(v))
                 for r in diag_runs
@@ -137,7 +141,7 @@ def analyze(
     if any(stability.values()):
       files.append(
           write_csv(
-              path('fig2a_ordering_stability.csv'),
+              path(f'{rundir.FIG2A_ORDERING_STABILITY}.csv'),
               [
                   dict(run=r.label, module=m, spearman=rho)
                   for r in diag_runs
@@ -162,14 +166,14 @@ def analyze(
                 )
                 for r in diag_runs
             ],
-            path('fig2a_velocity_trajectory.png'),
+            path(f'{rundir.FIG2A_VELOCITY_TRAJECTORY}.png'),
         )
     )
     # Fig. 2b
     quart = {r.run_dir: figure_data.quartile_magnitude(r) for r in diag_runs}
     files.append(
         write_csv(
-            path('fig2b_quartile_magnitude.csv'),
+            path(f'{rundir.FIG2B_QUARTILE_MAGNITUDE}.csv'),
             [
                 dict(
                     run=r.label,
@@ -184,7 +188,8 @@ def analyze(
     )
     files.append(
         figures.quartile_magnitude_figure(
-            [(r.label, *quart[r.run_dir]) for r in diag_runs], path('fig2b_quartile_magnitude.png')
+            [(r.label, *quart[r.run_dir]) for r in diag_runs],
+            path(f'{rundir.FIG2B_QUARTILE_MAGNITUDE}.png'),
         )
     )
     # Fig. 3a
@@ -193,7 +198,7 @@ def analyze(
     if heat_runs:
       files.append(
           write_csv(
-              path('fig3a_log_multipliers.csv'),
+              path(f'{rundir.FIG3A_LOG_MULTIPLIERS}.csv'),
               [
                   dict(run=r.label, module=chosen[r.run_dir], step=int(s), rank=k, log_s=float(v))
                   for r in heat_runs
@@ -205,13 +210,13 @@ def analyze(
       files.append(
           figures.multiplier_heatmap_figure(
               [(r.label, chosen[r.run_dir], *heat[r.run_dir]) for r in heat_runs],
-              path('fig3a_log_multipliers.png'),
+              path(f'{rundir.FIG3A_LOG_MULTIPLIERS}.png'),
           )
       )
   else:
     stability = {}
     missing.append(
-        'fig1, fig2a, fig2b, fig3a not drawn: no run has diagnostics/step_*.npz '
+        f'fig1, fig2a, fig2b, fig3a not drawn: no run has {_DIAG_FILES} '
         '(train with trainer.diag_every=N).'
     )
 
@@ -222,7 +227,7 @@ def analyze(
   if both:
     files.append(
         write_csv(
-            path('fig2c_velocity_vs_concentration.csv'),
+            path(f'{rundir.FIG2C_VELOCITY_VS_CONCENTRATION}.csv'),
             [dict(run=r.label, **row) for r in both for row in conc[r.run_dir]],
         )
     )
@@ -238,12 +243,12 @@ def analyze(
                 )
                 for r in both
             ],
-            path('fig2c_velocity_vs_concentration.png'),
+            path(f'{rundir.FIG2C_VELOCITY_VS_CONCENTRATION}.png'),
         )
     )
   else:
     missing.append(
-        'fig2c not drawn: needs diagnostics/step_*.npz and lora_final.safetensors with '
+        f'fig2c not drawn: needs {_DIAG_FILES} and {rundir.LORA_FILE} with '
         'matching module names in the same run.'
     )
 
@@ -253,7 +258,7 @@ def analyze(
   if spec_runs:
     files.append(
         write_csv(
-            path('fig3b_cumulative_energy.csv'),
+            path(f'{rundir.FIG3B_CUMULATIVE_ENERGY}.csv'),
             [
                 dict(run=r.label, index=i + 1, energy_share=float(p), cumulative_energy=float(c))
                 for r in spec_runs
@@ -264,11 +269,11 @@ def analyze(
     files.append(
         figures.cumulative_energy_figure(
             [(r.label, energy[r.run_dir][1]) for r in spec_runs],
-            path('fig3b_cumulative_energy.png'),
+            path(f'{rundir.FIG3B_CUMULATIVE_ENERGY}.png'),
         )
     )
   else:
-    missing.append('fig3b not drawn: no run has lora_final.safetensors.')
+    missing.append(f'fig3b not drawn: no run has {rundir.LORA_FILE}.')
   if len(spec_runs) == 2:
     a, b = spec_runs
     pa, pb = energy[a.run_dir][0], energy[b.run_dir][0]
@@ -276,7 +281,7 @@ def analyze(
       shift = measures.energy_shift(pa, pb)
       files.append(
           write_csv(
-              path('fig3c_energy_shift.csv'),
+              path(f'{rundir.FIG3C_ENERGY_SHIFT}.csv'),
               [
                   dict(index=i + 1, share_a=float(x), share_b=float(y), shift=float(s))
                   for i, (x, y, s) in enumerate(zip(pa, pb, shift))
@@ -284,12 +289,14 @@ def analyze(
           )
       )
       files.append(
-          figures.energy_shift_figure(shift, a.label, b.label, path('fig3c_energy_shift.png'))
+          figures.energy_shift_figure(
+              shift, a.label, b.label, path(f'{rundir.FIG3C_ENERGY_SHIFT}.png')
+          )
       )
     else:
       missing.append(f'fig3c not drawn: the runs have different ranks ({len(pa)} vs {len(pb)}).')
   elif len(runs) == 2:
-    missing.append('fig3c not drawn: needs lora_final.safetensors in both runs.')
+    missing.append(f'fig3c not drawn: needs {rundir.LORA_FILE} in both runs.')
   else:
     missing.append('fig3c not drawn: needs two runs (anlr analyze RUN_LORA RUN_ANLR).')
 
@@ -299,7 +306,7 @@ def analyze(
   ]
   files.append(
       write_csv(
-          path('summary.csv'),
+          path(f'{rundir.ANALYSIS_SUMMARY}.csv'),
           [
               dict(metric=key, description=desc, **{r.label: s[key] for r, s in zip(runs, summary)})
               for key, desc in figure_data.SUMMARY_COLUMNS
@@ -308,16 +315,16 @@ def analyze(
   )
   files.append(
       write_markdown(
-          path('summary.md'),
+          path(f'{rundir.ANALYSIS_SUMMARY}.md'),
           ['metric'] + [r.label for r in runs],
           [[desc] + [s[key] for s in summary] for key, desc in figure_data.SUMMARY_COLUMNS],
           title='Rank-one dynamics summary',
       )
   )
   if missing:
-    with open(path('missing.txt'), 'w') as f:
+    with open(path(rundir.MISSING_FILE), 'w') as f:
       f.write('\n'.join(missing) + '\n')
-    files.append(path('missing.txt'))
+    files.append(path(rundir.MISSING_FILE))
     for message in missing:
       log(f'anlr analyze: {message}')
   return AnalysisReport(files=files, missing=missing, summary=summary)

@@ -1,6 +1,8 @@
-"""Entry points of ``anlr analyze`` and ``anlr sweep`` (dispatched from ``anlr_jax.cli``).
+"""Entry points of ``anlr analyze`` and ``anlr sweep`` (dispatched from the ``anlr`` command).
 
-``anlr analyze RUN_DIR [RUN_DIR_B] [--out DIR] [--module NAME] [--early-fraction F]``
+``anlr analyze RUN_DIR [RUN_DIR_B] [--out DIR] [--module NAME] [--early-fraction F]`` (``--out``
+defaults to the ``analysis/`` folder of the last run directory given: ``RUN_DIR_B/analysis`` when
+comparing two)
 ``anlr sweep --config CFG --methods lora,anlr --lrs 1e-4,2e-4 [--seeds 0,1] [--out DIR] [key=value ...]``
 """
 
@@ -12,6 +14,7 @@ import os
 import sys
 from typing import Sequence
 
+from anlr_jax import rundir
 from anlr_jax.analysis.analyze import analyze
 from anlr_jax.analysis.sweep import Runner, grid, run_sweep, subprocess_runner, write_sweep_report
 
@@ -25,7 +28,12 @@ def _analyze_parser() -> argparse.ArgumentParser:
       'directory, or compare two (RUN_DIR = LoRA, RUN_DIR_B = AnLR).',
   )
   p.add_argument('run_dirs', nargs='+', metavar='RUN_DIR', help='one or two run directories')
-  p.add_argument('--out', default=None, help='output directory (default: RUN_DIR/analysis)')
+  p.add_argument(
+      '--out',
+      default=None,
+      help=f'output directory (default: {rundir.ANALYSIS_DIR}/ in the last run directory given: '
+      f'RUN_DIR/{rundir.ANALYSIS_DIR}, or RUN_DIR_B/{rundir.ANALYSIS_DIR} when comparing two)',
+  )
   p.add_argument(
       '--module', default=None, help='module of Fig. 2a / 3a (default: median anisotropy)'
   )
@@ -46,7 +54,7 @@ def analyze_main(argv: Sequence[str] | None = None) -> int:
     parser.error(f'at most two RUN_DIRs (got {len(args.run_dirs)}: {args.run_dirs})')
   if not 0.0 < args.early_fraction < 1.0:
     parser.error(f'--early-fraction={args.early_fraction} must be in (0, 1)')
-  out = args.out or os.path.join(args.run_dirs[-1], 'analysis')
+  out = args.out or os.path.join(args.run_dirs[-1], rundir.ANALYSIS_DIR)
   try:
     report = analyze(args.run_dirs, out, module=args.module, early_fraction=args.early_fraction)
   except (FileNotFoundError, ValueError, KeyError) as e:
@@ -75,8 +83,8 @@ def _sweep_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog='anlr sweep',
       description='Run `anlr train` over methods x learning rates x seeds (resumable: cells with a '
-      'results.json are skipped), then write results.csv, summary.{csv,md} and '
-      'accuracy_vs_lr.png.',
+      f'{rundir.RESULTS_FILE} are skipped), then write {rundir.SWEEP_RESULTS_CSV}, '
+      f'{rundir.SWEEP_SUMMARY}.{{csv,md}} and {rundir.SWEEP_PLOT}.',
   )
   p.add_argument('--config', required=True, help='training config passed to every cell')
   p.add_argument(
@@ -104,7 +112,7 @@ def sweep_main(argv: Sequence[str] | None = None, *, runner: Runner | None = Non
       parser.error(f'override {item!r}: {key} is set per cell by the sweep')
   if not os.path.exists(args.config):
     parser.error(f'--config {args.config}: no such file')
-  from anlr_jax.methods import METHOD_NAMES
+  from anlr_jax.app.methods import METHOD_NAMES
 
   unknown = [m for m in args.methods if m not in METHOD_NAMES]
   if unknown:

@@ -20,10 +20,13 @@ Choices the paper leaves open, fixed here:
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
+from anlr_jax import rundir
 from anlr_jax.analysis import measures
-from anlr_jax.analysis.logs import RunLogs, match_modules
+from anlr_jax.analysis.logs import RunLogs
 
 __all__ = [
     'representative_module',
@@ -116,15 +119,15 @@ def module_spectra(run: RunLogs) -> dict[str, np.ndarray]:
 
 def velocity_vs_concentration(run: RunLogs, spectra: dict[str, np.ndarray]) -> list[dict]:
   """Fig. 2c rows: ``module, mean_velocity, effective_rank, rank, concentration, top1_energy,
-  concentrated`` for every module present in both the diagnostics and ``lora_final``."""
-  pairs = match_modules(sorted(run.nu_bar), list(spectra))
+  concentrated`` for every module present in both the diagnostics and ``lora_final`` (the same
+  :func:`anlr_jax.rundir.module_name` in both)."""
   rows = []
-  for diag_name, lora_name in pairs.items():
-    sv = spectra[lora_name]
+  for name in sorted(set(run.nu_bar) & set(spectra)):
+    sv = spectra[name]
     rows.append(
         dict(
-            module=diag_name,
-            mean_velocity=float(run.nu_bar[diag_name][-1].mean()),
+            module=name,
+            mean_velocity=float(run.nu_bar[name][-1].mean()),
             effective_rank=float(measures.effective_rank_np(sv)),
             rank=int(sv.shape[-1]),
             concentration=float(measures.spectral_concentration(sv)),
@@ -143,13 +146,12 @@ def cumulative_energy_by_velocity_group(
   """
   if not rows:
     return {}
-  pairs = match_modules([r['module'] for r in rows], list(spectra))
   ranks = [r['rank'] for r in rows]
   common = max(set(ranks), key=ranks.count)
   kept = sorted((r for r in rows if r['rank'] == common), key=lambda r: r['mean_velocity'])
   n = max(1, len(kept) // 4)
   curve = lambda group: np.mean(
-      [np.cumsum(measures.energy_shares(spectra[pairs[r['module']]])) for r in group], axis=0
+      [np.cumsum(measures.energy_shares(spectra[r['module']])) for r in group], axis=0
   )
   return {'slowest 25%': curve(kept[:n]), 'fastest 25%': curve(kept[-n:])}
 
@@ -158,7 +160,8 @@ def log_multipliers(run: RunLogs, module: str) -> tuple[np.ndarray, np.ndarray]:
   """Fig. 3a: ``(steps (T,), log s (T, r))`` for ``module``."""
   if module not in run.multipliers:
     raise KeyError(
-        f'module {module!r} has no multipliers in {run.run_dir}/diagnostics '
+        f'module {module!r} has no multipliers in '
+        f'{os.path.join(run.run_dir, rundir.DIAGNOSTICS_DIR)} '
         f'(known: {sorted(run.multipliers)[:5]}...)'
     )
   return run.steps, np.log(np.maximum(run.multipliers[module], np.finfo(np.float64).tiny))
@@ -168,7 +171,7 @@ def cumulative_energy_mean(spectra: dict[str, np.ndarray]) -> tuple[np.ndarray, 
   """Fig. 3b/3c: ``(mean energy shares (r,), mean cumulative energy (r,))`` over the modules of the
   most common rank."""
   if not spectra:
-    raise ValueError('no LoRA spectra (lora_final.safetensors) to average')
+    raise ValueError(f'no LoRA spectra ({rundir.LORA_FILE}) to average')
   ranks = [sv.shape[-1] for sv in spectra.values()]
   common = max(set(ranks), key=ranks.count)
   shares = np.stack(

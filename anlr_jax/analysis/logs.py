@@ -1,14 +1,17 @@
 r"""Reads what ``anlr train`` leaves in a run directory, for :mod:`anlr_jax.analysis`.
 
-* ``diagnostics/step_<t>.npz`` (every ``trainer.diag_every`` steps): the flattened
-  :func:`anlr_jax.diagnostics` tree, keys ``['modules']['<module>']['nu_bar' | 'snr' | 'multipliers']``
-  of shape ``(..., r)``; optionally ``['magnitudes']['<module>']`` from
-  :func:`anlr_jax.analysis.rank_magnitudes`. Leading batch axes (stacked layers) are split into separate
-  modules named ``<module>[i]``.
-* ``lora_final.safetensors``: ``<module>/lora_a (..., d_in, r)`` and ``<module>/lora_b (..., r, d_out)``;
-  ``<module>`` may be dotted (``model.layers.0.q_proj``): :func:`match_modules` pairs it with the
-  ``/``-joined diagnostics name.
+File names, module names and the file formats are those of :mod:`anlr_jax.rundir`:
+
+* ``diagnostics/step_<t>.npz`` (every ``trainer.diag_every`` steps, read with
+  :func:`anlr_jax.rundir.read_diagnostics`): per module, ``nu_bar``, ``snr``, ``multipliers`` and
+  optionally ``magnitudes`` (from :func:`anlr_jax.analysis.rank_magnitudes`), each ``(..., r)``.
+  Leading batch axes (stacked layers) are split into separate modules named ``<module>[i]``.
+* ``lora_final.safetensors``: ``<module>/lora_a (..., d_in, r)`` and ``<module>/lora_b (..., r, d_out)``
+  (:func:`anlr_jax.rundir.adapter_key`).
 * ``results.json`` / ``config.yaml``: the run's label (its ``method``).
+
+Module names are :func:`anlr_jax.rundir.module_name` everywhere, so a module of the diagnostics and
+the same module of ``lora_final`` have equal names.
 
 Every missing input is recorded in :attr:`RunLogs.missing` as a message naming the file and how to get
 it; the analysis draws what the remaining inputs allow.
@@ -17,12 +20,12 @@ it; the analysis draws what the remaining inputs allow.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import re
 from typing import Mapping
 
 import numpy as np
+
+from anlr_jax import rundir
 
 __all__ = [
     'RunLogs',
@@ -30,14 +33,11 @@ __all__ = [
     'load_diagnostics',
     'load_lora',
     'split_batch_axes',
-    'match_modules',
 ]
 
-_DIAG_KEY = re.compile(
-    r"^\['(?P<group>modules|magnitudes)'\]\['(?P<module>.+?)'\](?:\['(?P<field>\w+)'\])?$"
-)
-_STEP_FILE = re.compile(r'^step_(\d+)\.npz$')
 _FIELDS = ('nu_bar', 'snr', 'multipliers')
+_SERIES = _FIELDS + (rundir.DIAG_MAGNITUDES,)
+_LORA_A, _LORA_B = 'lora_a', 'lora_b'
 
 
 @dataclasses.dataclass
@@ -88,51 +88,40 @@ def load_diagnostics(run_dir: str):
     ValueError: snapshots that disagree on modules or shapes, or a file with no per-module arrays
       (the message names the file).
   """
-  folder = os.path.join(run_dir, 'diagnostics')
-  files = sorted(
-      (int(m.group(1)), f)
-      for f in (os.listdir(folder) if os.path.isdir(folder) else [])
-      if (m := _STEP_FILE.match(f))
-  )
-  if not files:
+  folder = os.path.join(run_dir, rundir.DIAGNOSTICS_DIR)
+  steps = rundir.diagnostics_steps(run_dir)
+  if not steps:
     raise FileNotFoundError(
         f'{folder}/step_*.npz not found: per-rank diagnostics are written only when training with the '
         f'AnLR optimizer and a diagnostic interval, e.g. `anlr train ... trainer.diag_every=50` '
         f'(plain `lora` trains with optax.adamw, which keeps no per-rank state: log a LoRA baseline '
         f"with AnLR's signal='uniform', s_k = 1, whose updates are plain LoRA's)."
     )
-  series: dict[str, dict[str, list]] = {f: {} for f in _FIELDS + ('magnitudes',)}
-  for index, (step, fname) in enumerate(files):
-    path = os.path.join(folder, fname)
+  series: dict[str, dict[str, list]] = {f: {} for f in _SERIES}
+  for index, step in enumerate(steps):
+    path = rundir.diagnostics_path(run_dir, step)
+    modules = rundir.read_diagnostics(path).modules
     snapshot: dict[str, dict[str, np.ndarray]] = {f: {} for f in series}
-    with np.load(path) as arrays:
-      for key in arrays.files:
-        m = _DIAG_KEY.match(key)
-        if m is None:
-          continue
-        field = 'magnitudes' if m.group('group') == 'magnitudes' else m.group('field')
-        if field not in series:
-          continue
-        snapshot[field].update(
-            split_batch_axes(m.group('module'), np.asarray(arrays[key], np.float64), 1)
-        )
+    for name, fields in modules.items():
+      for field in _SERIES:
+        if field in fields:
+          value = np.asarray(fields[field], np.float64)
+          snapshot[field].update(split_batch_axes(name, value, 1))
     if not snapshot['nu_bar']:
-      raise ValueError(
-          f"{path}: no ['modules'][<module>]['nu_bar'] arrays (is it an AnLR diagnostics file?)"
-      )
-    for field, modules in snapshot.items():
-      if index and set(modules) != set(series[field]):
+      raise ValueError(f'{path}: no per-module nu_bar arrays (is it an AnLR diagnostics file?)')
+    for field, per_module in snapshot.items():
+      if index and set(per_module) != set(series[field]):
         raise ValueError(f'{path}: modules of {field!r} differ from the earlier snapshots')
-      for name, value in modules.items():
+      for name, value in per_module.items():
         series[field].setdefault(name, []).append(value)
   out = {}
-  for field, modules in series.items():
+  for field, per_module in series.items():
     out[field] = {}
-    for name, values in modules.items():
+    for name, values in per_module.items():
       if len({v.shape for v in values}) != 1:
         raise ValueError(f'{folder}: {field} of module {name!r} changes shape between snapshots')
       out[field][name] = np.stack(values)
-  return np.array([s for s, _ in files]), out
+  return np.array(steps), out
 
 
 def load_lora(path: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -151,53 +140,35 @@ def load_lora(path: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
   tensors = load_file(path)
   factors: dict[str, dict[str, np.ndarray]] = {}
   for key, value in tensors.items():
-    module, _, leaf = key.rpartition('/')
-    if leaf in ('lora_a', 'lora_b'):
+    module, leaf = rundir.split_adapter_key(key)
+    if leaf in (_LORA_A, _LORA_B):
       factors.setdefault(module, {})[leaf] = np.asarray(value, np.float64)
   if not factors:
-    raise ValueError(f'{path}: no `<module>/lora_a` / `<module>/lora_b` tensors')
+    raise ValueError(
+        f'{path}: no `{rundir.adapter_key("<module>", _LORA_A)}` / '
+        f'`{rundir.adapter_key("<module>", _LORA_B)}` tensors'
+    )
   out = {}
   for module, pair in factors.items():
-    for need in ('lora_a', 'lora_b'):
+    for need in (_LORA_A, _LORA_B):
       if need not in pair:
-        have = next(iter(pair))
-        raise ValueError(f'{path}: key {module}/{have} has no sibling {module}/{need}')
-    a, b = pair['lora_a'], pair['lora_b']
+        have = rundir.adapter_key(module, next(iter(pair)))
+        raise ValueError(f'{path}: key {have} has no sibling {rundir.adapter_key(module, need)}')
+    a, b = pair[_LORA_A], pair[_LORA_B]
     if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2] or a.shape[:-2] != b.shape[:-2]:
       raise ValueError(
-          f'{path}: {module}/lora_a {a.shape} and {module}/lora_b {b.shape} are not '
-          f'(..., d_in, r) and (..., r, d_out)'
+          f'{path}: {rundir.adapter_key(module, _LORA_A)} {a.shape} and '
+          f'{rundir.adapter_key(module, _LORA_B)} {b.shape} are not (..., d_in, r) and (..., r, d_out)'
       )
     a_split, b_split = split_batch_axes(module, a, 2), split_batch_axes(module, b, 2)
     out.update({name: (a_split[name], b_split[name]) for name in a_split})
   return out
 
 
-def _normalise(name: str) -> str:
-  return re.sub(r'[./]+', '/', name).strip('/')
-
-
-def match_modules(names_a, names_b) -> dict[str, str]:
-  """Pairs module names of two sources (e.g. diagnostics and ``lora_final``): exact after normalising
-  ``.``/``/`` separators, else a unique suffix match. Returns ``{name_a: name_b}`` for the pairs found.
-  """
-  norm_b = {_normalise(n): n for n in names_b}
-  out = {}
-  for name in names_a:
-    key = _normalise(name)
-    if key in norm_b:
-      out[name] = norm_b[key]
-      continue
-    hits = [n for k, n in norm_b.items() if k.endswith('/' + key) or key.endswith('/' + k)]
-    if len(hits) == 1:
-      out[name] = hits[0]
-  return out
-
-
 def _label(run_dir: str, results: Mapping | None) -> str:
   if results and results.get('method'):
     return str(results['method'])
-  config = os.path.join(run_dir, 'config.yaml')
+  config = os.path.join(run_dir, rundir.CONFIG_FILE)
   if os.path.exists(config):
     import yaml
 
@@ -218,27 +189,20 @@ def load_run(run_dir: str) -> RunLogs:
   if not os.path.isdir(run_dir):
     raise FileNotFoundError(f'run directory {run_dir} does not exist')
   missing = []
-  results = None
-  results_path = os.path.join(run_dir, 'results.json')
-  if os.path.exists(results_path):
-    with open(results_path) as f:
-      try:
-        results = json.load(f)
-      except json.JSONDecodeError as e:
-        raise ValueError(f'{results_path}: not valid JSON ({e})') from e
+  results = rundir.read_results(run_dir)
   try:
     steps, series = load_diagnostics(run_dir)
   except FileNotFoundError as e:
     missing.append(str(e))
-    steps, series = np.zeros((0,), np.int64), {f: {} for f in _FIELDS + ('magnitudes',)}
-  if len(steps) and not series['magnitudes']:
+    steps, series = np.zeros((0,), np.int64), {f: {} for f in _SERIES}
+  if len(steps) and not series[rundir.DIAG_MAGNITUDES]:
     missing.append(
-        f"{os.path.join(run_dir, 'diagnostics')}: no ['magnitudes'] arrays (per-rank |A_k||B_k| from "
-        f'anlr_jax.analysis.rank_magnitudes at diagnostic steps); Fig. 2b uses the accumulated '
-        f'velocity (path length) instead.'
+        f"{os.path.join(run_dir, rundir.DIAGNOSTICS_DIR)}: no 'magnitudes' arrays (per-rank "
+        '|A_k||B_k| from anlr_jax.analysis.rank_magnitudes at diagnostic steps); Fig. 2b uses the '
+        'accumulated velocity (path length) instead.'
     )
   try:
-    lora = load_lora(os.path.join(run_dir, 'lora_final.safetensors'))
+    lora = load_lora(os.path.join(run_dir, rundir.LORA_FILE))
   except FileNotFoundError as e:
     missing.append(str(e))
     lora = {}
@@ -249,7 +213,7 @@ def load_run(run_dir: str) -> RunLogs:
       nu_bar=series['nu_bar'],
       snr=series['snr'],
       multipliers=series['multipliers'],
-      magnitudes=series['magnitudes'],
+      magnitudes=series[rundir.DIAG_MAGNITUDES],
       lora=lora,
       results=results,
       missing=missing,

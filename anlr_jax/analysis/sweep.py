@@ -11,7 +11,6 @@ only the rest. Per method and LR the table gives the mean and the sample standar
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import subprocess
@@ -20,6 +19,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from anlr_jax import rundir
 from anlr_jax.analysis.tables import write_csv, write_markdown
 
 __all__ = [
@@ -69,14 +69,14 @@ def grid(
 
 
 def cell_dir(out: str, cell: SweepCell) -> str:
-  """``<out>/<method>/lr<lr:g>/seed<seed>``."""
-  return os.path.join(out, cell.method, f'lr{cell.learning_rate:g}', f'seed{cell.seed}')
+  """``<out>/<method>/lr<lr:g>/seed<seed>`` (:func:`anlr_jax.rundir.sweep_cell_dir`)."""
+  return rundir.sweep_cell_dir(out, cell.method, cell.learning_rate, cell.seed)
 
 
 def subprocess_runner(
     config: str, overrides: Sequence[str] = (), *, python: str = sys.executable
 ) -> Runner:
-  """The default runner: ``python -m anlr_jax.cli train --config CONFIG run_dir=<cell dir>
+  """The default runner: ``python -m anlr_jax train --config CONFIG run_dir=<cell dir>
   method=<m> trainer.learning_rate=<lr> seed=<s> compare=[] *overrides``, output to
   ``<cell dir>/train.log``. ``compare=[]`` because a config's ``compare`` list would replace ``method``.
   """
@@ -86,7 +86,7 @@ def subprocess_runner(
     command = [
         python,
         '-m',
-        'anlr_jax.cli',
+        'anlr_jax',  # the `anlr` command (anlr_jax/__main__.py), wherever its CLI module lives
         'train',
         '--config',
         config,
@@ -99,11 +99,11 @@ def subprocess_runner(
         *(
             []
             if any(o.startswith('trainer.ckpt_dir=') for o in overrides)
-            else ['trainer.ckpt_dir={run_dir}/checkpoints']
+            else [f'trainer.ckpt_dir={{run_dir}}/{rundir.CHECKPOINTS_DIR}']
         ),
         *overrides,
     ]
-    log_path = os.path.join(run_dir, 'train.log')
+    log_path = os.path.join(run_dir, rundir.TRAIN_LOG)
     with open(log_path, 'a') as log_file:
       log_file.write('$ ' + ' '.join(command) + '\n')
       log_file.flush()
@@ -115,7 +115,7 @@ def subprocess_runner(
 
 
 def _results_path(out: str, cell: SweepCell) -> str:
-  return os.path.join(cell_dir(out, cell), 'results.json')
+  return os.path.join(cell_dir(out, cell), rundir.RESULTS_FILE)
 
 
 def run_sweep(
@@ -173,13 +173,9 @@ def collect_results(cells: Sequence[SweepCell], out: str) -> list[dict]:
   rows = []
   for cell in cells:
     path = _results_path(out, cell)
-    if not os.path.exists(path):
+    result = rundir.read_results(cell_dir(out, cell))
+    if result is None:
       continue
-    with open(path) as f:
-      try:
-        result = json.load(f)
-      except json.JSONDecodeError as e:
-        raise ValueError(f'{path}: not valid JSON ({e})') from e
     if not isinstance(result.get('avg'), (int, float)):
       raise ValueError(f'{path}: needs a numeric "avg" (got {result.get("avg")!r})')
     row = dict(
@@ -223,9 +219,11 @@ def write_sweep_report(cells: Sequence[SweepCell], out: str) -> dict[str, str]:
   rows = collect_results(cells, out)
   table = aggregate(rows)
   paths = dict(
-      results=write_csv(os.path.join(out, 'results.csv'), rows),
+      results=write_csv(os.path.join(out, rundir.SWEEP_RESULTS_CSV), rows),
       summary=write_csv(
-          os.path.join(out, 'summary.csv'), table, ['method', 'learning_rate', 'n', 'mean', 'std']
+          os.path.join(out, f'{rundir.SWEEP_SUMMARY}.csv'),
+          table,
+          ['method', 'learning_rate', 'n', 'mean', 'std'],
       ),
   )
   lrs = sorted({c.learning_rate for c in cells})
@@ -235,11 +233,11 @@ def write_sweep_report(cells: Sequence[SweepCell], out: str) -> dict[str, str]:
       for r in table
   }
   paths['markdown'] = write_markdown(
-      os.path.join(out, 'summary.md'),
+      os.path.join(out, f'{rundir.SWEEP_SUMMARY}.md'),
       ['method'] + [f'{lr:g}' for lr in lrs],
       [[m] + [cell_text.get((m, lr), '-') for lr in lrs] for m in methods],
       title='Accuracy (avg) vs learning rate: mean ± std (seeds)',
   )
   if table:
-    paths['plot'] = accuracy_vs_lr_figure(table, os.path.join(out, 'accuracy_vs_lr.png'))
+    paths['plot'] = accuracy_vs_lr_figure(table, os.path.join(out, rundir.SWEEP_PLOT))
   return paths

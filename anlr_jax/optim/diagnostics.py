@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from anlr_jax.optim.dims import LoraDimsSpec, find_lora_modules
 from anlr_jax.optim.transform import AnLRState
+from anlr_jax.rundir import DIAG_MODULES
 
 __all__ = [
     "find_anlr_state",
@@ -58,8 +59,9 @@ def diagnostics(opt_state) -> dict:
   """Per-module summaries of the AnLR state (jittable; no recomputation).
 
   Returns:
-    ``{"modules": {name: {...}}, "mean": {...}}`` where each module entry has
-    ``velocity_cv``, ``velocity_max_min``, ``multiplier_max_min``, ``multiplier_min``,
+    ``{"modules": {name: {...}}, "mean": {...}, "count": t}`` (module names: the ``.``-joined
+    :func:`anlr_jax.rundir.module_name` of :func:`anlr_jax.find_lora_modules`) where each module
+    entry has ``velocity_cv``, ``velocity_max_min``, ``multiplier_max_min``, ``multiplier_min``,
     ``multiplier_max`` (averaged over leading batch axes, e.g. stacked layers) and the raw per-rank
     ``nu_bar``, ``snr``, ``multipliers`` arrays; ``mean`` averages the scalar summaries over modules.
   """
@@ -83,7 +85,7 @@ def diagnostics(opt_state) -> dict:
   summary = (
       {k: jnp.mean(jnp.stack([m[k] for m in modules.values()])) for k in keys} if modules else {}
   )
-  return {"modules": modules, "mean": summary, "count": state.count}
+  return {DIAG_MODULES: modules, "mean": summary, "count": state.count}
 
 
 def singular_values(a, b):
@@ -129,7 +131,8 @@ def rank_magnitudes(lora_params, lora_dims: LoraDimsSpec = None) -> dict:
     lora_dims: the layout spec of :func:`anlr_jax.find_lora_modules` (``None``: Flax layout).
 
   Returns:
-    ``{module name: (..., r)}`` in float32, with the module names of :func:`diagnostics`.
+    ``{module name: (..., r)}`` in float32, with the module names of :func:`diagnostics`
+    (:func:`anlr_jax.rundir.module_name`).
   """
   leaves = [_value(x) for x in jax.tree.leaves(lora_params)]  # the order find_lora_modules indexes
   out = {}

@@ -15,7 +15,9 @@ Leading ``...`` axes are batch axes: every slice is an independent module (e.g. 
 Leaves are paired by *structure*, not by regex on path strings: for each leaf the last path entry
 whose name is ``a_name`` or ``b_name`` splits its key path into a parent (the module) and a suffix
 (e.g. ``.value`` for ``nnx.Variable`` leaves, or ``['weight']``); an ``A`` leaf and a ``B`` leaf with
-the same parent and suffix form one module.
+the same parent and suffix form one module, named by :func:`anlr_jax.rundir.module_name` of the
+parent path (``.``-joined, e.g. ``model.layers.0.self_attn.q_proj``: the name the LoRA injection, the
+adapter file, the diagnostics and the analysis use for the same module).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 import jax
+
+from anlr_jax.rundir import key_name, module_name
 
 __all__ = [
     "LoraDims",
@@ -89,13 +93,6 @@ class LoraModule:
     return -2 if self.dims.b_rank_axis == -1 else -1
 
 
-def _entry_name(entry) -> Any:
-  for attr in ("key", "name", "idx"):
-    if hasattr(entry, attr):
-      return getattr(entry, attr)
-  return str(entry)
-
-
 def _is_spec_leaf(x) -> bool:
   return x is None or isinstance(x, LoraDims)
 
@@ -142,8 +139,9 @@ def find_lora_modules(tree, lora_dims: LoraDimsSpec = None) -> list[LoraModule]:
       ``params -> spec``.
 
   Returns:
-    The modules, in flat-leaf order of their ``A`` factor. Each module's ``name`` joins the names of
-    its parent path with ``/``.
+    The modules, in flat-leaf order of their ``A`` factor. Each module's ``name`` is
+    :func:`anlr_jax.rundir.module_name` of its parent path (names joined with ``.``; ``''`` for
+    factors at the root).
 
   Raises:
     ValueError: an ``A`` factor without its ``B`` sibling (or the reverse), factors that are not at
@@ -155,7 +153,7 @@ def find_lora_modules(tree, lora_dims: LoraDimsSpec = None) -> list[LoraModule]:
   groups: dict[tuple, dict[str, int]] = {}
   order: list[tuple] = []
   for index, ((path, _leaf), candidates) in enumerate(zip(leaves_with_path, specs)):
-    names = [_entry_name(e) for e in path]
+    names = [key_name(e) for e in path]
     for dims in candidates:
       hit = None
       for j in range(len(names) - 1, -1, -1):
@@ -181,7 +179,7 @@ def find_lora_modules(tree, lora_dims: LoraDimsSpec = None) -> list[LoraModule]:
   modules = []
   for key in order:
     parent, suffix, dims = key
-    name = "/".join(str(_entry_name(e)) for e in parent) or "<root>"
+    name = module_name(parent)
     found = groups[key]
     if "a" not in found or "b" not in found:
       missing = dims.b_name if "a" in found else dims.a_name

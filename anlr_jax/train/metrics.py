@@ -4,7 +4,8 @@ Per logged step: ``loss``, ``lr``, ``grad_norm``, ``tokens``, ``loss_tokens`` (f
 scalars, fetched only every ``log_every`` steps, so no host sync per step) and
 ``tokens_per_s = sum(tokens) / wall seconds`` over the logging window. AnLR diagnostics (from
 ``anlr_jax.diagnostics(opt_state)`` when the optimizer provides it) go to ``diagnostics/step_<t>.npz``
-every ``diag_every`` steps, their scalar summaries into the same JSONL/CSV/TensorBoard rows.
+(:func:`anlr_jax.rundir.write_diagnostics`) every ``diag_every`` steps, their scalar summaries into
+the same JSONL/CSV/TensorBoard rows. File names: :mod:`anlr_jax.rundir`.
 Only process 0 writes; the other processes' writer is inert.
 
 The files are a function of the step: a writer started at step ``s`` (a resumed run) first drops
@@ -30,9 +31,10 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-logger = logging.getLogger('anlr_jax.train')
+from anlr_jax import rundir
+from anlr_jax.rundir import METRICS_CSV, METRICS_FILE, TENSORBOARD_DIR
 
-METRICS_FILE = 'metrics.jsonl'
+logger = logging.getLogger('anlr_jax.train')
 
 
 def _scalar_items(tree: Mapping[str, Any], prefix: str = '') -> dict[str, float]:
@@ -81,11 +83,11 @@ class MetricsWriter:
     if self.is_writer and run_dir is not None:
       os.makedirs(run_dir, exist_ok=True)
       self._truncate_files(start_step)
-      self._jsonl = open(os.path.join(run_dir, 'metrics.jsonl'), 'a')
+      self._jsonl = open(os.path.join(run_dir, METRICS_FILE), 'a')
       from tensorboardX import SummaryWriter
 
       self._tb = SummaryWriter(
-          os.path.join(run_dir, 'tensorboard'), purge_step=start_step + 1 if start_step else None
+          os.path.join(run_dir, TENSORBOARD_DIR), purge_step=start_step + 1 if start_step else None
       )
     use_bar = sys.stderr.isatty() if progress is None else progress
     if self.is_writer and use_bar:
@@ -95,13 +97,13 @@ class MetricsWriter:
 
   def _truncate_files(self, start_step: int) -> None:
     """Rewrites the metric files with the rows up to ``start_step`` only (atomically)."""
-    path = os.path.join(self.run_dir, 'metrics.jsonl')
+    path = os.path.join(self.run_dir, METRICS_FILE)
     if os.path.exists(path):
       tmp = path + '.tmp'
       with open(tmp, 'w') as f:
         f.writelines(json.dumps(row) + '\n' for row in self.rows)
       os.replace(tmp, path)
-    csv_path = os.path.join(self.run_dir, 'metrics.csv')
+    csv_path = os.path.join(self.run_dir, METRICS_CSV)
     if os.path.exists(csv_path):
       os.remove(csv_path)
     if self.rows:
@@ -110,12 +112,7 @@ class MetricsWriter:
         writer = csv.DictWriter(f, self._csv_fields)
         writer.writeheader()
         writer.writerows(self.rows)
-    diag = os.path.join(self.run_dir, 'diagnostics')
-    if os.path.isdir(diag):
-      for name in os.listdir(diag):
-        step = name.removeprefix('step_').removesuffix('.npz')
-        if step.isdigit() and int(step) > start_step:
-          os.remove(os.path.join(diag, name))
+    rundir.remove_diagnostics_after(self.run_dir, start_step)
 
   def start(self, step: int) -> None:
     """Resets the timing window (call before the first step and after a restore)."""
@@ -184,11 +181,11 @@ class MetricsWriter:
       logger.info(message)
 
   def _write_csv(self, row: dict[str, float]) -> None:
-    path = os.path.join(self.run_dir, 'metrics.csv')
+    path = os.path.join(self.run_dir, METRICS_CSV)
     fields = list(row)
     if self._csv_fields is not None and not set(fields) <= set(self._csv_fields):
       self._csv_fields = self._csv_fields + [f for f in fields if f not in self._csv_fields]
-      rows = [json.loads(line) for line in open(os.path.join(self.run_dir, 'metrics.jsonl'))]
+      rows = [json.loads(line) for line in open(os.path.join(self.run_dir, METRICS_FILE))]
       with open(path, 'w', newline='') as f:  # a new column: rewrite the file from the JSONL
         writer = csv.DictWriter(f, self._csv_fields)
         writer.writeheader()
@@ -209,15 +206,13 @@ class MetricsWriter:
       writer.writerow(row)
 
   def write_diagnostics(self, step: int, diagnostics: Any) -> None:
-    """Saves the full per-module diagnostics tree (``s_k``, ``nu_bar_k``, ``snr_k``...) as .npz."""
+    """Saves the full per-module diagnostics tree (``s_k``, ``nu_bar_k``, ``snr_k``...) of
+    :func:`anlr_jax.diagnostics` (plus ``magnitudes``) as ``diagnostics/step_<step>.npz``; see
+    :func:`anlr_jax.rundir.diagnostics_from_tree` and :func:`anlr_jax.rundir.write_diagnostics`."""
     if not self.is_writer or self.run_dir is None:
       return
-    flat = {
-        jax.tree_util.keystr(p): np.asarray(v)
-        for p, v in jax.tree_util.tree_flatten_with_path(jax.device_get(diagnostics))[0]
-    }
-    os.makedirs(os.path.join(self.run_dir, 'diagnostics'), exist_ok=True)
-    np.savez(os.path.join(self.run_dir, 'diagnostics', f'step_{step:08d}.npz'), **flat)
+    modules, summary = rundir.diagnostics_from_tree(jax.device_get(diagnostics))
+    rundir.write_diagnostics(self.run_dir, step, modules, summary)
 
   def close(self) -> None:
     if self._bar is not None:
@@ -234,7 +229,7 @@ def read_metrics(run_dir: str, *, until_step: int | None = None) -> list[dict[st
   A line cut short by a crash is ignored; if a step appears twice (files written before rows were
   truncated on resume) the later row wins.
   """
-  path = os.path.join(run_dir, 'metrics.jsonl')
+  path = os.path.join(run_dir, METRICS_FILE)
   rows: dict[int, dict[str, float]] = {}
   if not os.path.exists(path):
     return []
