@@ -1,7 +1,7 @@
-"""``python -m anlr_jax`` = the ``anlr`` command (see :mod:`anlr_jax.cli`)."""
+"""``python -m anlr_jax`` = the ``anlr`` command (see :mod:`anlr_jax.app.cli`)."""
 
 import sys
 
-from anlr_jax.cli import main
+from anlr_jax.app.cli import main
 
 sys.exit(main())

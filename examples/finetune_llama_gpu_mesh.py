@@ -44,7 +44,6 @@ from anlr_jax.train import (
     Trainer,
     TrainerConfig,
     initialize_distributed,
-    linear_warmup_decay,
     make_mesh,
 )
 
@@ -55,7 +54,7 @@ def parse_args():
   p.add_argument("--data", required=True, help="training file (JSON/JSONL, see anlr_jax.data)")
   p.add_argument("--format", default=None, help="dataset format (default: detect)")
   p.add_argument("--out", required=True, help="run directory")
-  p.add_argument("--method", default="anlr", help="a method of anlr_jax.methods")
+  p.add_argument("--method", default="anlr", help="a method of anlr_jax.app.methods")
   p.add_argument("--rank", type=int, default=32)
   p.add_argument("--alpha", type=float, default=64.0)
   p.add_argument("--dropout", type=float, default=0.05)
@@ -99,7 +98,7 @@ def main():
   else:
     initialize_distributed()  # no-op for a single process without JAX_COORDINATOR_ADDRESS
   from anlr_jax.data import make_source
-  from anlr_jax.methods import get_method, method_optimizer
+  from anlr_jax.app.methods import get_method, method_optimizer
   from anlr_jax.models import load_hf_model, load_tokenizer
   from anlr_jax.nn import export_peft_adapter, inject_lora
 
@@ -135,7 +134,7 @@ def main():
       global_batch=args.global_batch,
       micro_batches=args.micro_batches,
       learning_rate=args.lr,
-      warmup_steps=args.warmup_steps,
+      lr_warmup_steps=args.warmup_steps,
       mesh_data=args.mesh_data,
       mesh_fsdp=args.mesh_fsdp,
       mesh_tensor=args.mesh_tensor,
@@ -149,7 +148,7 @@ def main():
       seed=args.seed,
   )
   total = config.total_steps(len(data))
-  schedule = linear_warmup_decay(args.lr, total, min(args.warmup_steps, total))
+  schedule = config.schedule(total)
   tx = method_optimizer(method, schedule, weight_decay=0.0, clip_norm=1.0, seed=args.seed)
   model.train()
   trainer = Trainer(model, data, config, tx, schedule=schedule, mesh=mesh)

@@ -19,7 +19,7 @@ from anlr_jax.data import make_source
 from anlr_jax.evals import evaluate, load_eval_examples
 from anlr_jax.models import generate, load_hf_model, load_tokenizer
 from anlr_jax.nn import inject_lora
-from anlr_jax.train import Trainer, TrainerConfig, linear_warmup_decay
+from anlr_jax.train import Trainer, TrainerConfig
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--method", choices=("lora", "anlr"), default="anlr")
@@ -39,12 +39,12 @@ config = TrainerConfig(
     steps=args.steps,
     global_batch=16,
     learning_rate=2e-3,
-    warmup_steps=warmup,
+    lr_warmup_steps=warmup,
     compute_dtype="float32",
     log_every=25,
     progress=True,
 )
-schedule = linear_warmup_decay(config.learning_rate, args.steps, config.warmup_steps)
+schedule = config.schedule(args.steps)
 inner = (
     anlr_jax.anlr(schedule, weight_decay=0.0, warmup_steps=warmup)
     if args.method == "anlr"

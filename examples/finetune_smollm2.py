@@ -5,7 +5,7 @@
 
 1. writes ``data/arith/{train,test}.json`` with ``scripts/make_arith_task.py`` unless they exist
    (2000 training and 200 held-out GSM8K-style problems, seed 0);
-2. runs ``configs/smollm2_135m_math.yaml`` with ``anlr_jax.run.train_run``: scores the base model,
+2. runs ``configs/smollm2_135m_math.yaml`` with ``anlr_jax.app.train.train_run``: scores the base model,
    trains LoRA and then AnLR-LoRA (r 8 on q, k, v, up, down; same seed, data and steps; prompts in
    SmolLM2's chat template) and scores both on the held-out problems;
 3. prints the exact-match accuracy (the number after ``####``) of base, LoRA and AnLR-LoRA;
@@ -61,8 +61,10 @@ def check_peft_logits(run_dir: str, hf_dir: str, prompts: list[str], out_dir: st
   import transformers
   from peft import PeftModel
 
-  from anlr_jax.config import load_config
-  from anlr_jax.run import CONFIG_FILE, export_run, load_adapted_model
+  from anlr_jax.app.config import load_config
+  from anlr_jax.rundir import CONFIG_FILE
+  from anlr_jax.app.export import export_run
+  from anlr_jax.app.model import load_adapted_model
 
   adapter = os.path.join(out_dir, "peft")
   export_run(run_dir, "peft", adapter, log=lambda _: None)
@@ -98,18 +100,19 @@ def main(argv=None) -> int:
   parser.add_argument("overrides", nargs="*", metavar="key=value", help="more config overrides")
   args = parser.parse_args(argv)
 
-  from anlr_jax.config import load_config, resolve_path
+  from anlr_jax.app.config import load_config
+  from anlr_jax.app.paths import resolve_path
   from anlr_jax.data import chat_prompt
   from anlr_jax.evals import load_eval_examples
   from anlr_jax.models import convert_gguf, load_tokenizer
-  from anlr_jax.run import train_run
+  from anlr_jax.app.train import train_run
 
   start = time.perf_counter()
   train, test = ensure_task(args.data_dir)
   overrides = [f"data.train={os.path.abspath(train)}", f"eval.tasks.gsm8k={os.path.abspath(test)}"]
   if args.steps is not None:
     overrides.append(f"trainer.steps={args.steps}")
-    overrides.append(f"trainer.warmup_steps={max(1, args.steps // 10)}")
+    overrides.append(f"trainer.lr_warmup_steps={max(1, args.steps // 10)}")
     overrides.append(f"anlr.warmup_steps={max(1, args.steps // 10)}")
   if args.limit is not None:
     overrides.append(f"eval.limit={args.limit or 'null'}")

@@ -2,9 +2,9 @@
 # Re-runs the study of docs/results.md: LR sweep (item 1), ablations (2), PiSSA/MiLoRA (3), rank-one
 # analysis (4), and copies the tables and figures into docs/results/. Resumable: `anlr sweep` skips
 # cells that already have a results.json. ~35 min on 2 idle CPU cores.
-#   bash scripts/make_results.sh [RUNS_DIR]      (default /work/runs_results; run from the repo root)
+#   bash scripts/make_results.sh [RUNS_DIR]      (default runs/results; run from the repo root)
 set -euo pipefail
-RUNS=${1:-/work/runs_results}
+RUNS=${1:-runs/results}
 CONFIG=configs/results_quickstart.yaml
 DOCS=docs/results
 mkdir -p "$RUNS" "$DOCS"

@@ -15,7 +15,8 @@ from safetensors.numpy import save_file
 
 import anlr_jax
 from anlr_jax import rundir
-from anlr_jax.analysis import analyze_main, figure_data, load_lora, load_run, measures
+from anlr_jax.analysis import figure_data, load_lora, load_run, measures
+from anlr_jax.app.analysis_cli import analyze_main
 from anlr_jax.train.metrics import MetricsWriter
 
 
@@ -320,7 +321,7 @@ def test_analyze_two_runs_writes_every_figure_with_the_planted_numbers(tmp_path,
 
 
 def test_default_output_is_the_analysis_folder_of_the_last_run_dir(tmp_path, capsys):
-  from anlr_jax.analysis.cli import _analyze_parser
+  from anlr_jax.app.analysis_cli import _analyze_parser
 
   assert 'RUN_DIR_B/analysis' in ' '.join(_analyze_parser().format_help().split())
   _write_run(tmp_path / 'a', method='lora', seed=0)

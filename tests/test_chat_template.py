@@ -1,6 +1,6 @@
 """`data.template: chat`: training turns, loss masks and eval prompts in the tokenizer's chat
 template, the end-of-turn token as the loss target and the decoding stop; on a tiny ChatML tokenizer
-(built here) and a tiny random LLaMA through `anlr_jax.run.train_run`."""
+(built here) and a tiny random LLaMA through `anlr_jax.app.train.train_run`."""
 
 import json
 
@@ -10,8 +10,8 @@ import torch
 import transformers
 import yaml
 
-import anlr_jax.models
-from anlr_jax.config import ConfigError, load_config
+import anlr_jax.app.evaluate
+from anlr_jax.app.config import ConfigError, load_config
 from anlr_jax.data import (
     chat_prompt,
     chat_turns,
@@ -21,7 +21,8 @@ from anlr_jax.data import (
     tokenize_examples,
 )
 from anlr_jax.evals import EvalExample, template_prompt_fn
-from anlr_jax.run import generate_text, make_generate_fn, train_run
+from anlr_jax.app.evaluate import eval_run, generate_text, make_generate_fn
+from anlr_jax.app.train import train_run
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 CHATML = (
@@ -137,7 +138,7 @@ def test_eval_prompt_is_the_training_prompt_and_decoding_stops_at_end_of_turn(
     seen.update(ids=np.asarray(ids), mask=np.asarray(mask), eos=eos_token_id)
     return np.tile(np.asarray(enc(tok, "5") + [401, 0, 0]), (ids.shape[0], 1))
 
-  monkeypatch.setattr(anlr_jax.models, "generate", fake_generate)
+  monkeypatch.setattr(anlr_jax.app.evaluate, "generate", fake_generate)
   generate_fn = make_generate_fn(None, tok, max_new_tokens=4, batch_size=2, template="chat")
   assert generate_fn([prompt]) == ["5"]
   row = seen["ids"][0][seen["mask"][0] == 1].tolist()
@@ -210,3 +211,16 @@ def test_train_run_with_the_chat_template(tmp_path):
       str(tmp_path / "model"), "What is 0 + 1?", adapter=str(tmp_path / "run"), max_new_tokens=3
   )
   assert text == records[0]["generation"]
+  # `anlr eval` of the run directory with a config that says alpaca: the run's chat template wins
+  config["data"]["template"] = "alpaca"
+  lines = []
+  evaluated = eval_run(
+      load_config(None, base=config),
+      str(tmp_path / "run"),
+      out_dir=str(tmp_path / "ev"),
+      log=lines.append,
+  )
+  assert "data.template: chat (the run's), not alpaca (--config)" in lines
+  again = [json.loads(l) for l in (tmp_path / "ev" / "eval_gsm8k.jsonl").read_text().splitlines()]
+  assert [r["prompt"] for r in again] == [r["prompt"] for r in records]
+  assert evaluated["accuracy"] == results["accuracy"]

@@ -12,8 +12,8 @@ import transformers
 import yaml
 from safetensors.numpy import load_file
 
-from anlr_jax import cli
-from anlr_jax.run import LORA_FILE
+from anlr_jax.app import cli
+from anlr_jax.rundir import LORA_FILE
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 ANSWERS = ("option1", "option2")
@@ -135,8 +135,8 @@ def test_eval_reproduces_the_training_accuracy(trained, tmp_path):
 def test_export_peft_matches_torch_peft_logits(trained, tmp_path):
   from peft import PeftModel
 
-  from anlr_jax.run import load_adapted_model
-  from anlr_jax.config import load_config
+  from anlr_jax.app.model import load_adapted_model
+  from anlr_jax.app.config import load_config
 
   root, config, run_dir = trained
   out = tmp_path / "peft"
@@ -218,7 +218,7 @@ def test_cli_errors_name_the_problem(trained, tmp_path, capsys):
 
 
 def test_train_help_lists_every_key(capsys):
-  from anlr_jax.config import help_text
+  from anlr_jax.app.config import help_text
 
   with pytest.raises(SystemExit) as exit_info:
     cli.main(["train", "--help"])
@@ -232,14 +232,20 @@ def test_train_help_lists_every_key(capsys):
 
 
 def test_analysis_subcommands_dispatch(monkeypatch):
-  import sys
-  import types
-
   calls = []
-  fake = types.ModuleType("anlr_jax.analysis.cli")
-  fake.analyze_main = lambda argv: calls.append(("analyze", argv)) or 0
-  fake.sweep_main = lambda argv: calls.append(("sweep", argv)) or 3
-  monkeypatch.setitem(sys.modules, "anlr_jax.analysis.cli", fake)
+  monkeypatch.setitem(cli._ANALYSIS, "analyze", lambda argv: calls.append(("analyze", argv)) or 0)
+  monkeypatch.setitem(cli._ANALYSIS, "sweep", lambda argv: calls.append(("sweep", argv)) or 3)
   assert cli.main(["analyze", "--run", "x"]) == 0
   assert cli.main(["sweep", "--help"]) == 3
   assert calls == [("analyze", ["--run", "x"]), ("sweep", ["--help"])]
+
+
+def test_configs_lists_the_shipped_configs_and_train_takes_a_name(capsys):
+  assert cli.main(["configs"]) == 0
+  out = capsys.readouterr().out
+  assert "quickstart " in out and "commonsense_llama2_7b " in out and "anlr train --config" in out
+  # A shipped config by name: its paths are checked first, so a missing model is the error.
+  assert cli.main(["train", "--config", "commonsense_llama2_7b"]) == 2
+  assert "model.path: models/Llama-2-7b-hf does not exist" in capsys.readouterr().err
+  assert cli.main(["train", "--config", "no_such_config"]) == 2
+  assert "shipped configs, usable by name" in capsys.readouterr().err

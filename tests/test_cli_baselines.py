@@ -13,9 +13,10 @@ import torch
 import transformers
 from safetensors.numpy import load_file
 
-from anlr_jax import cli
-from anlr_jax.config import load_config
-from anlr_jax.run import LORA_FILE, load_adapted_model
+from anlr_jax.app import cli
+from anlr_jax.app.config import load_config
+from anlr_jax.rundir import LORA_FILE
+from anlr_jax.app.model import load_adapted_model
 from tests.test_cli import _tiny_setup
 
 METHODS = ("lora", "adalora", "lorapro", "loradash", "anlr+loradash")
@@ -39,7 +40,7 @@ def swept(tmp_path_factory):
 
   def call(command, **_):
     commands.append(command)
-    assert command[1:4] == ["-m", "anlr_jax.cli", "train"]
+    assert command[1:4] == ["-m", "anlr_jax", "train"]
     return cli.main(command[3:])
 
   patch = pytest.MonkeyPatch()

@@ -6,8 +6,10 @@ import pathlib
 import pytest
 import yaml
 
-from anlr_jax import config as cfg
-from anlr_jax.methods import METHOD_NAMES
+from anlr_jax.app import config as cfg
+from anlr_jax.app import paths
+from anlr_jax.fields import field_help, rule_of
+from anlr_jax.app.methods import METHOD_NAMES
 from anlr_jax.train import TrainerConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -100,13 +102,13 @@ def test_saved_config_round_trips(tmp_path):
         (["anlr.kappa=1"], r"anlr.kappa: 1.0 is not allowed; must be > 1"),
         (["anlr.rho=1"], r"anlr.rho: 1.0 is not allowed; must be >= 0 and < 1"),
         (["lora.rank=0"], r"lora.rank: 0 is not allowed; must be >= 1"),
-        (["trainer.global_batch=0"], r"trainer.global_batch=0 must be >= 1"),
+        (["trainer.global_batch=0"], r"trainer.global_batch: 0 is not allowed; must be >= 1"),
         (
             ["trainer.global_batch=6", "trainer.micro_batches=4"],
             r"trainer.global_batch=6 is not divisible",
         ),
         (["trainer.seed=1"], r"trainer.seed is set by the top-level key 'seed'"),
-        (["trainer.optimizer=adamw"], r"trainer.optimizer is set by the top-level key 'method'"),
+        (["trainer.optimizer=adamw"], r"unknown key 'trainer.optimizer'"),
         (["lora=3"], r"'lora' is a section; set one of its keys \(rank, alpha, dropout, targets\)"),
         (["rank"], r"override 'rank' is not key=value"),
     ],
@@ -136,14 +138,15 @@ def test_errors_in_a_file_name_the_file(tmp_path):
 def test_help_documents_every_key():
   text = cfg.help_text()
   for name, section in cfg.SECTIONS.items():
-    docs = cfg.field_docs(section)
     for f in dataclasses.fields(section):
       key = f"{name}.{f.name}"
       if key in cfg.SET_ELSEWHERE:
         assert f"  {key} " not in text
         continue
       line = next(l for l in text.splitlines() if l.startswith(f"  {key} ("))
-      assert docs.get(f.name) and docs[f.name] in line, key
+      assert field_help(f) and field_help(f) in line, key
+      if rule_of(f) is not None:
+        assert f"[{rule_of(f)}]" in line, key
   for key in cfg.TOP_LEVEL:
     assert any(l.startswith(f"  {key} (") for l in text.splitlines())
   assert "anlr+dora" in text and "trainer.learning_rate (float, default 0.0003)" in text
@@ -152,18 +155,18 @@ def test_help_documents_every_key():
 def test_paths_and_run_dir():
   from anlr_jax import assets
 
-  assert cfg.resolve_path("asset://quickstart/train.json") == str(
+  assert paths.resolve_path("asset://quickstart/train.json") == str(
       pathlib.Path(assets.__file__).parent / "quickstart" / "train.json"
   )
-  assert cfg.resolve_path("data/x.json") == "data/x.json" and cfg.resolve_path(None) is None
+  assert paths.resolve_path("data/x.json") == "data/x.json" and paths.resolve_path(None) is None
   assert (
-      cfg.format_run_dir(
+      paths.format_run_dir(
           "runs/{method}-s{seed}-{timestamp}", method="anlr+dora", seed=2, timestamp="T"
       )
       == "runs/anlr_dora-s2-T"
   )
   with pytest.raises(cfg.ConfigError, match="run_dir: .*bad placeholder"):
-    cfg.format_run_dir("runs/{name}", method="lora", seed=0)
+    paths.format_run_dir("runs/{name}", method="lora", seed=0)
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
@@ -181,7 +184,11 @@ def test_paper_settings_app_b():
   assert (cs.lora.rank, cs.lora.alpha, cs.lora.dropout) == (32, 64.0, 0.05)
   assert (cs.trainer.learning_rate, cs.trainer.global_batch, cs.trainer.epochs) == (1e-4, 16, 3.0)
   assert cs.lora.targets == ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
-  assert len(cs.eval.tasks) == 8 and (cs.anlr.alpha, cs.anlr.beta, cs.anlr.kappa) == (2.0, 1.0, 3.0)
+  assert len(cs.eval.tasks) == 8 and (
+      cs.anlr.velocity_weight,
+      cs.anlr.snr_weight,
+      cs.anlr.kappa,
+  ) == (2.0, 1.0, 3.0)
   for name in ("math", "code", "dialogue"):
     c = cfg.load_config(REPO / "configs" / f"{name}_llama2_7b.yaml")
     assert (c.lora.rank, c.lora.alpha, c.trainer.learning_rate, c.trainer.epochs) == (
@@ -192,3 +199,93 @@ def test_paper_settings_app_b():
     )
   note = (REPO / "configs" / "visual_llava1_5_7b.yaml").read_text()
   assert "rank: 128" in note and "alpha: 256" in note and "2.0e-4" in note
+
+
+# ------------------------------------------------------------------ renamed keys, shipped configs
+@pytest.mark.parametrize(
+    "old, new, value",
+    [
+        ("trainer.warmup_steps", "trainer.lr_warmup_steps", 7),
+        ("anlr.alpha", "anlr.velocity_weight", 1.5),
+        ("anlr.beta", "anlr.snr_weight", 0.5),
+    ],
+)
+def test_renamed_keys_still_work_with_a_warning(old, new, value, tmp_path, caplog, monkeypatch):
+  import logging
+
+  section, name = old.split(".")
+  monkeypatch.setattr(logging.getLogger("anlr_jax"), "propagate", True)  # the CLI turns it off
+  with caplog.at_level("WARNING", logger="anlr_jax"):
+    config = cfg.load_config(None, [f"{old}={value}"])
+    from_file = cfg.load_config(_write(tmp_path, f"{section}:\n  {name}: {value}\n"))
+  assert getattr(getattr(config, section), new.split(".")[1]) == value
+  assert dataclasses.asdict(from_file) == dataclasses.asdict(config)
+  assert f"{old} is renamed {new}" in caplog.text
+  with pytest.raises(cfg.ConfigError, match=f"{old} and {new} are the same key"):
+    cfg.load_config(None, [f"{old}={value}", f"{new}={value}"])
+
+
+def test_an_identity_saved_under_an_old_key_matches_the_new_key():
+  from anlr_jax.train.trainer import identity_changes
+
+  saved = {"trainer.warmup_steps": 30, "anlr.alpha": 2.0, "anlr.beta": 1.0, "seed": 0}
+  now = {"trainer.lr_warmup_steps": 30, "anlr.velocity_weight": 2.0, "anlr.snr_weight": 1.0}
+  assert identity_changes(saved, {**now, "seed": 0}) == []
+  assert identity_changes(saved, {**now, "seed": 0, "anlr.snr_weight": 0.0}) == [
+      "anlr.snr_weight: 1.0 -> 0.0"
+  ]
+
+
+def test_the_anlr_section_maps_to_the_optimizer_arguments():
+  import anlr_jax
+
+  section = cfg.load_config(None, ["anlr.velocity_weight=1.5", "anlr.snr_weight=0.25"]).anlr
+  assert section.as_kwargs() == dict(alpha=1.5, beta=0.25, kappa=3.0, rho=0.95, warmup_steps=100)
+  assert set(section.as_kwargs()) == set(anlr_jax.DEFAULTS)
+
+
+def test_shipped_configs_are_package_data_and_found_by_name():
+  import anlr_jax
+
+  shipped = paths.shipped_configs()
+  assert {"quickstart", "commonsense_llama2_7b", "smollm2_135m_math"} <= set(shipped)
+  assert all(
+      p.parent == pathlib.Path(anlr_jax.__file__).parent / "configs" for p in shipped.values()
+  )
+  for name in shipped:  # each one loads and validates (paths are not resolved here)
+    assert paths.find_config(name) == str(shipped[name])
+    assert paths.find_config(f"{name}.yaml") == str(shipped[name])
+    cfg.load_config(paths.find_config(name))
+    assert paths.config_summary(shipped[name])
+  with pytest.raises(FileNotFoundError, match="shipped configs, usable by name: .*quickstart"):
+    paths.find_config("commonsense_llama9")
+
+
+def test_every_setting_has_help_and_its_rule_is_the_check():
+  from anlr_jax.fields import ConfigError, Range, check_fields, setting
+  from anlr_jax.train import TrainerConfig
+
+  for section in cfg.SECTIONS.values():
+    for f in dataclasses.fields(section):
+      assert field_help(f), f"{section.__name__}.{f.name} has no help text"
+  with pytest.raises(ConfigError, match=r"TrainerConfig.keep: 1 is not allowed; must be >= 2"):
+    TrainerConfig(keep=1)
+
+  @dataclasses.dataclass
+  class Knobs:
+    rate: float = setting(0.5, "a rate", Range(0, 1, hi_open=True))
+
+  check_fields(Knobs())
+  with pytest.raises(ConfigError, match=r"knobs.rate: 1.0 is not allowed; must be >= 0 and < 1"):
+    check_fields(Knobs(rate=1.0), "knobs.")
+  with pytest.raises(ConfigError, match=r"nan is not allowed"):
+    check_fields(Knobs(rate=float("nan")), "knobs.")
+
+
+def test_the_schedule_warms_up_and_decays_within_the_run():
+  from anlr_jax.train import TrainerConfig
+
+  schedule = TrainerConfig(learning_rate=1.0, lr_warmup_steps=2).schedule(4)
+  assert [float(schedule(t)) for t in range(5)] == [0.0, 0.5, 1.0, 0.5, 0.0]
+  cut = TrainerConfig(learning_rate=1.0, lr_warmup_steps=10).schedule(4)  # warmup cut at 4
+  assert [float(cut(t)) for t in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]

@@ -576,7 +576,7 @@ def test_smollm2_greedy_next_token_after_chat_prompt(smollm2):
 
 
 def test_anlr_convert_writes_the_checkpoint_and_names_a_missing_file(tiny, tmp_path, capsys):
-  from anlr_jax import cli
+  from anlr_jax.app import cli
 
   file = tiny["files"]["llama", "Q8_0"]
   assert cli.main(["convert", "--gguf", str(file), "--out", str(tmp_path / "hf")]) == 0

@@ -9,12 +9,12 @@ import re
 import pytest
 
 import anlr_jax.models
-import anlr_jax.run
-from anlr_jax import cli
-from anlr_jax.config import ConfigError, load_config
+import anlr_jax.app.evaluate
+from anlr_jax.app import cli
+from anlr_jax.app.config import ConfigError, load_config
 from anlr_jax.evals import evaluate, humaneval, load_code_problems
 from anlr_jax.evals.code import STOP_SEQUENCES, truncate_completion
-from anlr_jax.run import make_generate_fn
+from anlr_jax.app.evaluate import make_generate_fn
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 N = 3  # problems scored (eval.limit)
@@ -47,9 +47,9 @@ def _stub_eval(monkeypatch, problems, answer):
 
     return generate_fn
 
-  monkeypatch.setattr(anlr_jax.run, "make_generate_fn", fake_make_generate_fn)
+  monkeypatch.setattr(anlr_jax.app.evaluate, "make_generate_fn", fake_make_generate_fn)
   monkeypatch.setattr(
-      anlr_jax.run, "load_adapted_model", lambda config, adapter: (_Model(), None, None)
+      anlr_jax.app.evaluate, "load_adapted_model", lambda config, adapter: (_Model(), None, None)
   )
   return calls
 
@@ -136,6 +136,6 @@ def test_truncation_and_exact_continuation(monkeypatch):
 
     return np.tile(np.asarray(new), (ids.shape[0], 1))
 
-  monkeypatch.setattr(anlr_jax.models, "generate", fake_generate)
+  monkeypatch.setattr(anlr_jax.app.evaluate, "generate", fake_generate)
   fn = make_generate_fn(None, tok, max_new_tokens=8, batch_size=1, exact_continuation=True)
   assert fn(["def add(a, b):\n"]) == ["    return a + b\n"]

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import anlr_jax
-from anlr_jax.methods import METHOD_NAMES, METHODS, get_method, method_optimizer
+from anlr_jax.app.methods import METHOD_NAMES, METHODS, get_method, method_optimizer
 from anlr_jax.nn import inject_lora, iter_lora_layers
 
 PAPER_METHODS = (

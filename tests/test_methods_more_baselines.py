@@ -16,15 +16,16 @@ import pytest
 from flax import nnx
 
 import anlr_jax
-from anlr_jax.config import ConfigError, help_text, load_config
-from anlr_jax.method_hooks import adalora_config, dash_launcher, method_hooks
-from anlr_jax.methods import LAYERS, METHOD_NAMES, OPTIMIZERS, get_method, method_optimizer
+from anlr_jax.app.config import ConfigError, help_text, load_config
+from anlr_jax.app.methods import adalora_config, dash_launcher, method_hooks
+from anlr_jax.app.methods import LAYERS, METHOD_NAMES, OPTIMIZERS, get_method, method_optimizer
 from anlr_jax.models.config import ModelConfig
 from anlr_jax.models.llama import LlamaForCausalLM
 from anlr_jax.nn import DashDirections, inject_adalora, inject_loradash
 from anlr_jax.optim.adalora import AdaLoRAConfig, AdaLoRAState, orth_regularization
 from anlr_jax.optim.lorapro import LoraProState
-from anlr_jax.run import inject_method, load_lora_params, run_identity, save_lora_params
+from anlr_jax.app.model import inject_method, load_lora_params, save_lora_params
+from anlr_jax.app.train import run_identity
 from anlr_jax.train.trainer import Trainer, TrainerConfig
 from tests.helpers.toy_lm import ToyBatches
 
@@ -74,7 +75,7 @@ def test_table_holds_the_baselines():
       get_method(n).layer in LAYERS and get_method(n).optimizer in OPTIMIZERS for n in METHOD_NAMES
   )
   for name in BASELINES:  # the docstring table lists every method
-    assert f"\n{name} " in anlr_jax.methods.__doc__, name
+    assert f"\n{name} " in anlr_jax.app.methods.__doc__, name
 
 
 def test_method_optimizer_builds_each_baseline():

@@ -8,21 +8,22 @@ import pathlib
 import numpy as np
 import pytest
 
-from anlr_jax import cli
+import anlr_jax
+from anlr_jax.app import cli, paths
 from anlr_jax.assets import QUICKSTART_TASK
 from anlr_jax.evals import TASKS
-from anlr_jax.config import load_config, read_yaml
+from anlr_jax.app.config import load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_built_in_default_equals_the_shipped_yaml(monkeypatch, capsys):
-  yaml_config = read_yaml(REPO / "configs" / "quickstart.yaml")
-  assert yaml_config == cli.QUICKSTART_DEFAULT
-  monkeypatch.setattr(cli, "quickstart_config_path", lambda: None)
+def test_the_quickstart_is_the_shipped_config_read_from_the_package(capsys):
+  shipped = paths.shipped_configs()["quickstart"]
+  assert shipped.parent == pathlib.Path(anlr_jax.__file__).parent / "configs"
+  assert (REPO / "configs" / "quickstart.yaml").resolve() == shipped.resolve()
   built_in = cli._load_run_config(None, ["trainer.steps=3"])
-  assert "built-in settings" in capsys.readouterr().out
-  from_file = load_config(REPO / "configs" / "quickstart.yaml", ["trainer.steps=3"])
+  assert f"running the quickstart ({shipped})" in capsys.readouterr().out
+  from_file = load_config(shipped, ["trainer.steps=3"])
   assert dataclasses.asdict(built_in) == dataclasses.asdict(from_file)
   assert built_in.methods() == ["lora", "anlr"] and built_in.eval.include_base
 

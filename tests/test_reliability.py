@@ -21,8 +21,8 @@ import yaml
 from safetensors.numpy import load_file
 
 import anlr_jax
-from anlr_jax import cli
-from anlr_jax.run import LORA_FILE, RESULTS_FILE
+from anlr_jax.app import cli
+from anlr_jax.rundir import LORA_FILE, RESULTS_FILE
 from anlr_jax.train.checkpoint import CHECKSUM_FILE, TrainCheckpointer
 from anlr_jax.train.lock import DirectoryLock, DirectoryLockedError
 from anlr_jax.train.metrics import MetricsWriter, read_metrics
@@ -325,7 +325,7 @@ def test_nan_adapters_are_never_written(tmp_path):
 
   from anlr_jax.models import LlamaForCausalLM, ModelConfig
   from anlr_jax.nn import inject_lora
-  from anlr_jax.run import save_lora_params
+  from anlr_jax.app.model import save_lora_params
 
   model = LlamaForCausalLM(ModelConfig.tiny(), rngs=nnx.Rngs(0))
   inject_lora(model, target_modules=("q_proj",), rank=2, alpha=4, rngs=nnx.Rngs(1))
@@ -340,7 +340,7 @@ def test_nan_adapters_are_never_written(tmp_path):
 def _cli_process(argv, cwd):
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   return subprocess.Popen(
-      [sys.executable, "-m", "anlr_jax.cli", *argv],
+      [sys.executable, "-m", "anlr_jax", *argv],
       cwd=cwd,
       env=env,
       stdout=subprocess.PIPE,
@@ -486,7 +486,7 @@ def test_anlr_warmup_beyond_the_run_is_an_error(tmp_path, capsys):
 
 
 def test_the_data_report_counts_dropped_records_and_clipped_warmup(tmp_path, capsys):
-  config = _config(tmp_path, method="lora", **{"trainer.warmup_steps": 10})
+  config = _config(tmp_path, method="lora", **{"trainer.lr_warmup_steps": 10})
   with open(tmp_path / "train.jsonl", "a") as f:
     for i in range(5):  # responses beyond max_length: dropped
       record = {"instruction": "word " * 200, "input": "", "output": "x", "answer": "option1"}
@@ -494,7 +494,7 @@ def test_the_data_report_counts_dropped_records_and_clipped_warmup(tmp_path, cap
   assert cli.main(["train", "--config", str(config)]) == 0
   out = capsys.readouterr().out
   assert "53 records in" in out and "48 used" in out and "5 dropped (no response token" in out
-  assert "trainer.warmup_steps=10 is more than the run's 4 updates" in out
+  assert "trainer.lr_warmup_steps=10 is more than the run's 4 updates" in out
 
 
 def test_eval_checks_every_task_file_before_scoring(finished, tmp_path, capsys):

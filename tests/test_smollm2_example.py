@@ -12,10 +12,11 @@ import pytest
 import torch
 import transformers
 
-from anlr_jax.config import load_config, resolve_path
+from anlr_jax.app.config import load_config
+from anlr_jax.app.paths import resolve_path
 from anlr_jax.data import chat_prompt, end_of_turn_id, read_examples, tokenize_examples
 from anlr_jax.nn.inject import PAPER_TARGET_MODULES
-from anlr_jax.run import train_run
+from anlr_jax.app.train import train_run
 from tests.test_chat_template import chat_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,7 +76,7 @@ def test_package_paths_resolve_without_importing_the_package(tmp_path, monkeypat
   with pytest.raises(ValueError, match="'a-b' is not a top-level package name"):
     resolve_path("package://a-b/x")
   config = load_config(None, ["model.path=package://anlr_no_such_pkg/m.gguf"])
-  from anlr_jax.run import load_base
+  from anlr_jax.app.model import load_base
 
   with pytest.raises(FileNotFoundError, match="anlr_no_such_pkg"):
     load_base(config)

@@ -90,7 +90,7 @@ def test_stacked_step_equals_the_per_layer_step(optimizer):
 
 def test_trainer_layouts_give_the_same_run_and_per_layer_diagnostics():
   from anlr_jax.train.trainer import Trainer, TrainerConfig
-  from tests.helpers.toy_lm import ToyBatches, make_toy_model
+  from tests.helpers.toy_lm import ToyBatches, make_toy_model, method_tx
 
   runs = {}
   for layout in ('stacked', 'per-layer'):
@@ -99,12 +99,14 @@ def test_trainer_layouts_give_the_same_run_and_per_layer_diagnostics():
         global_batch=8,
         compute_dtype='float32',
         progress=False,
-        optimizer='anlr',
         learning_rate=1e-2,
         mesh_fsdp=1,
         lora_layout=layout,
     )
-    trainer = Trainer(make_toy_model(), ToyBatches(), config, devices=jax.devices()[:1])
+    tx, schedule = method_tx(config)
+    trainer = Trainer(
+        make_toy_model(), ToyBatches(), config, tx, schedule=schedule, devices=jax.devices()[:1]
+    )
     trainer.run()
     diag = jax.device_get(trainer._diagnostics_fn()(trainer.state.opt_state, trainer.state.lora))
     runs[layout] = (jax.device_get(trainer.lora_params()), diag)

@@ -11,7 +11,8 @@ import chex
 import numpy as np
 import pytest
 
-from anlr_jax.analysis import aggregate, sweep_main
+from anlr_jax.analysis import aggregate
+from anlr_jax.app.analysis_cli import sweep_main
 from anlr_jax.analysis.sweep import SweepCell, cell_dir, grid, subprocess_runner
 
 METHODS = ('lora', 'anlr')

@@ -12,7 +12,7 @@ from flax import nnx
 
 from anlr_jax.train.schedule import linear_warmup_decay
 from anlr_jax.train.trainer import Trainer, TrainerConfig
-from tests.helpers.toy_lm import ToyBatches, make_toy_model
+from tests.helpers.toy_lm import ToyBatches, make_toy_model, method_tx
 
 ONE_DEVICE = dict(mesh_data=1, mesh_fsdp=1, mesh_tensor=1)
 
@@ -20,8 +20,17 @@ ONE_DEVICE = dict(mesh_data=1, mesh_fsdp=1, mesh_tensor=1)
 def _trainer(tx=None, batches=None, **overrides):
   cfg = dict(steps=4, global_batch=8, compute_dtype='float32', progress=False, **ONE_DEVICE)
   cfg.update(overrides)
+  config = TrainerConfig(**cfg)
+  schedule = None
+  if tx is None:  # AnLR on the config's schedule, as a run of method anlr
+    tx, schedule = method_tx(config)
   return Trainer(
-      make_toy_model(), batches or ToyBatches(), TrainerConfig(**cfg), tx, devices=jax.devices()[:1]
+      make_toy_model(),
+      batches or ToyBatches(),
+      config,
+      tx,
+      schedule=schedule,
+      devices=jax.devices()[:1],
   )
 
 
@@ -128,7 +137,7 @@ def test_schedule_matches_transformers_linear_schedule():
 
 
 def test_lr_metric_follows_the_default_schedule():
-  trainer = _trainer(steps=6, warmup_steps=2, learning_rate=1e-3)
+  trainer = _trainer(steps=6, lr_warmup_steps=2, learning_rate=1e-3)
   lrs = [float(trainer.train_step()['lr']) for _ in range(4)]
   np.testing.assert_allclose(lrs, [0.0, 5e-4, 1e-3, 7.5e-4], rtol=1e-6)
 
@@ -178,6 +187,7 @@ def test_bad_input_names_the_problem():
         nnx.Linear(2, 2, rngs=nnx.Rngs(0)),
         ToyBatches(),
         TrainerConfig(steps=1, **ONE_DEVICE),
+        optax.adamw(1e-2),
         devices=jax.devices()[:1],
     )
 
@@ -189,11 +199,10 @@ def test_run_writes_metrics_tensorboard_and_anlr_diagnostics(tmp_path):
   run_dir = tmp_path / 'run'
   trainer = _trainer(
       steps=4,
-      warmup_steps=1,
+      lr_warmup_steps=1,
       run_dir=str(run_dir),
       diag_every=2,
       log_every=2,
-      optimizer='anlr',
       learning_rate=1e-3,
   )
   rows = trainer.run()

@@ -1,12 +1,11 @@
 """Analysis of rank-one training dynamics (paper Sec. 3, Sec. 6, App. C) and LR sweeps.
 
-``anlr analyze`` (:func:`analyze_main`) reads a run directory's diagnostics and ``lora_final`` and draws
-the paper's figures; ``anlr sweep`` (:func:`sweep_main`) runs a methods x learning rates x seeds grid.
+:func:`analyze` reads a run directory's diagnostics and ``lora_final`` and draws the paper's figures
+(``anlr analyze``); :func:`run_sweep` runs a methods x learning rates x seeds grid (``anlr sweep``).
 The measurements themselves are pure NumPy functions in :mod:`anlr_jax.analysis.measures`.
 """
 
 from anlr_jax.analysis.analyze import AnalysisReport, analyze
-from anlr_jax.analysis.cli import analyze_main, sweep_main
 from anlr_jax.analysis.logs import RunLogs, load_diagnostics, load_lora, load_run
 from anlr_jax.analysis.measures import (
     CONCENTRATED_BELOW,

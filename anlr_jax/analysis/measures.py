@@ -28,8 +28,6 @@ Leading axes of every array are batch axes (modules, steps, ...); the rank axis 
 from __future__ import annotations
 
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from anlr_jax.optim.diagnostics import rank_magnitudes  # noqa: F401 (re-exported)

@@ -56,6 +56,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from anlr_jax.rundir import module_name
+
 __all__ = [
     "AdaLoRAConfig",
     "AdaLoRAState",
@@ -199,7 +201,7 @@ def _find_triplets(tree) -> tuple[list[_Triplet], list, Any]:
   leaves = [_unwrap(leaf) for _, leaf in flat]
   triplets = []
   for (parent, _), found in sorted(groups.items()):
-    name = ".".join(parent) or "<root>"
+    name = module_name(parent) or "<root>"
     missing = [f for f in FACTOR_NAMES if f not in found]
     if missing:
       raise ValueError(f"AdaLoRA module {name!r}: found {sorted(found)} but not {missing}")

@@ -26,7 +26,7 @@ from anlr_jax.train.step import (
     stack_layers,
     unstack_layers,
 )
-from anlr_jax.train.trainer import Trainer, TrainerConfig, default_optimizer, train
+from anlr_jax.train.trainer import Trainer, TrainerConfig, train
 
 __all__ = [
     'DEFAULT_LOGICAL_AXIS_RULES',
@@ -36,7 +36,6 @@ __all__ = [
     'Trainer',
     'TrainerConfig',
     'batch_sharding',
-    'default_optimizer',
     'global_batch_array',
     'initialize_distributed',
     'linear_warmup_decay',

@@ -17,7 +17,7 @@ import os
 import socket
 import threading
 
-LOCK_FILE = '.anlr.lock'
+from anlr_jax.rundir import LOCK_FILE
 
 logger = logging.getLogger('anlr_jax.train')
 

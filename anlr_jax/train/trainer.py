@@ -7,8 +7,8 @@ transform, :class:`Trainer` runs ``T`` updates of
 .. math::  \theta_{t+1} = \theta_t + \mathrm{tx}(\nabla_\theta L(\theta_t; \text{batch}_t))
 
 over the LoRA params ``\theta`` only, with ``L`` the mean response-token cross-entropy of global batch
-``t`` and the default ``tx = clip_by_global_norm(c) -> anlr(eta_t)`` (AdamW when AnLR is unavailable
-or ``optimizer='adamw'``), ``eta_t`` the linear warmup/decay schedule of the paper (App. B).
+``t`` and ``tx`` the transformation it is given, e.g. ``clip_by_global_norm(c) -> anlr(eta_t)`` with
+``eta_t = TrainerConfig.schedule(T)``, the linear warmup/decay schedule of the paper (App. B).
 Everything the step touches is placed on the mesh before the first step, so it compiles once.
 """
 
@@ -29,6 +29,7 @@ import optax
 from flax import nnx
 
 from anlr_jax import optim as anlr_optim
+from anlr_jax.fields import DTYPES, RENAMED_KEYS, ConfigError, OneOf, Range, check_fields, setting
 from anlr_jax.train.checkpoint import (
     CorruptCheckpointError,
     TrainCheckpointer,
@@ -50,6 +51,7 @@ from anlr_jax.train.schedule import linear_warmup_decay
 from anlr_jax.train.step import (
     BATCH_KEYS,
     LORA_LAYOUTS,
+    REMAT_POLICIES,
     TrainState,
     init_train_state,
     make_train_step,
@@ -58,8 +60,6 @@ from anlr_jax.train.step import (
     unstack_layers,
     unstack_module_stats,
 )
-
-_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 
 logger = logging.getLogger('anlr_jax.train')
 
@@ -87,7 +87,11 @@ class CheckpointMismatchError(ValueError):
 def identity_changes(
     saved: Mapping[str, Any], current: Mapping[str, Any], allow: Sequence[str] = ()
 ) -> list[str]:
-  """``["key: old -> new", ...]`` for every key whose value differs (keys in ``allow`` aside)."""
+  """``["key: old -> new", ...]`` for every key whose value differs (keys in ``allow`` aside).
+
+  ``saved`` keys that were renamed since (:data:`anlr_jax.fields.RENAMED_KEYS`) count as the new key.
+  """
+  saved = {RENAMED_KEYS.get(k, k): v for k, v in saved.items()}
   out = []
   for key in sorted(set(saved) | set(current)):
     if key in allow:
@@ -102,7 +106,7 @@ IDENTITY_KEYS = (
     'steps',
     'epochs',
     'learning_rate',
-    'warmup_steps',
+    'lr_warmup_steps',
     'weight_decay',
     'b1',
     'b2',
@@ -147,99 +151,99 @@ def _deferred_signals(signums=(signal.SIGINT, signal.SIGTERM)):
 
 @dataclasses.dataclass
 class TrainerConfig:
-  """Trainer settings; defaults follow the paper's App. B (lr 3e-4, batch 16, 3 epochs, linear)."""
+  """Trainer settings; defaults follow the paper's App. B (lr 3e-4, batch 16, 3 epochs, linear).
 
-  steps: int | None = None  # number of updates; if None, from `epochs`
-  epochs: float | None = 3.0
-  global_batch: int = 16
-  micro_batches: int = 1
-  learning_rate: float = 3e-4
-  warmup_steps: int = 0
-  weight_decay: float = 0.0
-  b1: float = 0.9
-  b2: float = 0.999
-  eps: float = 1e-8
-  clip_norm: float | None = 1.0
-  optimizer: str = 'auto'  # 'auto' or 'anlr' (anlr_jax.anlr), or 'adamw'
-  mesh_data: int = 1
-  mesh_fsdp: int = -1
-  mesh_tensor: int = 1
-  compute_dtype: str = 'bfloat16'  # forward/backward dtype; LoRA params + opt state stay f32
-  base_dtype: str | None = None  # storage dtype of the frozen base weights (None: as built)
-  remat: str = 'none'  # 'none' | 'full' | 'dots'
-  # 'stacked': the LoRA params of identical layers are stacked per projection in the train state,
-  # so the optimizer runs one module per projection (fewer kernels, a smaller executable); the
-  # updates are the same as 'per-layer'. Diagnostics and the exported model are per layer either way.
-  lora_layout: str = 'stacked'  # LoRA params in the train state: 'stacked' | 'per-layer'
-  run_dir: str | None = None
-  ckpt_dir: str | None = None
-  save_every: int = 0
-  keep: int = 3
-  async_save: bool = True
-  save_full_model: bool = False
-  resume: bool = True
-  resume_allow: list[str] = dataclasses.field(
-      default_factory=list
-  )  # keys that may differ from the checkpoint's run, e.g. [trainer.steps]
-  max_nonfinite: int = 5  # consecutive updates with a non-finite loss/gradient before stopping
-  log_every: int = 1
-  diag_every: int = 0
-  progress: bool | None = None  # None: a tqdm bar only on a terminal
-  seed: int = 0
+  The optimizer is not a setting: :class:`Trainer` runs the optax transformation it is given
+  (``anlr_jax.app.methods.method_optimizer`` builds a method's from these constants).
+  """
+
+  steps: int | None = setting(None, 'number of updates; None: from `epochs`', Range(1))
+  epochs: float | None = setting(
+      3.0, 'passes over the data when `steps` is None', Range(0, lo_open=True)
+  )
+  global_batch: int = setting(
+      16, 'sequences per update, all devices and processes together', Range(1)
+  )
+  micro_batches: int = setting(
+      1, 'gradient-accumulation chunks per update (global_batch must divide)', Range(1)
+  )
+  learning_rate: float = setting(
+      3e-4, 'peak learning rate of the linear warmup/decay schedule', Range(0, lo_open=True)
+  )
+  lr_warmup_steps: int = setting(0, 'linear learning-rate warmup updates', Range(0))
+  weight_decay: float = setting(0.0, 'decoupled (AdamW) weight decay', Range(0))
+  b1: float = setting(0.9, 'Adam first-moment decay', Range(0, 1, hi_open=True))
+  b2: float = setting(0.999, 'Adam second-moment decay', Range(0, 1, hi_open=True))
+  eps: float = setting(1e-8, 'Adam epsilon', Range(0))
+  clip_norm: float | None = setting(
+      1.0, 'global gradient-norm clipping threshold; None: no clipping', Range(0, lo_open=True)
+  )
+  mesh_data: int = setting(1, "devices on the 'data' mesh axis")
+  mesh_fsdp: int = setting(-1, "devices on the 'fsdp' mesh axis (-1: all the rest)")
+  mesh_tensor: int = setting(1, "devices on the 'tensor' mesh axis")
+  compute_dtype: str = setting(
+      'bfloat16',
+      'forward/backward dtype; LoRA params and optimizer state stay float32',
+      OneOf(tuple(DTYPES)),
+  )
+  base_dtype: str | None = setting(
+      None,
+      'storage dtype of the frozen base weights; None: as built',
+      OneOf((*DTYPES, None)),
+  )
+  remat: str = setting('none', 'rematerialisation of each layer', OneOf(tuple(REMAT_POLICIES)))
+  lora_layout: str = setting(
+      'stacked',
+      "LoRA params in the train state: 'stacked' (one optimizer module per projection, the"
+      " layers on a leading axis: fewer kernels) or 'per-layer'; same updates",
+      OneOf(LORA_LAYOUTS),
+  )
+  run_dir: str | None = setting(None, 'directory of metrics.jsonl, TensorBoard and diagnostics')
+  ckpt_dir: str | None = setting(
+      None,
+      'orbax checkpoint directory ({method}, {seed}, {run_dir} expand); None: <run dir>/checkpoints',
+  )
+  save_every: int = setting(0, 'checkpoint every N updates (0: only at the end)', Range(0))
+  keep: int = setting(
+      3,
+      'checkpoints kept (at least 2: a corrupt newest one falls back to the previous)',
+      Range(2),
+  )
+  async_save: bool = setting(True, 'write checkpoints in the background')
+  save_full_model: bool = setting(False, 'also checkpoint the frozen base weights')
+  resume: bool = setting(True, 'resume from the latest checkpoint in ckpt_dir')
+  resume_allow: list[str] = setting(
+      help="keys that may differ from the checkpoint's run, e.g. [trainer.steps]", factory=list
+  )
+  max_nonfinite: int = setting(
+      5, 'consecutive updates with a non-finite loss/gradient before stopping', Range(1)
+  )
+  log_every: int = setting(1, 'log metrics every N updates', Range(1))
+  diag_every: int = setting(0, 'write AnLR diagnostics every N updates (0: never)', Range(0))
+  progress: bool | None = setting(None, 'a progress bar; None: only on a terminal')
+  seed: int = setting(0, 'seed of the data order and dropout', Range(0))
 
   def __post_init__(self):
-    for name in ('global_batch', 'micro_batches', 'log_every', 'max_nonfinite'):
-      if getattr(self, name) < 1:
-        raise ValueError(f'TrainerConfig.{name}={getattr(self, name)} must be >= 1')
-    for name in ('warmup_steps', 'save_every', 'diag_every'):
-      if getattr(self, name) < 0:
-        raise ValueError(f'TrainerConfig.{name}={getattr(self, name)} must be >= 0')
-    if self.keep < 2:
-      raise ValueError(
-          f'TrainerConfig.keep={self.keep} must be >= 2 (a corrupt newest checkpoint falls back'
-          ' to the previous one)'
-      )
+    check_fields(self)
     if self.steps is None and self.epochs is None:
-      raise ValueError('TrainerConfig needs `steps` or `epochs`')
+      raise ConfigError('TrainerConfig needs `steps` or `epochs`')
     if self.global_batch % self.micro_batches:
-      raise ValueError(
+      raise ConfigError(
           f'TrainerConfig.global_batch={self.global_batch} is not divisible by '
           f'micro_batches={self.micro_batches}'
       )
-    for name in ('compute_dtype', 'base_dtype'):
-      value = getattr(self, name)
-      if value is not None and value not in _DTYPES:
-        raise ValueError(f'TrainerConfig.{name}={value!r} must be one of {sorted(_DTYPES)}')
-    if self.optimizer not in ('auto', 'anlr', 'adamw'):
-      raise ValueError(
-          f"TrainerConfig.optimizer={self.optimizer!r} must be 'auto', 'anlr' or 'adamw'"
-      )
-    if self.lora_layout not in LORA_LAYOUTS:
-      raise ValueError(
-          f'TrainerConfig.lora_layout={self.lora_layout!r} must be one of {LORA_LAYOUTS}'
-      )
-    if self.learning_rate <= 0:
-      raise ValueError(f'TrainerConfig.learning_rate={self.learning_rate} must be > 0')
 
   def total_steps(self, batches_per_epoch: int) -> int:
     if self.steps is not None:
       return int(self.steps)
     return max(1, math.ceil(self.epochs * batches_per_epoch))
 
-
-def default_optimizer(
-    config: TrainerConfig, schedule: optax.Schedule
-) -> optax.GradientTransformation:
-  """``clip_by_global_norm(clip_norm)`` then ``anlr_jax.anlr`` (``optimizer`` 'auto' or 'anlr') or
-  ``optax.adamw`` (``optimizer='adamw'``) on ``schedule``."""
-  kwargs = dict(b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay)
-  if config.optimizer == 'adamw':
-    inner = optax.adamw(schedule, **kwargs)
-  else:
-    inner = anlr_optim.anlr(schedule, **kwargs)
-  if config.clip_norm is None:
-    return inner
-  return optax.chain(optax.clip_by_global_norm(config.clip_norm), inner)
+  def schedule(self, total_steps: int) -> optax.Schedule:
+    """The paper's linear warmup/decay of ``learning_rate`` over ``total_steps`` updates (the
+    warmup is cut at ``total_steps``)."""
+    return linear_warmup_decay(
+        self.learning_rate, total_steps, min(self.lr_warmup_steps, total_steps)
+    )
 
 
 class Trainer:
@@ -249,12 +253,13 @@ class Trainer:
     model: an NNX module with ``nnx.LoRAParam`` adapters whose params carry logical axis names.
     batches: a batch source (batch contract).
     config: :class:`TrainerConfig`.
-    tx: an optax transform over the LoRA param tree (default: :func:`default_optimizer`).
+    tx: the optax transformation over the LoRA param tree (clipping included), e.g.
+      ``anlr_jax.app.methods.method_optimizer(method, config.schedule(total))``.
     identity: what determines the trajectory besides the trainer settings (method, model
       fingerprint, LoRA and optimizer settings, data hash, ...) as ``{dotted key: JSON value}``;
       stored in every checkpoint. Resuming a checkpoint whose identity differs (keys in
       ``config.resume_allow`` aside) raises :class:`CheckpointMismatchError` naming each key.
-    schedule: the schedule used for the ``lr`` metric (default: the config's, when ``tx`` is None).
+    schedule: the learning-rate schedule ``tx`` runs on, for the ``lr`` metric (None: no metric).
     mesh: a ``('data', 'fsdp', 'tensor')`` mesh (default: from the config's sizes over ``devices``).
     devices: devices for the default mesh (default: all).
     logical_axis_rules: logical name -> mesh axis table.
@@ -273,7 +278,7 @@ class Trainer:
       model: nnx.Module,
       batches,
       config: TrainerConfig,
-      tx: optax.GradientTransformation | None = None,
+      tx: optax.GradientTransformation,
       *,
       identity: Mapping[str, Any] | None = None,
       schedule: optax.Schedule | None = None,
@@ -288,9 +293,11 @@ class Trainer:
     self.config = config
     self.batches = batches
     self.total_steps = config.total_steps(len(batches))
-    if tx is None:
-      schedule = linear_warmup_decay(config.learning_rate, self.total_steps, config.warmup_steps)
-      tx = default_optimizer(config, schedule)
+    if not isinstance(tx, optax.GradientTransformation):
+      raise TypeError(
+          f'tx={tx!r} must be an optax.GradientTransformation over the LoRA params, e.g.'
+          ' optax.chain(optax.clip_by_global_norm(1.0), anlr_jax.anlr(schedule))'
+      )
     self.tx, self.schedule = tx, schedule
     self.identity = {**trainer_identity(config), **dict(identity or {})}
     self.mesh = (
@@ -309,7 +316,7 @@ class Trainer:
     lora_sh = state_shardings(lora, self.mesh, rules)
     self.frozen_shardings = state_shardings(frozen, self.mesh, rules)
     extra_sh = state_shardings(extra, self.mesh, rules)
-    base_dtype = _DTYPES[config.base_dtype] if config.base_dtype else None
+    base_dtype = DTYPES[config.base_dtype] if config.base_dtype else None
     frozen = jax.tree.map(
         lambda x: x.astype(base_dtype)
         if base_dtype and jnp.issubdtype(x.dtype, jnp.floating)
@@ -337,7 +344,7 @@ class Trainer:
         tx,
         schedule=schedule,
         micro_batches=config.micro_batches,
-        compute_dtype=_DTYPES[config.compute_dtype],
+        compute_dtype=DTYPES[config.compute_dtype],
         remat=config.remat,
         batch_spec=jax.sharding.PartitionSpec(BATCH_AXES),
         stacked_layers=self.stacked,
@@ -685,7 +692,7 @@ def train(
     model: nnx.Module,
     batches,
     config: TrainerConfig,
-    tx: optax.GradientTransformation | None = None,
+    tx: optax.GradientTransformation,
     **kwargs,
 ) -> Trainer:
   """Builds a :class:`Trainer`, runs it to the end (resuming from ``ckpt_dir`` if possible)."""

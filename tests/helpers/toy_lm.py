@@ -121,3 +121,21 @@ def make_toy_model(seed=0, **kwargs) -> ToyCausalLM:
   """Builds the toy LM unsharded (logical names stay as metadata; the trainer places it)."""
   with nnx.use_eager_sharding(False):
     return ToyCausalLM(rngs=nnx.Rngs(seed), **kwargs)
+
+
+def method_tx(config, method: str = 'anlr'):
+  """``(tx, schedule)`` of ``method`` on the trainer config's schedule over ``config.steps``
+  updates, with its AdamW constants and clipping: what ``anlr train`` gives the trainer."""
+  from anlr_jax.app.methods import method_optimizer
+
+  schedule = config.schedule(config.steps)
+  tx = method_optimizer(
+      method,
+      schedule,
+      b1=config.b1,
+      b2=config.b2,
+      eps=config.eps,
+      weight_decay=config.weight_decay,
+      clip_norm=config.clip_norm,
+  )
+  return tx, schedule

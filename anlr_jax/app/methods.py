@@ -44,9 +44,22 @@ anlr+loradash       loradash  default    no      no    anlr
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+import functools
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+import jax
 import optax
+from flax import nnx
+
+from anlr_jax.fields import ConfigError
+from anlr_jax.nn import dash_launched, launch_dash
+from anlr_jax.optim import anlr, loraplus
+from anlr_jax.optim.adalora import AdaLoRAConfig, orth_regularization, rank_allocator
+from anlr_jax.optim.lorapro import lorapro
+from anlr_jax.optim.transform import DEFAULTS as ANLR_DEFAULTS
+
+if TYPE_CHECKING:
+  from anlr_jax.app.config import RunConfig
 
 OPTIMIZERS = ("adamw", "loraplus", "anlr", "adalora", "lorapro")
 """Optimizer families a method can use."""
@@ -220,27 +233,21 @@ def method_optimizer(
   Returns:
     An optax transformation over the LoRA param tree.
   """
-  import anlr_jax  # the optimizers live at the package top level
-
   spec = method if isinstance(method, Method) else get_method(method)
   adam = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
   if spec.optimizer == "adamw" and track_rank_stats:
-    inner = anlr_jax.anlr(learning_rate, **adam, signal="uniform")
+    inner = anlr(learning_rate, **adam, signal="uniform")
   elif spec.optimizer == "adamw":
     inner = optax.adamw(learning_rate, **adam)
   elif spec.optimizer == "loraplus":
-    inner = anlr_jax.loraplus(learning_rate, lr_ratio=lr_ratio, **adam)
+    inner = loraplus(learning_rate, lr_ratio=lr_ratio, **adam)
   elif spec.optimizer == "anlr":
     knobs = dict(anlr_kwargs or {})
-    unknown = sorted(set(knobs) - set(anlr_jax.DEFAULTS))
+    unknown = sorted(set(knobs) - set(ANLR_DEFAULTS))
     if unknown:
-      raise ValueError(
-          f"anlr_kwargs has unknown keys {unknown}; allowed: {sorted(anlr_jax.DEFAULTS)}"
-      )
-    inner = anlr_jax.anlr(learning_rate, **adam, **knobs, signal=spec.signal, seed=seed)
+      raise ValueError(f"anlr_kwargs has unknown keys {unknown}; allowed: {sorted(ANLR_DEFAULTS)}")
+    inner = anlr(learning_rate, **adam, **knobs, signal=spec.signal, seed=seed)
   elif spec.optimizer == "adalora":
-    from anlr_jax.optim.adalora import AdaLoRAConfig, rank_allocator
-
     if not isinstance(adalora_config, AdaLoRAConfig):
       raise ValueError(
           f"method {spec.name!r} needs adalora_config=AdaLoRAConfig(...) (with total_step), got"
@@ -248,8 +255,6 @@ def method_optimizer(
       )
     inner = rank_allocator(optax.adamw(learning_rate, **adam), adalora_config)
   elif spec.optimizer == "lorapro":
-    from anlr_jax.optim.lorapro import lorapro
-
     if lora_scale is None:
       raise ValueError(
           f"method {spec.name!r} needs lora_scale (the adapters' c = alpha / r), got None"
@@ -264,12 +269,95 @@ def method_optimizer(
   return optax.chain(optax.clip_by_global_norm(clip_norm), inner)
 
 
+# ------------------------------------------------------------------ what a method adds to a run
+ADALORA_TOTAL_STEP = "adalora_total_step"
+"""Metadata key of an AdaLoRA run's ``lora_final.safetensors``: its number of updates (export)."""
+
+
+def adalora_target_r(config: RunConfig) -> int:
+  """``adalora.target_r``, or by default ``round(lora.rank / 1.5)`` (at least 1): AdaLoRA's paper
+  starts from ``b(0) = 1.5 b(T)`` and PEFT's defaults are ``init_r = 12``, ``target_r = 8``."""
+  if config.adalora.target_r is not None:
+    return config.adalora.target_r
+  return max(1, round(config.lora.rank / 1.5))
+
+
+def adalora_config(config: RunConfig, total_step: int):
+  """The :class:`~anlr_jax.optim.adalora.AdaLoRAConfig` of a run: ``init_r = lora.rank``, the
+  ``adalora`` section, and ``total_step`` the run's number of updates."""
+  ada = config.adalora
+  try:
+    return AdaLoRAConfig(
+        init_r=config.lora.rank,
+        target_r=adalora_target_r(config),
+        tinit=ada.tinit,
+        tfinal=ada.tfinal,
+        deltaT=ada.delta_t,
+        total_step=total_step,
+        beta1=ada.beta1,
+        beta2=ada.beta2,
+        orth_reg_weight=ada.orth_reg_weight,
+    )
+  except ValueError as err:  # names AdaLoRAConfig's field; say which config key that is
+    text = str(err).replace("AdaLoRAConfig.init_r", "lora.rank").replace("deltaT", "delta_t")
+    raise ConfigError(text.replace("AdaLoRAConfig.", "adalora.")) from None
+
+
+def dash_launcher(launch_step: int) -> Callable[[Any, int], None]:
+  r"""LoRA-Dash's launch as a :class:`~anlr_jax.train.Trainer` ``on_step`` hook.
+
+  Once ``step >= launch_step`` updates are done (``t``; 0: before the first update), the hook
+  rebuilds the model from the trainer's state (current LoRA params, frozen weights, ``extra``),
+  reads whether its ``LoRADashLinear`` layers are launched already (a run resumed past ``t``
+  restores the chosen directions from the checkpoint's ``extra``: they are kept, never chosen
+  again), otherwise calls :func:`anlr_jax.nn.launch_dash` and writes the new ``extra`` (the
+  ``DashDirections``) back into ``trainer.state`` with the state's shardings, so the step is not
+  recompiled. ``dash_scale`` is exactly zero until the launch (its gradient is), so the LoRA
+  params and the optimizer state are left as they are.
+  """
+  done = []
+
+  def on_step(trainer, step: int) -> None:
+    if done or step < launch_step:
+      return
+    state = trainer.state
+    model = nnx.merge(trainer.graphdef, trainer.lora_params(), trainer.frozen, state.extra)
+    if not dash_launched(model):
+      launch_dash(model)
+      *_, extra = nnx.split(model, nnx.LoRAParam, nnx.Param, ...)
+      extra = jax.device_put(nnx.to_pure_dict(extra), trainer.state_shardings.extra)
+      trainer.state = state._replace(extra=extra)
+    done.append(step)
+
+  return on_step
+
+
+def method_hooks(config: RunConfig, method: str) -> dict[str, Any]:
+  """The :class:`~anlr_jax.train.Trainer` keyword arguments ``method`` needs beyond ``tx``:
+  AdaLoRA's orthogonal regulariser (``loss_regularizer``; none when its weight is 0), LoRA-Dash's
+  launch (``on_step``, :func:`dash_launcher`)."""
+  spec = get_method(method)
+  hooks = {}
+  if spec.uses_adalora and config.adalora.orth_reg_weight > 0:
+    hooks["loss_regularizer"] = functools.partial(
+        orth_regularization, orth_reg_weight=config.adalora.orth_reg_weight
+    )
+  if spec.uses_loradash:
+    hooks["on_step"] = dash_launcher(config.loradash.launch_step)
+  return hooks
+
+
 __all__ = [
+    "ADALORA_TOTAL_STEP",
     "LAYERS",
     "METHODS",
     "METHOD_NAMES",
     "OPTIMIZERS",
     "Method",
+    "adalora_config",
+    "adalora_target_r",
+    "dash_launcher",
     "get_method",
+    "method_hooks",
     "method_optimizer",
 ]

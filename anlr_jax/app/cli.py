@@ -1,108 +1,57 @@
-"""The ``anlr`` command line: train, eval, export, generate, analyze, sweep.
+"""The ``anlr`` command line: train, eval, export, convert, generate, configs, analyze, sweep.
 
-``anlr train`` with no arguments runs the quickstart (``configs/quickstart.yaml``, or the same
-settings built in when the package is installed without the repository's ``configs/``): LoRA and
-AnLR-LoRA on the shipped model and task, compared on the shipped test set.
+``anlr train`` with no arguments runs the quickstart (the shipped ``quickstart`` config): LoRA and
+AnLR-LoRA on the shipped model and task, compared on the shipped test set. ``--config`` takes a YAML
+file or the name of a shipped config (``anlr configs`` lists them).
 
 Examples::
 
     anlr train                                          # the quickstart
-    anlr train --config configs/commonsense_llama2_7b.yaml method=lora seed=1
+    anlr train --config commonsense_llama2_7b method=lora seed=1   # a shipped config, by name
+    anlr configs                                        # the shipped configs
     anlr train --help                                   # every config key, with type and default
     anlr eval --config configs/quickstart.yaml --adapter runs/quickstart-.../anlr
     anlr export --run runs/quickstart-.../anlr --format peft --out adapters/anlr
     anlr generate --model models/Llama-2-7b-hf --adapter adapters/anlr --prompt "..."
     anlr convert --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out models/smollm2-135m
-    anlr analyze ... / anlr sweep ...                   # see anlr_jax.analysis
+    anlr analyze RUN_A RUN_B / anlr sweep ...           # see anlr_jax.app.analysis_cli
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
-import pathlib
 import signal
 import sys
 import threading
 import time
 from typing import Sequence
 
-from anlr_jax.assets import QUICKSTART_TASK
-
-QUICKSTART_CONFIG = "quickstart.yaml"
-
-QUICKSTART_DEFAULT = {
-    "compare": ["lora", "anlr"],
-    "run_dir": "runs/quickstart-{timestamp}",
-    "seed": 0,
-    "model": {"path": "asset://quickstart", "dtype": "float32"},
-    "lora": {
-        "rank": 8,
-        "alpha": 16,
-        "dropout": 0.0,
-        "targets": ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"],
-    },
-    "anlr": {"alpha": 2.0, "beta": 1.0, "kappa": 3.0, "rho": 0.95, "warmup_steps": 30},
-    "data": {
-        "train": "asset://quickstart/train.json",
-        "format": "commonsense",
-        "max_length": 128,
-        "pad_multiple": 16,
-    },
-    "trainer": {
-        "steps": 300,
-        "global_batch": 16,
-        "learning_rate": 2.0e-3,
-        "warmup_steps": 30,
-        "weight_decay": 0.0,
-        "clip_norm": 1.0,
-        "compute_dtype": "float32",
-        "log_every": 1,
-        "diag_every": 10,
-    },
-    "eval": {
-        "tasks": {QUICKSTART_TASK: "asset://quickstart/test.json"},
-        "batch_size": 50,
-        "max_new_tokens": 6,
-        "include_base": True,
-    },
-}
-"""The quickstart's settings when ``configs/quickstart.yaml`` is not reachable (kept equal to it;
-``tests/test_quickstart.py`` checks that)."""
+from anlr_jax.app.analysis_cli import analyze_main, sweep_main
+from anlr_jax.app.config import ConfigError, RunConfig, help_text, load_config
+from anlr_jax.app.evaluate import eval_run, generate_text
+from anlr_jax.app.export import export_run
+from anlr_jax.app.paths import QUICKSTART, config_summary, find_config, shipped_configs
+from anlr_jax.app.train import train_run
+from anlr_jax.models import convert_gguf
+from anlr_jax.train.lock import DirectoryLockedError
+from anlr_jax.train.trainer import NonFiniteError, TrainingInterrupted
 
 
 class CLIError(Exception):
   """A usage error reported as ``anlr: error: ...`` with exit status 2."""
 
 
-def quickstart_config_path() -> pathlib.Path | None:
-  """``configs/quickstart.yaml`` under the working directory or the source checkout, if present."""
-  for root in (pathlib.Path.cwd(), pathlib.Path(__file__).resolve().parents[1]):
-    path = root / "configs" / QUICKSTART_CONFIG
-    if path.is_file():
-      return path
-  return None
-
-
-def _load_run_config(path: str | None, overrides: Sequence[str]):
-  from anlr_jax.config import load_config
-
-  if path is not None:
-    return load_config(path, overrides)
-  found = quickstart_config_path()
-  if found is not None:
-    print(f"anlr: no --config given: running the quickstart ({found})", flush=True)
-    return load_config(found, overrides)
-  print("anlr: no --config given: running the quickstart (built-in settings)", flush=True)
-  return load_config(None, overrides, base=QUICKSTART_DEFAULT)
+def _load_run_config(path: str | None, overrides: Sequence[str]) -> RunConfig:
+  if path is None:
+    path = str(shipped_configs()[QUICKSTART])
+    print(f"anlr: no --config given: running the quickstart ({path})", flush=True)
+  return load_config(find_config(path), overrides)
 
 
 # ------------------------------------------------------------------------------- subcommands
 def cmd_train(args) -> int:
-  from anlr_jax.run import train_run
-
   config = _load_run_config(args.config, args.overrides)
   start = time.perf_counter()
   summary = train_run(config)
@@ -116,8 +65,6 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-  from anlr_jax.run import eval_run
-
   config = _load_run_config(args.config, args.overrides)
   result = eval_run(config, args.adapter, out_dir=args.out)
   avg = "" if result["avg"] is None else f"; avg {100 * result['avg']:.1f}%"
@@ -130,15 +77,11 @@ def cmd_eval(args) -> int:
 
 
 def cmd_export(args) -> int:
-  from anlr_jax.run import export_run
-
   export_run(args.run, args.format, args.out)
   return 0
 
 
 def cmd_convert(args) -> int:
-  from anlr_jax.models import convert_gguf
-
   if not os.path.isfile(args.gguf):
     raise FileNotFoundError(f"--gguf {args.gguf}: no such file")
   start = time.perf_counter()
@@ -152,8 +95,6 @@ def cmd_convert(args) -> int:
 
 
 def cmd_generate(args) -> int:
-  from anlr_jax.run import generate_text
-
   text = generate_text(
       args.model,
       args.prompt,
@@ -169,26 +110,21 @@ def cmd_generate(args) -> int:
   return 0
 
 
-def _analysis_entry(name: str):
-  try:
-    module = importlib.import_module("anlr_jax.analysis.cli")
-  except ModuleNotFoundError as err:
-    if err.name and err.name.startswith("anlr_jax.analysis"):
-      raise CLIError(
-          f"'anlr {name.removesuffix('_main')}' needs anlr_jax.analysis.cli, which is "
-          "not available in this installation"
-      ) from None
-    raise
-  entry = getattr(module, name, None)
-  if entry is None:
-    raise CLIError(f"anlr_jax.analysis.cli has no {name}(argv)")
-  return entry
+def cmd_configs(args) -> int:
+  del args
+  configs = shipped_configs()
+  width = max(map(len, configs))
+  for name, path in configs.items():
+    print(f"{name.ljust(width)}  {config_summary(path)}", flush=True)
+  print(f"\n(in {next(iter(configs.values())).parent}; use one with: anlr train --config <name>)")
+  return 0
+
+
+_ANALYSIS = {"analyze": analyze_main, "sweep": sweep_main}
 
 
 # ------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
-  from anlr_jax.config import help_text
-
   parser = argparse.ArgumentParser(
       prog="anlr",
       description="AnLR-LoRA fine-tuning in JAX: train, evaluate, export, generate.",
@@ -206,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
       description="Fine-tune a base model with LoRA and the chosen method, then evaluate.",
       epilog=help_text(),
   )
-  train.add_argument("--config", help="run config YAML (default: configs/quickstart.yaml)")
+  train.add_argument(
+      "--config", help="run config: a YAML file or a shipped config's name (default: quickstart)"
+  )
   train.add_argument("overrides", nargs="*", metavar="key=value", help=overrides_help)
   train.set_defaults(func=cmd_train)
 
@@ -216,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
       formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog=help_text(),
   )
-  ev.add_argument("--config", help="run config YAML (model, eval sections are used)")
+  ev.add_argument(
+      "--config", help="run config YAML or shipped name (its model and eval sections are used)"
+  )
   ev.add_argument(
       "--adapter", help="a run directory (lora_final.safetensors) or a PEFT adapter dir"
   )
@@ -259,9 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
   )
   gen.set_defaults(func=cmd_generate)
 
-  for name in ("analyze", "sweep"):
-    p = sub.add_parser(name, help=f"see anlr_jax.analysis ('anlr {name} --help')", add_help=False)
-    p.set_defaults(func=None, entry=f"{name}_main")
+  cfgs = sub.add_parser("configs", help="list the run configs shipped with the package")
+  cfgs.set_defaults(func=cmd_configs)
+
+  for name in _ANALYSIS:
+    p = sub.add_parser(name, help=f"the paper's analyses ('anlr {name} --help')", add_help=False)
+    p.set_defaults(func=None)
   return parser
 
 
@@ -271,12 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   # open every command with an advisory that "models won't be available".
   os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
   argv = list(sys.argv[1:] if argv is None else argv)
-  if argv and argv[0] in ("analyze", "sweep"):  # their own parsers see the raw arguments
-    try:
-      return int(_analysis_entry(f"{argv[0]}_main")(argv[1:]) or 0)
-    except CLIError as err:
-      print(f"anlr: error: {err}", file=sys.stderr)
-      return 2
+  if argv and argv[0] in _ANALYSIS:  # their own parsers see the raw arguments
+    return int(_ANALYSIS[argv[0]](argv[1:]) or 0)
   if not argv:
     argv = ["train"]
   parser = build_parser()
@@ -284,10 +223,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.command is None:
     parser.print_help()
     return 2
-  from anlr_jax.config import ConfigError
-  from anlr_jax.train.lock import DirectoryLockedError
-  from anlr_jax.train.trainer import NonFiniteError, TrainingInterrupted
-
   _log_warnings_plainly()
   in_main = threading.current_thread() is threading.main_thread()
   previous_term = signal.signal(signal.SIGTERM, _terminate) if in_main else None

@@ -17,6 +17,8 @@ from typing import Sequence
 from anlr_jax import rundir
 from anlr_jax.analysis.analyze import analyze
 from anlr_jax.analysis.sweep import Runner, grid, run_sweep, subprocess_runner, write_sweep_report
+from anlr_jax.app.methods import METHOD_NAMES
+from anlr_jax.app.paths import find_config
 
 __all__ = ['analyze_main', 'sweep_main']
 
@@ -110,10 +112,10 @@ def sweep_main(argv: Sequence[str] | None = None, *, runner: Runner | None = Non
       parser.error(f'override {item!r} is not key=value')
     if key in ('run_dir', 'method', 'seed', 'trainer.learning_rate', 'compare'):
       parser.error(f'override {item!r}: {key} is set per cell by the sweep')
-  if not os.path.exists(args.config):
-    parser.error(f'--config {args.config}: no such file')
-  from anlr_jax.app.methods import METHOD_NAMES
-
+  try:
+    args.config = find_config(args.config)
+  except FileNotFoundError as err:
+    parser.error(f'--config {err}')
   unknown = [m for m in args.methods if m not in METHOD_NAMES]
   if unknown:
     parser.error(f'--methods: unknown {unknown}; allowed: {", ".join(METHOD_NAMES)}')

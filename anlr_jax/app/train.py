@@ -1,0 +1,419 @@
+r"""``anlr train``: one method's run, or several compared, from a :class:`RunConfig`.
+
+A run of method ``m`` on base weights ``W_0``:
+
+.. math::
+
+   W = W_0 + c\,A B \ \text{(per targeted module)},\qquad
+   \theta_{t+1} = \theta_t + \mathrm{tx}_m\big(\mathrm{clip}(\nabla_\theta L(\theta_t; \text{batch}_t)); \eta_t\big),
+   \quad t = 0 .. T-1,
+
+with ``L`` the response-token cross-entropy, ``\eta_t`` the linear warmup/decay schedule, then
+greedy generation on each eval task (:mod:`anlr_jax.app.evaluate`). The run directory's files are
+listed in :mod:`anlr_jax.rundir`; with ``compare`` each method gets a sub-directory and the top level
+holds the comparison. Every process trains and evaluates; only process 0 writes files (in a
+multi-process run give ``run_dir`` without ``{timestamp}``, so that every process agrees on it).
+
+Method-specific parts: AdaLoRA's orthogonal regulariser is added to the loss (``regularizer``
+metric) and its allocator runs over the run's updates; LoRA-Dash chooses its directions after
+``loradash.launch_step`` updates, and a run resumed past it keeps the checkpoint's.
+
+A run belongs to its settings. What determines its trajectory (method, model path and fingerprint,
+LoRA, optimizer and method settings, schedule, seed, data file size and hash, batch layout) is its
+*identity*, stored in every checkpoint, in ``lora_final.safetensors``' metadata and in
+``results.json``. Running the same command again continues the run: from its newest valid
+checkpoint, or, when training is done, it completes what is missing (evaluation, results) or says
+that the run is complete. A different identity stops with one line naming each differing key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import time
+from typing import Any, Mapping
+
+import numpy as np
+
+from anlr_jax import rundir
+from anlr_jax.app.config import RunConfig, save_config
+from anlr_jax.app.evaluate import evaluate_base, evaluate_tasks, load_eval_sets, accuracy_summary
+from anlr_jax.app.methods import (
+    ADALORA_TOTAL_STEP,
+    adalora_config,
+    get_method,
+    method_hooks,
+    method_optimizer,
+)
+from anlr_jax.app.model import (
+    inject_method,
+    load_base,
+    load_lora_params,
+    lora_file_identity,
+    model_fingerprint,
+    save_lora_params,
+)
+from anlr_jax.app.paths import expand_paths, format_run_dir, require_path, resolve_path
+from anlr_jax.app.report import (
+    BASE_ROW,
+    Log,
+    final_loss,
+    is_writer,
+    loss_curve,
+    no_lock,
+    plot_losses,
+    say,
+    table_text,
+    write_json,
+)
+from anlr_jax.data import make_source
+from anlr_jax.evals import write_accuracy_table
+from anlr_jax.fields import ConfigError
+from anlr_jax.nn import lora_scale
+from anlr_jax.train import Trainer
+from anlr_jax.train.lock import DirectoryLock
+from anlr_jax.train.metrics import read_metrics
+from anlr_jax.train.trainer import CheckpointMismatchError, identity_changes, trainer_identity
+
+
+def _file_digest(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 22), b""):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+def run_identity(
+    config: RunConfig, method: str, *, model_path: str, fingerprint: str, data_path: str
+) -> dict[str, Any]:
+  """What determines a run's trajectory besides the trainer settings (the trainer adds those)."""
+  spec = get_method(method)
+  identity = {
+      "method": method,
+      "model.path": os.path.abspath(model_path),
+      "model.fingerprint": fingerprint,
+      "model.dtype": config.model.dtype,
+      "lora.rank": config.lora.rank,
+      "lora.alpha": config.lora.alpha,
+      "lora.dropout": config.lora.dropout,
+      "lora.targets": list(config.lora.targets),
+      "data.train": os.path.abspath(data_path),
+      "data.size": os.path.getsize(data_path),
+      "data.sha256": _file_digest(data_path),
+      "data.format": config.data.format,
+      "data.max_length": config.data.max_length,
+      "data.pad_multiple": config.data.pad_multiple,
+      "data.on_error": config.data.on_error,
+  }
+  if config.data.template != "alpaca":  # runs from before the key existed keep their identity
+    identity["data.template"] = config.data.template
+  if spec.uses_anlr:
+    identity.update({f"anlr.{k}": v for k, v in dataclasses.asdict(config.anlr).items()})
+  if spec.optimizer == "loraplus":
+    identity["loraplus.lr_ratio"] = config.loraplus.lr_ratio
+  sections = {"adalora": spec.uses_adalora, "lorapro": spec.optimizer == "lorapro"}
+  sections["loradash"] = spec.uses_loradash
+  for section, used in sections.items():
+    if used:
+      values = dataclasses.asdict(getattr(config, section))
+      identity.update({f"{section}.{k}": v for k, v in values.items()})
+  return identity
+
+
+def _check_same_run(what: str, saved: Mapping[str, Any] | None, identity: Mapping[str, Any]):
+  changes = identity_changes(saved or {}, identity) if saved is not None else []
+  if changes:
+    raise CheckpointMismatchError(
+        f"{what} belongs to a run with other settings ({'; '.join(changes)}): use another run_dir"
+    )
+
+
+def _describe_data(source, path: str, config: RunConfig) -> str:
+  examples = source.examples
+  records = len(examples) + examples.dropped + source.records_skipped
+  parts = [f"{records} records in {path}: {len(examples)} used"]
+  if examples.truncated:
+    parts.append(
+        f"{examples.truncated} of them cut at data.max_length={config.data.max_length} tokens"
+    )
+  if examples.dropped:
+    parts.append(
+        f"{examples.dropped} dropped (no response token left within data.max_length="
+        f"{config.data.max_length})"
+    )
+  if source.records_skipped:
+    parts.append(f"{source.records_skipped} malformed skipped (data.on_error=skip)")
+  return ", ".join(parts)
+
+
+def _check_vocab(source, vocab_size: int, config: RunConfig) -> None:
+  top = max(int(ids.max()) for ids in source.examples.input_ids if len(ids))
+  if top >= vocab_size:
+    tokenizer = resolve_path(config.model.tokenizer) or config.model.path
+    raise ValueError(
+        f"data.train: token id {top} is outside the model's vocabulary of {vocab_size}: the"
+        f" tokenizer ({tokenizer}) does not belong to the model ({config.model.path})"
+    )
+
+
+def _check_schedule(config: RunConfig, method: str, total: int, log: Log) -> None:
+  """ConfigError if a method's phase would never start; a note when the LR warmup is cut."""
+  spec = get_method(method)
+  if spec.uses_anlr and spec.signal != "uniform" and config.anlr.warmup_steps >= total:
+    raise ConfigError(
+        f"anlr.warmup_steps={config.anlr.warmup_steps} is not below the run's {total} updates:"
+        f" every multiplier would stay 1 and method={method} would train exactly like lora;"
+        f" lower anlr.warmup_steps (e.g. anlr.warmup_steps={max(1, total // 10)})"
+    )
+  if spec.uses_loradash and config.loradash.launch_step >= total:
+    raise ConfigError(
+        f"loradash.launch_step={config.loradash.launch_step} is not below the run's {total}"
+        f" updates: the dash phase would never start and method={method} would train exactly like"
+        f" {'anlr' if spec.uses_anlr else 'lora'}; lower loradash.launch_step (e.g."
+        f" loradash.launch_step={total // 2})"
+    )
+  if spec.uses_adalora:
+    ada = config.adalora
+    if ada.tinit + ada.tfinal >= total:
+      raise ConfigError(
+          f"adalora.tinit + adalora.tfinal = {ada.tinit} + {ada.tfinal} is not below the run's"
+          f" {total} updates: AdaLoRA's budget would never decrease; lower adalora.tinit or"
+          " adalora.tfinal"
+      )
+  warmup = config.trainer.lr_warmup_steps
+  if warmup > total:
+    log(
+        f"[{method}] trainer.lr_warmup_steps={warmup} is more than the run's {total} updates:"
+        f" the learning rate warms up over all {total} and never decays"
+    )
+
+
+def _finish(
+    config: RunConfig,
+    method: str,
+    run_dir: str,
+    model,
+    tokenizer,
+    identity: Mapping[str, Any],
+    results: dict,
+    log: Log,
+) -> dict:
+  """Evaluates the tasks that ``results`` lacks, writes results.json and the tables."""
+  missing = [t for t in config.eval.tasks if t not in results.get("accuracy", {})]
+  start = time.perf_counter()
+  evals = evaluate_tasks(model, tokenizer, config, out_dir=run_dir, log=log, tasks=missing)
+  accuracy = {**results.get("accuracy", {}), **accuracy_summary(evals)[0]}
+  results.update(
+      accuracy=accuracy,
+      avg=float(np.mean(list(accuracy.values()))) if accuracy else None,
+      eval_seconds=round(results.get("eval_seconds", 0.0) + time.perf_counter() - start, 2),
+      identity=dict(identity),
+  )
+  if accuracy and is_writer():
+    write_accuracy_table(
+        {method: accuracy}, os.path.join(run_dir, rundir.ACCURACY_TABLE), tasks=list(accuracy)
+    )
+  write_json(os.path.join(run_dir, rundir.RESULTS_FILE), results)
+  return results
+
+
+def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = say) -> dict:
+  """Trains one method into ``run_dir`` (see the module docstring); returns its results dict.
+
+  Run again on the same ``run_dir``, it resumes from the newest valid checkpoint, or completes
+  what is missing of a trained run, or returns the stored results of a complete one.
+  """
+  os.makedirs(run_dir, exist_ok=True)
+  config = dataclasses.replace(config, method=method, compare=[], run_dir=run_dir)
+  with DirectoryLock(run_dir, what="run directory") if is_writer() else no_lock():
+    model, model_config, tokenizer = load_base(config)
+    train_path = require_path(config.data.train, "data.train", kind="training file")
+    tc = dataclasses.replace(config.trainer, run_dir=run_dir, seed=config.seed)
+    identity = run_identity(
+        config,
+        method,
+        model_path=resolve_path(config.model.path),
+        fingerprint=model_fingerprint(model_config, model),
+        data_path=train_path,
+    )
+    identity.update(trainer_identity(tc))
+    load_eval_sets(config)  # every test file is checked before hours of training
+    results_path = os.path.join(run_dir, rundir.RESULTS_FILE)
+    lora_path = os.path.join(run_dir, rundir.LORA_FILE)
+    stored = rundir.read_results(run_dir)
+    if stored is not None:
+      _check_same_run(f"run directory {run_dir}", stored.get("identity", {}), identity)
+      if all(t in stored.get("accuracy", {}) for t in config.eval.tasks):
+        log(f"[{method}] complete already: {results_path}")
+        stored["loss_curve"] = loss_curve(read_metrics(run_dir))
+        return stored
+    if is_writer():
+      save_config(config, os.path.join(run_dir, rundir.CONFIG_FILE))
+    inject_method(model, config, method)
+    if os.path.isfile(lora_path):
+      _check_same_run(lora_path, lora_file_identity(lora_path) or {}, identity)
+      log(f"[{method}] trained already ({lora_path}): evaluating")
+      load_lora_params(model, lora_path)
+      rows = read_metrics(run_dir)
+      curve = loss_curve(rows)
+      results = stored or {
+          "method": method,
+          "learning_rate": config.trainer.learning_rate,
+          "seed": config.seed,
+          "steps": int(rows[-1]["step"]) if rows else None,
+          "final_loss": final_loss(curve),
+          "train_seconds": None,
+      }
+      model.eval()
+      results = _finish(config, method, run_dir, model, tokenizer, identity, results, log)
+      results["loss_curve"] = curve
+      return results
+
+    source = make_source(
+        train_path,
+        tokenizer,
+        format=config.data.format,
+        max_length=config.data.max_length,
+        global_batch=tc.global_batch,
+        seed=config.seed,
+        on_error=config.data.on_error,
+        pad_multiple=config.data.pad_multiple,
+        template=config.data.template,
+    )
+    log(f"[{method}] data: {_describe_data(source, train_path, config)}")
+    _check_vocab(source, model_config.vocab_size, config)
+    total = tc.total_steps(len(source))
+    _check_schedule(config, method, total, log)
+    schedule = tc.schedule(total)
+    spec = get_method(method)
+    tx = method_optimizer(
+        method,
+        schedule,
+        b1=tc.b1,
+        b2=tc.b2,
+        eps=tc.eps,
+        weight_decay=tc.weight_decay,
+        clip_norm=tc.clip_norm,
+        anlr_kwargs=config.anlr.as_kwargs(),
+        lr_ratio=config.loraplus.lr_ratio,
+        seed=config.seed,
+        track_rank_stats=tc.diag_every > 0,
+        adalora_config=adalora_config(config, total) if spec.uses_adalora else None,
+        lora_scale=lora_scale(config.lora.rank, config.lora.alpha, spec.use_rslora),
+        lorapro_mode=config.lorapro.mode,
+    )
+    hooks = method_hooks(config, method)
+    log(
+        f"[{method}] {len(source)} batches/epoch of {tc.global_batch}; {total} updates at lr"
+        f" {tc.learning_rate:g} -> {run_dir}"
+    )
+    model.train()
+    start = time.perf_counter()
+    trainer = Trainer(model, source, tc, tx, identity=identity, schedule=schedule, **hooks)
+    if trainer.step:
+      log(f"[{method}] resumed at update {trainer.step} from {tc.ckpt_dir}")
+    try:
+      rows = trainer.run()
+    finally:
+      trainer.close()
+    train_seconds = time.perf_counter() - start
+    model = trainer.updated_model()
+    model.eval()
+    if is_writer():
+      metadata = {ADALORA_TOTAL_STEP: str(total)} if spec.uses_adalora else None
+      save_lora_params(model, lora_path, identity=identity, metadata=metadata)
+    curve = loss_curve(rows)
+    plot_losses({method: curve}, os.path.join(run_dir, rundir.LOSS_PLOT))
+    final = final_loss(curve)
+    log(
+        f"[{method}] trained {total} updates in {train_seconds:.1f}s; final loss "
+        + ("n/a" if final is None else f"{final:.4f}")
+    )
+    results = {
+        "method": method,
+        "learning_rate": tc.learning_rate,
+        "seed": config.seed,
+        "steps": total,
+        "final_loss": final,
+        "train_seconds": round(train_seconds, 2),
+    }
+    results = _finish(config, method, run_dir, model, tokenizer, identity, results, log)
+    results["loss_curve"] = curve
+    return results
+
+
+def train_run(config: RunConfig, *, log: Log = say, timestamp: str | None = None) -> dict:
+  """``anlr train``: one method, or every method of ``compare`` in turn, then the comparison.
+
+  Returns ``{"run_dir", "runs": [results per method], "base": {task: acc} or None, "table"}``.
+  """
+  methods = config.methods()
+  run_dir = format_run_dir(
+      config.run_dir, method="-vs-".join(methods), seed=config.seed, timestamp=timestamp
+  )
+  os.makedirs(run_dir, exist_ok=True)
+  with DirectoryLock(run_dir, what="run directory") if is_writer() else no_lock():
+    return _train_run(config, methods, run_dir, log)
+
+
+def _method_config(config: RunConfig, method: str, run_dir: str, several: bool) -> RunConfig:
+  """The config of one method's run: paths expanded; a shared ``trainer.ckpt_dir`` without
+  ``{method}`` or ``{run_dir}`` gets a sub-directory per method when several are compared."""
+  ckpt = config.trainer.ckpt_dir
+  if several and ckpt is not None and "{method}" not in ckpt and "{run_dir}" not in ckpt:
+    ckpt = os.path.join(ckpt, "{method}")
+    config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, ckpt_dir=ckpt))
+  return expand_paths(config, method, run_dir)
+
+
+def _train_run(config: RunConfig, methods: list[str], run_dir: str, log: Log) -> dict:
+  if is_writer():
+    save_config(
+        dataclasses.replace(config, run_dir=run_dir), os.path.join(run_dir, rundir.CONFIG_FILE)
+    )
+  if len(methods) == 1 and not config.eval.include_base:
+    method_config = _method_config(config, methods[0], run_dir, several=False)
+    results = train_method(method_config, methods[0], run_dir, log=log)
+    results.pop("loss_curve")
+    return {
+        "run_dir": run_dir,
+        "runs": [results],
+        "base": None,
+        "table": table_text(None, [results]),
+    }
+
+  start = time.perf_counter()
+  load_eval_sets(expand_paths(config, methods[0], run_dir))  # check every test file up front
+  runs, curves = [], {}
+  for method in methods:
+    sub = run_dir if len(methods) == 1 else rundir.method_dir(run_dir, method)
+    method_config = _method_config(config, method, sub, several=len(methods) > 1)
+    results = train_method(method_config, method, sub, log=log)
+    curves[method] = results.pop("loss_curve")
+    runs.append(results)
+  base = (
+      evaluate_base(expand_paths(config, methods[0], run_dir), run_dir, log=log)
+      if config.eval.include_base and config.eval.tasks
+      else None
+  )
+  plot_losses(curves, os.path.join(run_dir, rundir.LOSS_PLOT))
+  table = {BASE_ROW: base} if base else {}
+  table.update({r["method"]: r["accuracy"] for r in runs if r["accuracy"]})
+  if table and is_writer():
+    write_accuracy_table(
+        table, os.path.join(run_dir, rundir.ACCURACY_TABLE), tasks=list(config.eval.tasks)
+    )
+  summary = {
+      "run_dir": run_dir,
+      "runs": runs,
+      "base": base,
+      "total_seconds": round(time.perf_counter() - start, 2),
+  }
+  write_json(os.path.join(run_dir, rundir.SUMMARY_FILE), summary)
+  summary["table"] = table_text(base, runs)
+  return summary
+
+
+__all__ = ["run_identity", "train_method", "train_run"]
