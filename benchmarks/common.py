@@ -1,4 +1,5 @@
-r"""Shared pieces of the train-step benchmarks: one model/batch/LoRA config, built in JAX and PyTorch.
+r"""Shared pieces of the benchmarks: one model/batch/LoRA config built in JAX and PyTorch, the
+train step of each, and one interleaved timing loop.
 
 A step is the full LoRA update on a batch of ``B x T`` token ids:
 
@@ -9,11 +10,15 @@ over the LoRA factors ``theta`` only, with the base weights ``W_0`` frozen. Both
 same architecture (LLaMA: RMSNorm, RoPE, SwiGLU, untied head), the same shapes, the same LoRA
 targets / rank / alpha (no dropout, PEFT's default init) and float32 (or a chosen dtype).
 
-Each framework runs in its own *worker* subprocess (so ``resource.getrusage`` peak RSS belongs to
-one framework only). A worker builds its step, compiles/warms it up, then answers ``step`` lines on
-stdin with the step's wall time (ms) on stdout, one line each; ``done`` makes it report its peak
-RSS and exit. The parent drives the workers in turn (a, b, c, d, a, b, ...), so slow drifts of the
-shared machine's load hit every framework alike; only one worker computes at any moment.
+Timing (:func:`interleave`): the variants a benchmark compares (frameworks, optimizers, methods)
+take turns, one step each per round, so slow drifts of the shared machine's load hit all alike and
+only one computes at any moment; the scripts report medians, their ratios and paired ratios (the
+median over rounds of the per-round quotient, :func:`paired_ratio`).
+
+Where peak RSS must belong to one framework, each runs in its own *worker* subprocess: it builds its
+step, compiles/warms it up, then answers ``step`` lines on stdin with the step's wall time (ms) on
+stdout, one line each; ``done`` makes it report its peak RSS and exit (:func:`serve`,
+:class:`Worker`). A worker that runs to its end prints one ``RESULT`` line (:func:`run_worker`).
 """
 
 from __future__ import annotations
@@ -22,15 +27,18 @@ import dataclasses
 import gc
 import json
 import os
+import random
 import resource
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "up_proj", "down_proj")
-
-
 LORA_LAYOUTS = ("stacked", "per-layer")
+LEARNING_RATE = 1e-4
+WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default; used by every framework
 
 
 @dataclasses.dataclass
@@ -302,15 +310,231 @@ def _peft_lora_config(cfg: BenchConfig):
   )
 
 
+def jax_optimizer(name: str, *, batch_modules: bool | None = None):
+  """The benchmarks' optimizers, lr 1e-4, weight decay 0.01: ``adamw`` (``optax.adamw``), ``anlr``
+  (``anlr_jax.anlr(warmup_steps=0)``: every timed step anisotropic, ``batch_modules`` as given) and
+  ``anlr-unbatched`` (the same with ``batch_modules=False``: statistics module by module)."""
+  import optax
+
+  import anlr_jax
+
+  if name == "adamw":
+    return optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+  if name in ("anlr", "anlr-unbatched"):
+    batched = False if name == "anlr-unbatched" else batch_modules
+    return anlr_jax.anlr(
+        LEARNING_RATE, weight_decay=WEIGHT_DECAY, warmup_steps=0, batch_modules=batched
+    )
+  raise ValueError(f"optimizer {name!r} must be 'adamw', 'anlr' or 'anlr-unbatched'")
+
+
+class JaxStep:
+  """One jitted train step, compiled ahead of time for the benchmark batch, with its own state.
+
+  ``anlr_jax.train.make_train_step`` over the split model ``parts`` (default: a fresh
+  :func:`build_jax_lora_model` of ``cfg``; the LoRA params stacked per projection when
+  ``cfg.lora_layout`` is ``stacked``) and ``batch`` (default :func:`jax_batch`), with ``cfg``'s
+  compute dtype and remat and ``step_kwargs`` passed on; the train state is donated. ``copy_state``
+  gives the state its own copy of the LoRA and extra arrays (several steps over one model).
+  ``on_phase(name)`` is called once the state is ``built``, the step ``lowered`` and ``compiled``;
+  ``compile_fn(lowered)`` replaces ``lowered.compile()``. Calling the object runs ``window`` steps
+  back to back, waits for them and returns the last metrics.
+  """
+
+  def __init__(
+      self,
+      cfg: BenchConfig,
+      tx,
+      parts=None,
+      batch: dict | None = None,
+      *,
+      copy_state: bool = False,
+      on_phase=None,
+      compile_fn=None,
+      **step_kwargs,
+  ):
+    import jax
+    import jax.numpy as jnp
+
+    from anlr_jax.train import make_train_step, stack_layers
+    from anlr_jax.train.step import init_train_state
+
+    # Unpacked at once: of a model built here, the per-layer LoRA arrays are freed once stacked.
+    graphdef, lora, self.frozen, extra = parts or build_jax_lora_model(cfg)
+    stacked = cfg.lora_layout == "stacked"
+    if stacked:
+      lora = stack_layers(lora)
+    if copy_state:
+      lora, extra = jax.tree.map(jnp.copy, (lora, extra))
+    dtype = jnp.dtype(cfg.dtype)
+    train_step = make_train_step(
+        graphdef,
+        tx,
+        compute_dtype=None if dtype == jnp.float32 else dtype,
+        remat=cfg.remat,
+        stacked_layers=stacked,
+        **step_kwargs,
+    )
+    self.batch = jax_batch(cfg) if batch is None else batch
+    self.state = init_train_state(lora, extra, tx)
+    self.lora_params = int(sum(x.size for x in jax.tree.leaves(lora)))
+    self.opt_state_bytes = int(
+        sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.state.opt_state))
+    )
+    phase = on_phase or (lambda name: None)
+    phase("built")
+    start = time.perf_counter()
+    lowered = jax.jit(train_step, donate_argnums=(0,)).lower(self.state, self.frozen, self.batch)
+    phase("lowered")
+    self.compiled = (compile_fn or (lambda low: low.compile()))(lowered)
+    self.compile_s = time.perf_counter() - start
+    del lowered
+    phase("compiled")
+    self.xla = xla_memory(self.compiled)
+    self.metrics = None
+
+  def __call__(self, window: int = 1) -> dict:
+    import jax
+
+    state = self.state
+    for _ in range(window):  # dispatched back to back, one wait at the end
+      state, metrics = self.compiled(state, self.frozen, self.batch)
+    jax.block_until_ready((state, metrics))
+    self.state, self.metrics = state, metrics
+    return metrics
+
+
+def build_torch_step(
+    cfg: BenchConfig, compile_model: bool, *, device=None, max_positions: int = 2048
+):
+  """``(step, info)``: the PyTorch side of one LoRA train step on ``device`` (default CPU).
+
+  :func:`build_peft_model` with its LoRA factors (and so ``torch.optim.AdamW``'s state) in float32,
+  as in the JAX step; ``torch.compile`` on the PEFT model if ``compile_model``; a random ``B x T``
+  batch (torch seed 0). ``step()`` runs forward (``bfloat16`` autocast when ``cfg.dtype`` is),
+  backward, the AdamW update and ``zero_grad``, waits for the device and returns the loss tensor.
+  """
+  import peft
+  import torch
+  import transformers
+
+  dev = torch.device(device or "cpu")
+  dtype = getattr(torch, cfg.dtype)
+  model = build_peft_model(cfg, device=dev, max_positions=max_positions)
+  params = [p for p in model.parameters() if p.requires_grad]
+  for p in params:
+    p.data = p.data.float()
+  model.train()
+  opt = torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+  forward = torch.compile(model) if compile_model else model
+  ids = torch.randint(
+      0, cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(0)
+  )
+  ids = ids.to(dev)
+  mask = torch.ones_like(ids)
+
+  def step():
+    with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
+      loss = forward(input_ids=ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if dev.type == "cuda":
+      torch.cuda.synchronize()
+    return loss
+
+  info = dict(
+      attn=model.config._attn_implementation,
+      versions=dict(
+          torch=torch.__version__, transformers=transformers.__version__, peft=peft.__version__
+      ),
+      lora_params=int(sum(p.numel() for p in params)),
+  )
+  return step, info
+
+
+# --------------------------------------------------------------------------------------------------
+# Interleaved timing
+
+
+def timed(fn):
+  """``fn`` (which waits for its own work) as a step that returns its wall time in seconds."""
+
+  def step() -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+  return step
+
+
+def paired_ratio(times, base_times) -> float:
+  """Median over rounds of ``times[i] / base_times[i]``: two steps of one round ran seconds apart,
+  so their quotient cancels the slow drifts of a shared machine's load."""
+  return statistics.median(t / b for t, b in zip(times, base_times))
+
+
+@dataclasses.dataclass
+class Timings:
+  """What :func:`interleave` measured, per step name: ``times`` of the timed rounds and ``settle``
+  of the untimed rounds before them, in the unit the steps return."""
+
+  times: dict
+  settle: dict
+
+  def median(self, name) -> float:
+    return statistics.median(self.times[name])
+
+  def paired(self, name, base) -> float:
+    """:func:`paired_ratio` of ``name`` over ``base``."""
+    return paired_ratio(self.times[name], self.times[base])
+
+
+def interleave(
+    steps: dict,
+    rounds: int,
+    *,
+    warmup: int = 0,
+    settle: int = 0,
+    shuffle: bool = True,
+    seed: int = 0,
+    pause: float = 0.0,
+    on_round=None,
+) -> Timings:
+  """Times ``steps`` (name -> a no-argument callable that runs one step and returns its time, e.g.
+  :func:`timed`) side by side: ``warmup`` untimed rounds in the given order and without pauses
+  (compilation, caches), then ``settle`` untimed and ``rounds`` timed rounds of one call of each
+  step. With ``shuffle`` every round runs in a fresh random order (``random.Random(seed)``): a step
+  can be slowed by the one just before it (its idle threads still spinning on the same cores), and
+  shuffling makes every step follow every other about equally often; ``pause`` seconds of sleep
+  before each call let the previous step settle. ``on_round(i)`` is called after timed round ``i``.
+  Only one step runs at any moment, so slow drifts of the machine's load hit all alike.
+  """
+  for _ in range(warmup):
+    for fn in steps.values():
+      fn()
+  rng = random.Random(seed)
+  settle_times = {name: [] for name in steps}
+  times = {name: [] for name in steps}
+  for i in range(settle + rounds):
+    order = list(steps)
+    if shuffle:
+      rng.shuffle(order)
+    for name in order:
+      time.sleep(pause)
+      (settle_times if i < settle else times)[name].append(steps[name]())
+    if on_round is not None and i >= settle:
+      on_round(i - settle)
+  return Timings(times, settle_times)
+
+
 # --------------------------------------------------------------------------------------------------
 # Worker side
 
 
 def serve(step, info: dict, warmup: int):
   """Worker loop: warm ``step`` up, report ``info`` + RSS, then time one ``step()`` per stdin line."""
-  t0 = time.perf_counter()
-  step()
-  info["first_step_s"] = time.perf_counter() - t0
+  info["first_step_s"] = timed(step)()
   for _ in range(max(0, warmup - 1)):
     step()
   # Freed compiler/warmup memory that the allocator still holds is returned to the OS, so that RSS
@@ -325,9 +549,7 @@ def serve(step, info: dict, warmup: int):
   for line in sys.stdin:
     cmd = line.strip()
     if cmd == "step":
-      t0 = time.perf_counter()
-      step()
-      out.write(f"{1e3 * (time.perf_counter() - t0)!r}\n")
+      out.write(f"{1e3 * timed(step)()!r}\n")
       out.flush()
     elif cmd == "done":
       out.write(
@@ -341,12 +563,51 @@ def serve(step, info: dict, warmup: int):
       raise ValueError(f"worker got unknown command {cmd!r}")
 
 
+def emit_result(result: dict) -> None:
+  """Worker side of :func:`run_worker`: ``result`` as one ``RESULT {json}`` line on stdout."""
+  sys.__stdout__.write("RESULT " + json.dumps(result) + "\n")
+  sys.__stdout__.flush()
+
+
 # --------------------------------------------------------------------------------------------------
 # Parent side
 
 
+def stderr_tail(file, lines: int = 3) -> str:
+  """The last non-empty ``lines`` of a worker's stderr file, joined by `` | ``."""
+  file.seek(0)
+  return " | ".join([l for l in file.read().strip().splitlines() if l.strip()][-lines:])
+
+
+def run_worker(
+    argv: list[str], *, timeout: float | None = None, env=None, capture_stderr: bool = False
+) -> dict:
+  """Runs a worker process to its end; returns what it passed to :func:`emit_result`.
+
+  Raises ``RuntimeError`` when it runs past ``timeout`` seconds or exits without a result (naming
+  the last lines of its stderr with ``capture_stderr``; otherwise its stderr is this process's).
+  """
+  with tempfile.TemporaryFile("w+") as err:
+    try:
+      proc = subprocess.run(
+          argv,
+          stdout=subprocess.PIPE,
+          stderr=err if capture_stderr else None,
+          text=True,
+          env=env,
+          timeout=timeout,
+      )
+    except subprocess.TimeoutExpired:
+      raise RuntimeError(f"no result within {timeout:.0f} s") from None
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode == 0 and lines:
+      return json.loads(lines[-1][len("RESULT ") :])
+    tail = f": {stderr_tail(err)}" if capture_stderr else ""
+    raise RuntimeError(f"worker exited with code {proc.returncode} and no result{tail}")
+
+
 class Worker:
-  """A framework's step in its own subprocess, driven one step at a time."""
+  """A framework's step in its own subprocess, driven one step at a time (:func:`serve`)."""
 
   def __init__(self, name: str, argv: list[str], env: dict | None = None, stderr=None):
     self.name = name
@@ -360,8 +621,8 @@ class Worker:
         bufsize=1,
     )
     self.info = self._expect("READY")
-    self.times_ms: list[float] = []
-    self.settle_ms: list[float] = []  # untimed rounds (train_step.run_interleaved's ``settle``)
+    self.times_ms: list[float] = []  # the timed rounds
+    self.settle_ms: list[float] = []  # the untimed rounds before them (interleave's ``settle``)
 
   def _expect(self, tag: str) -> dict:
     for line in self.proc.stdout:
@@ -371,13 +632,13 @@ class Worker:
     raise RuntimeError(f"worker {self.name!r} exited (code {code}) before printing {tag}")
 
   def step(self) -> float:
+    """One step in the worker; its time in ms, measured there."""
     self.proc.stdin.write("step\n")
     self.proc.stdin.flush()
     line = self.proc.stdout.readline()
     if not line:
       raise RuntimeError(f"worker {self.name!r} died during a step (code {self.proc.wait()})")
-    self.times_ms.append(float(line))
-    return self.times_ms[-1]
+    return float(line)
 
   def finish(self) -> dict:
     self.proc.stdin.write("done\n")

@@ -34,11 +34,11 @@ MFU = FLOPs per token x tokens/s / peak; peak is the datasheet dense bf16 rate o
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import statistics
 import re
-import subprocess
+import statistics
 import sys
 import time
 
@@ -47,17 +47,21 @@ if __package__ in (None, ""):
 
 from benchmarks.common import (
     BenchConfig,
+    JaxStep,
     add_config_flags,
     build_jax_lora_model,
-    build_peft_model,
+    build_torch_step,
     config_from_args,
+    emit_result,
+    interleave,
     jax_batch,
-    xla_memory,
+    jax_optimizer,
+    paired_ratio,
+    run_worker,
+    timed,
 )
 
 FRAMEWORKS = ("jax", "torch", "torch-compile")
-LEARNING_RATE = 1e-4
-WEIGHT_DECAY = 0.01
 DATASHEET_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L4": 121.0}
 LLAMA2_7B = BenchConfig(
     hidden=4096,
@@ -226,79 +230,31 @@ def kernel_kind_diff(base: dict, other: dict, top: int = 15) -> list[tuple[str, 
 def _build_jax_steps(
     cfg: BenchConfig, attention: str, unbatched: bool = False, batch_modules: bool | None = None
 ):
-  """``(steps, frozen, batch, facts)``: the compiled AdamW and AnLR steps over one frozen model.
+  """``(steps, facts)``: the compiled AdamW and AnLR steps (:class:`JaxStep`) over one frozen model.
 
   ``batch_modules`` is passed to the ``jax-anlr`` build (``None``: the backend's default, batched on
   accelerators; ``True`` on the CPU reproduces the accelerator's graph there, to count its kernels).
   """
   import jax
-  import jax.numpy as jnp
-  import optax
 
-  import anlr_jax
-  from anlr_jax.train.step import init_train_state, make_train_step, stack_layers
-
-  dtype = jnp.dtype(cfg.dtype)
-  facts = {}
-  stacked = cfg.lora_layout == "stacked"
   t0 = time.perf_counter()
-  graphdef, lora, frozen, extra = build_jax_lora_model(cfg, attention=attention, max_positions=4096)
-  facts["init_s"] = time.perf_counter() - t0
-  facts["lora_params"] = int(sum(x.size for x in jax.tree.leaves(lora)))
-  facts["frozen_params"] = int(sum(x.size for x in jax.tree.leaves(frozen)))
-  if stacked:
-    lora = stack_layers(lora)
-  compute_dtype = None if dtype == jnp.float32 else dtype
+  parts = build_jax_lora_model(cfg, attention=attention, max_positions=4096)
+  facts = {"init_s": time.perf_counter() - t0}
+  facts["lora_params"] = int(sum(x.size for x in jax.tree.leaves(parts[1])))
+  facts["frozen_params"] = int(sum(x.size for x in jax.tree.leaves(parts[2])))
   batch = jax_batch(cfg)
-
-  builds = [
-      ("jax-adamw", optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)),
-      (
-          "jax-anlr",
-          anlr_jax.anlr(
-              LEARNING_RATE,
-              weight_decay=WEIGHT_DECAY,
-              warmup_steps=0,
-              batch_modules=batch_modules,
-          ),
-      ),
-  ]
-  if unbatched:
-    builds.append(
-        (
-            "jax-anlr-unbatched",
-            anlr_jax.anlr(
-                LEARNING_RATE, weight_decay=WEIGHT_DECAY, warmup_steps=0, batch_modules=False
-            ),
-        )
-    )
   steps = {}
-  for name, tx in builds:
-    train_step = make_train_step(
-        graphdef, tx, compute_dtype=compute_dtype, remat=cfg.remat, stacked_layers=stacked
-    )
-    state = init_train_state(*jax.tree.map(jnp.copy, (lora, extra)), tx)  # own buffers: donated
-    t0 = time.perf_counter()
-    compiled = jax.jit(train_step, donate_argnums=(0,)).lower(state, frozen, batch).compile()
-    mem = xla_memory(compiled)
-    xla_peak = mem["peak_bytes"]
-    steps[name] = {
-        "compiled": compiled,
-        "state": state,
-        "times": [],
-        "compile_s": time.perf_counter() - t0,
-        "xla_peak_bytes": int(xla_peak),
-        "xla_temp_bytes": mem["temp_size_in_bytes"],
-        "entry_ops": _entry_ops(compiled),
-    }
+  for name in ("adamw", "anlr") + (("anlr-unbatched",) if unbatched else ()):
+    tx = jax_optimizer(name, batch_modules=batch_modules)
+    step = steps[f"jax-{name}"] = JaxStep(cfg, tx, parts, batch, copy_state=True)
+    step.entry_ops = _entry_ops(step.compiled)
     print(
-        f"{name}: compiled in {steps[name]['compile_s']:.1f} s, XLA peak "
-        f"{xla_peak / 2**30:.2f} GiB; entry ops {steps[name]['entry_ops']}",
+        f"jax-{name}: compiled in {step.compile_s:.1f} s, XLA peak "
+        f"{step.xla['peak_bytes'] / 2**30:.2f} GiB; entry ops {step.entry_ops}",
         file=sys.stderr,
         flush=True,
     )
-
-  return steps, frozen, batch, facts
+  return steps, facts
 
 
 def jax_worker(
@@ -329,13 +285,8 @@ def jax_worker(
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
   b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
   mm = jax.jit(lambda x, y: x @ y)
-  mm(a, b).block_until_ready()
-  times = []
-  for _ in range(10):
-    t0 = time.perf_counter()
-    mm(a, b).block_until_ready()
-    times.append(time.perf_counter() - t0)
-  out["matmul_tflops"] = 2 * n**3 / _median(times) / 1e12
+  matmul = {"mm": timed(lambda: mm(a, b).block_until_ready())}
+  out["matmul_tflops"] = 2 * n**3 / interleave(matmul, 10, warmup=1).median("mm") / 1e12
   del a, b
 
   built = None
@@ -353,36 +304,26 @@ def jax_worker(
   if built is None:  # outside the except block, so the failed attempt's arrays are freed
     out["attention"] = attention = "xla"
     built = _build_jax_steps(cfg, attention, unbatched, batch_modules)
-  steps, frozen, batch, facts = built
+  steps, facts = built
   out.update(facts)
 
-  def run(entry, window):
-    # ``window`` steps dispatched back to back, then one wait: as in a training loop, the host
-    # prepares step i+1 while the device runs step i (window 1: host time is not hidden).
-    t0 = time.perf_counter()
-    state = entry["state"]
-    for _ in range(window):
-      state, metrics = entry["compiled"](state, frozen, batch)
-    jax.block_until_ready((state, metrics))
-    dt = (time.perf_counter() - t0) / window
-    entry["state"] = state
-    entry["loss"] = float(metrics["loss"])
-    return dt
+  # A sample is ``window`` steps dispatched back to back, then one wait, divided by ``window``: as
+  # in a training loop, the host prepares step i+1 while the device runs step i (window 1: host
+  # time is not hidden). Every build and window in turn, in a fixed order (a, b, a, b, ...).
+  interleave({name: timed(step) for name, step in steps.items()}, 0, warmup=warmup, shuffle=False)
+  samples = {
+      (name, w): timed(functools.partial(step, w)) for w in windows for name, step in steps.items()
+  }
 
-  for _ in range(warmup):
-    for entry in steps.values():
-      run(entry, 1)
-  for entry in steps.values():
-    entry["times"] = {w: [] for w in windows}
-  for i in range(runs):
-    for w in windows:
-      for entry in steps.values():
-        entry["times"][w].append(run(entry, w))
+  def progress(i):
     if i % 5 == 4:
       print(f"  run {i + 1}/{runs}", file=sys.stderr, flush=True)
+
+  timings = interleave(samples, runs, shuffle=False, on_round=progress)
+  times = {key: [t / key[1] for t in ts] for key, ts in timings.times.items()}
   if profile:
-    for name, entry in steps.items():
-      prof = _profile_summary(lambda: run(entry, 3), 3)
+    for name, step in steps.items():
+      prof = _profile_summary(functools.partial(step, 3), 3)
       out.setdefault("profile", {})[name] = prof
       lines = ", ".join(
           f"{k}: {v['events_per_step']:.0f} ev {v['busy_ms_per_step']:.1f} ms"
@@ -402,92 +343,63 @@ def jax_worker(
   stats = device.memory_stats() if hasattr(device, "memory_stats") else None
   out["device_peak_bytes"] = int(stats["peak_bytes_in_use"]) if stats else None
   out["windows"] = list(windows)
-  for name, entry in steps.items():
-    out[name] = {
-        k: entry[k] for k in ("compile_s", "xla_peak_bytes", "xla_temp_bytes", "loss", "entry_ops")
-    }
-    out[name]["step_ms"] = [1e3 * t for t in entry["times"][windows[-1]]]
-    out[name]["step_ms_by_window"] = {
-        str(w): [1e3 * t for t in ts] for w, ts in entry["times"].items()
-    }
-  adamw, anlr = steps["jax-adamw"]["times"][windows[-1]], steps["jax-anlr"]["times"][windows[-1]]
-  out["anlr_over_adamw_paired"] = _median([b / a for a, b in zip(adamw, anlr)])
+  for name, step in steps.items():
+    out[name] = dict(
+        compile_s=step.compile_s,
+        xla_peak_bytes=step.xla["peak_bytes"],
+        xla_temp_bytes=step.xla["temp_size_in_bytes"],
+        loss=float(step.metrics["loss"]),
+        entry_ops=step.entry_ops,
+        step_ms=[1e3 * t for t in times[(name, windows[-1])]],
+        step_ms_by_window={str(w): [1e3 * t for t in times[(name, w)]] for w in windows},
+    )
+  last = windows[-1]
+  out["anlr_over_adamw_paired"] = paired_ratio(
+      times[("jax-anlr", last)], times[("jax-adamw", last)]
+  )
   return out
 
 
 # ----------------------------------------------------------------------------------------- torch
 def torch_worker(cfg: BenchConfig, compile_model: bool, runs: int, warmup: int) -> dict:
-  import peft
   import torch
-  import transformers
 
   cuda = torch.cuda.is_available()
-  dev = torch.device("cuda" if cuda else "cpu")
-  dtype = getattr(torch, cfg.dtype)
   t0 = time.perf_counter()
-  model = build_peft_model(cfg, device=dev, max_positions=4096)
-  params = [p for p in model.parameters() if p.requires_grad]
-  for p in params:  # LoRA factors and optimizer state in float32, as in the JAX step
-    p.data = p.data.float()
-  model.train()
-  opt = torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
-  forward = torch.compile(model) if compile_model else model
-  ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), device=dev)
-  mask = torch.ones_like(ids)
+  step, info = build_torch_step(
+      cfg, compile_model, device="cuda" if cuda else "cpu", max_positions=4096
+  )
   init_s = time.perf_counter() - t0
-
-  def step():
-    t0 = time.perf_counter()
-    with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
-      loss = forward(input_ids=ids, attention_mask=mask, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    if cuda:
-      torch.cuda.synchronize()
-    return time.perf_counter() - t0, float(loss.detach())
-
-  t0 = time.perf_counter()
-  step()
-  first_s = time.perf_counter() - t0
-  for _ in range(max(0, warmup - 1)):
-    step()
+  last = {}
+  run = timed(lambda: last.update(loss=step()))
+  first_s = run()
+  interleave({"torch": run}, 0, warmup=warmup - 1)
   if cuda:
     torch.cuda.reset_peak_memory_stats()
-  times = []
-  for _ in range(runs):
-    dt, loss = step()
-    times.append(dt)
+  times = interleave({"torch": run}, runs).times["torch"]
   name = "torch-compile" if compile_model else "torch"
   return {
-      name: {
-          "step_ms": [1e3 * t for t in times],
-          "first_step_s": first_s,
-          "init_s": init_s,
-          "loss": loss,
-          "device_peak_bytes": int(torch.cuda.max_memory_allocated()) if cuda else None,
-          "attn": model.config._attn_implementation,
-          "lora_params": int(sum(p.numel() for p in params)),
-          "versions": dict(
-              torch=torch.__version__, transformers=transformers.__version__, peft=peft.__version__
-          ),
-          "device": torch.cuda.get_device_name() if cuda else "cpu",
-      }
+      name: dict(
+          step_ms=[1e3 * t for t in times],
+          first_step_s=first_s,
+          init_s=init_s,
+          loss=float(last["loss"].detach()),
+          device_peak_bytes=int(torch.cuda.max_memory_allocated()) if cuda else None,
+          **info,
+          device=torch.cuda.get_device_name() if cuda else "cpu",
+      )
   }
 
 
 # ---------------------------------------------------------------------------------------- parent
 def _run_worker(name: str, argv: list[str], timeout: float) -> dict:
-  cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, *argv]
   t0 = time.perf_counter()
   try:
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout)
-  except subprocess.TimeoutExpired:
-    return {"error": f"{name}: no result within {timeout:.0f} s"}
-  lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-  if proc.returncode or not lines:
-    return {"error": f"{name}: worker exited with code {proc.returncode} and no result"}
-  result = json.loads(lines[-1][len("RESULT ") :])
+    result = run_worker(
+        [sys.executable, os.path.abspath(__file__), "--worker", name, *argv], timeout=timeout
+    )
+  except RuntimeError as e:
+    return {"error": f"{name}: {e}"}
   result["wall_s"] = time.perf_counter() - t0
   return result
 
@@ -679,14 +591,14 @@ def main(argv=None):
       )
     else:
       result = torch_worker(cfg, args.worker == "torch-compile", args.runs, args.warmup)
-    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+    emit_result(result)
     return None
   frameworks = [f for f in args.frameworks.split(",") if f]
   bad = [f for f in frameworks if f not in FRAMEWORKS]
   if bad:
     ap.error(f"--frameworks has unknown names {bad}; choose from {FRAMEWORKS}")
-  passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
-  passthrough = _strip(passthrough, ("--frameworks", "--json", "--timeout"))
+  # The workers parse the same arguments (those of the parent's alone are ignored in a worker).
+  passthrough = list(argv if argv is not None else sys.argv[1:])
   results = {}
   for name in frameworks:
     print(f"== {name}", file=sys.stderr, flush=True)
@@ -708,22 +620,6 @@ def main(argv=None):
           indent=1,
       )
   return summary
-
-
-def _strip(argv: list[str], flags: tuple[str, ...]) -> list[str]:
-  """``argv`` without the given ``--flag value`` / ``--flag=value`` pairs."""
-  out, skip = [], False
-  for a in argv:
-    if skip:
-      skip = False
-      continue
-    if a in flags:
-      skip = True
-      continue
-    if any(a.startswith(f + "=") for f in flags):
-      continue
-    out.append(a)
-  return out
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -42,17 +41,18 @@ if __package__ in (None, ""):
 
 from benchmarks.common import (
     BenchConfig,
+    JaxStep,
     add_config_flags,
-    build_jax_lora_model,
     config_from_args,
     current_rss_mib,
-    jax_batch,
+    emit_result,
+    jax_optimizer,
     machine_line,
     release_free_heap,
     reset_peak_rss,
+    run_worker,
     status_mib,
     thread_env,
-    xla_memory,
 )
 
 OPTIMIZERS = ("adamw", "anlr")
@@ -61,21 +61,8 @@ PHASES = ("start", "built", "lowered", "compiled", "warmup", "steps")
 
 
 class _MallInfo2(ctypes.Structure):
-  _fields_ = [
-      (name, ctypes.c_size_t)
-      for name in (
-          "arena",
-          "ordblks",
-          "smblks",
-          "hblks",
-          "hblkhd",
-          "usmblks",
-          "fsmblks",
-          "uordblks",
-          "fordblks",
-          "keepcost",
-      )
-  ]
+  _names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+  _fields_ = [(name, ctypes.c_size_t) for name in _names.split()]
 
 
 def allocator_mib() -> dict:
@@ -95,34 +82,18 @@ def snapshot() -> dict:
   return {"rss": current_rss_mib(), **allocator_mib()}
 
 
-# Native allocations are charged to the first frame (innermost first) that matches a component.
+# Native allocations are charged to the first frame (innermost first) that matches a component; the
+# patterns of a component are separated by spaces.
 COMPONENTS = (
     (
         "buffer assignment",
-        (
-            "BufferAssign",
-            "HloDataflowAnalysis",
-            "HloAliasAnalysis",
-            "HloBuffer",
-            "HloValue",
-            "HloUse",
-        ),
+        "BufferAssign HloDataflowAnalysis HloAliasAnalysis HloBuffer HloValue HloUse",
     ),
-    ("thunks", ("Thunk",)),
-    ("YNNPACK runtimes", ("ynn", "slinky")),
-    (
-        "HLO module",
-        (
-            "xla::Hlo",
-            "xla::OpMetadata",
-            "xla::Shape",
-            "xla::Layout",
-            "xla::Literal",
-            "xla::CallGraph",
-        ),
-    ),
-    ("MLIR fusion compiler", ("mlir::", "FusionCompiler")),
-    ("LLVM", ("llvm::",)),
+    ("thunks", "Thunk"),
+    ("YNNPACK runtimes", "ynn slinky"),
+    ("HLO module", "xla::Hlo xla::OpMetadata xla::Shape xla::Layout xla::Literal xla::CallGraph"),
+    ("MLIR fusion compiler", "mlir:: FusionCompiler"),
+    ("LLVM", "llvm::"),
 )
 
 
@@ -130,7 +101,7 @@ def component(frames) -> str:
   """The component an allocation's native stack (innermost frame first) belongs to."""
   for name in frames:
     for label, patterns in COMPONENTS:
-      if any(p in name for p in patterns):
+      if any(p in name for p in patterns.split()):
         return label
   return "other"
 
@@ -165,51 +136,35 @@ def worker(
     attribute: bool = False,
     batch_modules: bool | None = None,
 ) -> dict:
-  import jax
-  import optax
   from jax.experimental.serialize_executable import serialize
 
-  import anlr_jax
-  from anlr_jax.train.step import init_train_state, make_train_step, stack_layers
+  phases, traced = {"start": snapshot()}, {}
 
-  phases = {"start": snapshot()}
-  graphdef, lora, frozen, extra = build_jax_lora_model(cfg)
-  if optimizer == "adamw":
-    tx = optax.adamw(1e-4, weight_decay=0.01)
-  else:
-    tx = anlr_jax.anlr(1e-4, weight_decay=0.01, warmup_steps=0, batch_modules=batch_modules)
-  batch = jax_batch(cfg)
-  stacked = cfg.lora_layout == "stacked"
-  if stacked:
-    lora = stack_layers(lora)
-  state = init_train_state(lora, extra, tx)
-  phases["built"] = snapshot()
-  lowered = jax.jit(
-      make_train_step(graphdef, tx, stacked_layers=stacked), donate_argnums=(0,)
-  ).lower(state, frozen, batch)
-  phases["lowered"] = snapshot()
-  traced = {}
-  if attribute:
-    compiled, traced = traced_compile(lowered, f"/tmp/memory_phases_{os.getpid()}.bin")
-  else:
-    compiled = lowered.compile()
-  del lowered
-  phases["compiled"] = snapshot()
-  for _ in range(2):
-    state, metrics = compiled(state, frozen, batch)
-  jax.block_until_ready((state, metrics))
+  def compile_fn(lowered):
+    if not attribute:
+      return lowered.compile()
+    compiled, figures = traced_compile(lowered, f"/tmp/memory_phases_{os.getpid()}.bin")
+    traced.update(figures)
+    return compiled
+
+  step = JaxStep(
+      cfg,
+      jax_optimizer(optimizer, batch_modules=batch_modules),
+      on_phase=lambda name: phases.update({name: snapshot()}),  # built, lowered, compiled
+      compile_fn=compile_fn,
+  )
+  step(2)  # warmup: two steps back to back
   phases["warmup"] = snapshot()
   reset_peak_rss()
   for _ in range(steps):
-    state, metrics = compiled(state, frozen, batch)
-    jax.block_until_ready((state, metrics))
+    step()
   phases["steps"] = snapshot()
   return {
       "phases": phases,
       "step_peak_rss": status_mib("VmHWM"),
-      "xla_mib": xla_memory(compiled)["peak_bytes"] / 2**20,
-      "serialized_mib": len(serialize(compiled)[0]) / 2**20,
-      "hlo_lines": len(compiled.as_text().splitlines()),
+      "xla_mib": step.xla["peak_bytes"] / 2**20,
+      "serialized_mib": len(serialize(step.compiled)[0]) / 2**20,
+      "hlo_lines": len(step.compiled.as_text().splitlines()),
       **traced,
   }
 
@@ -231,14 +186,12 @@ def run(
     argv += ["--config-json", cfg.to_json(), "--steps", str(steps)]
     argv += ["--attribute"] if attribute else []
     argv += [] if batch_modules is None else ["--batch-modules", str(batch_modules).lower()]
-    proc = subprocess.run(
-        argv, env=thread_env(cfg.threads), capture_output=True, text=True, timeout=timeout
-    )
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-      tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-      raise RuntimeError(f"memory_phases worker {optimizer!r} failed ({proc.returncode}): {tail}")
-    results[name] = json.loads(lines[-1][len("RESULT ") :])
+    try:
+      results[name] = run_worker(
+          argv, timeout=timeout, env=thread_env(cfg.threads), capture_stderr=True
+      )
+    except RuntimeError as e:
+      raise RuntimeError(f"memory_phases worker {optimizer!r} failed: {e}") from None
   return results
 
 
@@ -360,8 +313,7 @@ def main(argv=None) -> dict:
       raise ValueError(f"--worker {args.worker!r} must be one of {OPTIMIZERS}")
     cfg = BenchConfig.from_json(args.config_json)
     result = worker(cfg, args.worker, args.steps, args.attribute, batch_modules)
-    sys.__stdout__.write("RESULT " + json.dumps(result) + "\n")
-    sys.__stdout__.flush()
+    emit_result(result)
     return result
   cfg = config_from_args(args)
   if args.attribute:

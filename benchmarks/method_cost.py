@@ -5,8 +5,8 @@ One step = the trainer's jitted train step (``anlr_jax.train.make_train_step``: 
 ``clip_by_global_norm(1)``, the method's optimizer, train state donated) on the CPU reference config
 of ``benchmarks/common.py`` (LLaMA hidden 512, 8 layers, LoRA r = 16 on q, k, v, up, down, batch
 4 x 256, float32, stacked layout). Each method is built as ``anlr train`` builds it
-(``anlr_jax.run.inject_method``, ``anlr_jax.methods.method_optimizer``,
-``anlr_jax.method_hooks.method_hooks``):
+(``anlr_jax.app.model.inject_method``, ``anlr_jax.app.methods.method_optimizer``,
+``anlr_jax.app.methods.method_hooks``):
 
     lora      LoRALinear + optax.adamw
     adalora   AdaLoRALinear + rank_allocator(adamw) in its budget-decrease phase (a global sort and
@@ -32,8 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import statistics
 import sys
 import time
 
@@ -41,25 +39,27 @@ if __package__ in (None, ""):
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import (
+    LEARNING_RATE,
+    WEIGHT_DECAY,
     BenchConfig,
+    JaxStep,
     add_config_flags,
     config_from_args,
+    interleave,
     jax_batch,
     machine_line,
     model_config,
-    xla_memory,
+    timed,
 )
 
 METHODS = ("lora", "adalora", "lorapro", "loradash", "anlr")
-LEARNING_RATE = 1e-4
-WEIGHT_DECAY = 0.01  # as benchmarks/train_step.py
 ADALORA_TOTAL_STEP = 10_000  # long enough that every timed step is in the budget-decrease phase
 
 
 def run_config(cfg: BenchConfig):
   """The ``anlr train`` config of the benchmark's LoRA shape (the methods' other keys: defaults,
   e.g. ``adalora.target_r = round(r / 1.5)``; ``anlr.warmup_steps=0``, LoRA-Dash launched)."""
-  from anlr_jax.config import load_config
+  from anlr_jax.app.config import load_config
 
   return load_config(
       None,
@@ -76,18 +76,15 @@ def run_config(cfg: BenchConfig):
 
 
 def build_method_step(cfg: BenchConfig, method: str):
-  """``(step, info)``: a no-argument closure running one jitted train step of ``method`` on the
-  benchmark model (random weights, seed 0; adapters seed 1), and its compile time and memory."""
-  import jax
-  import jax.numpy as jnp
+  """``(step, info)``: the compiled train step of ``method`` on the benchmark model (random weights,
+  seed 0; adapters seed 1; calling it runs one step) and its compile time and memory."""
   from flax import nnx
 
-  from anlr_jax.method_hooks import adalora_config, method_hooks
-  from anlr_jax.methods import get_method, method_optimizer
-  from anlr_jax.models.llama import LlamaForCausalLM
+  from anlr_jax.app.methods import adalora_config, get_method, method_hooks, method_optimizer
+  from anlr_jax.app.model import inject_method
+  from anlr_jax.models import LlamaForCausalLM
   from anlr_jax.nn import launch_dash, lora_scale
-  from anlr_jax.run import inject_method
-  from anlr_jax.train.step import init_train_state, make_train_step, split_model, stack_layers
+  from anlr_jax.train import split_model
 
   spec = get_method(method)
   config = run_config(cfg)
@@ -95,10 +92,7 @@ def build_method_step(cfg: BenchConfig, method: str):
   inject_method(model, config, method)
   info = {}
   if spec.uses_loradash:  # launched at once, so every timed forward has the dash term
-    t0 = time.perf_counter()
-    launch_dash(model)
-    info["dash_launch_s"] = time.perf_counter() - t0
-  graphdef, lora, frozen, extra = split_model(model)
+    info["dash_launch_s"] = timed(lambda: launch_dash(model))()
   tx = method_optimizer(
       method,
       LEARNING_RATE,
@@ -109,37 +103,14 @@ def build_method_step(cfg: BenchConfig, method: str):
       lora_scale=lora_scale(cfg.rank, cfg.alpha, spec.use_rslora),
       lorapro_mode=config.lorapro.mode,
   )
-  hooks = method_hooks(config, method)
-  stacked = cfg.lora_layout == "stacked"
-  if stacked:
-    lora = stack_layers(lora)
-  dtype = jnp.dtype(cfg.dtype)
-  train_step = make_train_step(
-      graphdef,
-      tx,
-      compute_dtype=None if dtype == jnp.float32 else dtype,
-      remat=cfg.remat,
-      stacked_layers=stacked,
-      loss_regularizer=hooks.get("loss_regularizer"),
+  regularizer = method_hooks(config, method).get("loss_regularizer")
+  step = JaxStep(cfg, tx, split_model(model), jax_batch(cfg), loss_regularizer=regularizer)
+  info.update(
+      compile_s=step.compile_s,
+      xla=step.xla,
+      lora_params=step.lora_params,
+      opt_state_bytes=step.opt_state_bytes,
   )
-  batch = jax_batch(cfg)
-  state = init_train_state(lora, extra, tx)
-  t0 = time.perf_counter()
-  compiled = jax.jit(train_step, donate_argnums=(0,)).lower(state, frozen, batch).compile()
-  info["compile_s"] = time.perf_counter() - t0
-  info["xla"] = xla_memory(compiled)
-  info["lora_params"] = int(sum(x.size for x in jax.tree.leaves(lora)))
-  info["opt_state_bytes"] = int(
-      sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state))
-  )
-  holder = [state]
-
-  def step():
-    new_state, metrics = compiled(holder[0], frozen, batch)
-    jax.block_until_ready((new_state, metrics))
-    holder[0] = new_state
-    return metrics
-
   return step, info
 
 
@@ -169,35 +140,25 @@ def main(argv=None):
 
   steps, infos = {}, {}
   for method in methods:
-    steps[method], infos[method] = build_method_step(cfg, method)
+    step, infos[method] = build_method_step(cfg, method)
     for _ in range(max(1, args.warmup)):
-      metrics = steps[method]()
-    loss = float(metrics["loss"])
+      loss = float(step()["loss"])
     if not loss == loss:  # NaN
       raise RuntimeError(f"{method}: the warm-up step's loss is NaN")
     print(f"{method}: compiled in {infos[method]['compile_s']:.1f} s", file=sys.stderr)
+    steps[method] = timed(step)
+  timings = interleave(steps, args.rounds, pause=args.pause)
 
-  times = {m: [] for m in methods}
-  rng = random.Random(0)
-  for _ in range(args.rounds):
-    order = list(methods)
-    rng.shuffle(order)
-    for method in order:
-      t0 = time.perf_counter()
-      steps[method]()
-      times[method].append(time.perf_counter() - t0)
-      time.sleep(args.pause)
-
-  base_ms = 1e3 * statistics.median(times["lora"])
+  base_ms = 1e3 * timings.median("lora")
   base_peak = infos["lora"]["xla"]["peak_bytes"]
   rows = {}
   for m in methods:
-    median_ms = 1e3 * statistics.median(times[m])
+    median_ms = 1e3 * timings.median(m)
     rows[m] = dict(
         median_ms=median_ms,
-        times_ms=[1e3 * t for t in times[m]],
+        times_ms=[1e3 * t for t in timings.times[m]],
         time_ratio_over_lora=median_ms / base_ms,
-        paired_time_ratio=statistics.median(a / b for a, b in zip(times[m], times["lora"])),
+        paired_time_ratio=timings.paired(m, "lora"),
         xla_peak_mib=infos[m]["xla"]["peak_bytes"] / 2**20,
         xla_ratio_over_lora=infos[m]["xla"]["peak_bytes"] / base_peak,
         **infos[m],

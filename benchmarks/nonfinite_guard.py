@@ -13,20 +13,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import statistics
-import time
+import os
+import sys
 
-import jax
-import jax.numpy as jnp
+if __package__ in (None, ""):
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import anlr_jax
 from benchmarks.common import (
+    JaxStep,
     add_config_flags,
     build_jax_lora_model,
     config_from_args,
+    interleave,
     jax_batch,
     machine_line,
+    timed,
 )
 
 
@@ -38,37 +40,17 @@ def main(argv=None):
   args = ap.parse_args(argv)
   cfg = config_from_args(args)
 
-  from anlr_jax.train.step import init_train_state, make_train_step, stack_layers
-
-  graphdef, lora, frozen, extra = build_jax_lora_model(cfg)
-  stacked = cfg.lora_layout == "stacked"
-  if stacked:
-    lora = stack_layers(lora)
-  batch = jax_batch(cfg)
+  parts, batch = build_jax_lora_model(cfg), jax_batch(cfg)
   tx = anlr_jax.anlr(1e-4, warmup_steps=2)
-  steps, states = {}, {}
-  for guarded in (True, False):
-    name = "guarded" if guarded else "unguarded"
-    step = make_train_step(graphdef, tx, stacked_layers=stacked, skip_nonfinite=guarded)
-    steps[name] = jax.jit(step, donate_argnums=(0,))
-    states[name] = init_train_state(*jax.tree.map(jnp.copy, (lora, extra)), tx)
-    for _ in range(3):  # compile and warm up
-      states[name], metrics = steps[name](states[name], frozen, batch)
-    jax.block_until_ready(metrics)
-
-  times = {name: [] for name in steps}
-  rng = random.Random(0)
-  for _ in range(args.rounds):
-    order = list(steps)
-    rng.shuffle(order)
-    for name in order:
-      start = time.perf_counter()
-      states[name], metrics = steps[name](states[name], frozen, batch)
-      jax.block_until_ready(metrics)
-      times[name].append(time.perf_counter() - start)
-      time.sleep(0.1)
-  med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-  paired = statistics.median(g / u for g, u in zip(times["guarded"], times["unguarded"]))
+  steps = {
+      name: JaxStep(cfg, tx, parts, batch, copy_state=True, skip_nonfinite=name == "guarded")
+      for name in ("guarded", "unguarded")
+  }
+  timings = interleave(
+      {name: timed(step) for name, step in steps.items()}, args.rounds, warmup=3, pause=0.1
+  )
+  med = {name: 1e3 * timings.median(name) for name in steps}
+  paired = timings.paired("guarded", "unguarded")
   result = {
       "machine": machine_line(),
       "config": json.loads(cfg.to_json()),

@@ -10,16 +10,21 @@ optimizer-state bytes of each are counted from the state pytrees.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import platform
-import statistics
-import time
+import sys
+
+if __package__ in (None, ""):
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
 import optax
 
 import anlr_jax
+from benchmarks.common import interleave, timed
 
 # LLaMA-2-7B: hidden 4096, FFN 11008; the paper's LoRA targets.
 TARGETS = {
@@ -31,11 +36,10 @@ TARGETS = {
 }
 
 
-def lora_tree(layers: int, rank: int, stacked: bool, dtype, hidden_scale: float = 1.0):
+def lora_tree(layers: int, rank: int, stacked: bool, dtype):
   key = jax.random.key(0)
   tree = {}
   for i, (name, (d_in, d_out)) in enumerate(TARGETS.items()):
-    d_in, d_out = int(d_in * hidden_scale), int(d_out * hidden_scale)
     lead = (layers,) if stacked else ()
     ka, kb = jax.random.split(jax.random.fold_in(key, i))
     make = lambda k, shape: (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
@@ -109,25 +113,23 @@ def main(argv=None):
   runs = {}
   for name, tx in optimizers.items():
     p = jax.tree.map(jnp.copy, params)
-    runs[name] = dict(step=make_step(tx), state=tx.init(p), params=p, times=[])
+    runs[name] = dict(step=make_step(tx), state=tx.init(p), params=p)
   state_bytes = {name: nbytes(r["state"]) for name, r in runs.items()}
 
-  def one(name):
+  def window(name):
     r = runs[name]
-    t0 = time.perf_counter()
     for _ in range(args.window):  # dispatched back to back; one wait at the end
       r["params"], r["state"] = r["step"](grads, r["state"], r["params"])
     jax.block_until_ready((r["params"], r["state"]))
-    return (time.perf_counter() - t0) / args.window
 
-  for _ in range(args.warmup):
-    for name in runs:
-      one(name)
-  for _ in range(args.runs):
-    for name in runs:
-      runs[name]["times"].append(one(name))
-
-  med = {name: statistics.median(r["times"]) for name, r in runs.items()}
+  # In a fixed order: adamw, anlr, adamw, anlr, ...; one sample = the time of a window / its steps.
+  timings = interleave(
+      {name: timed(functools.partial(window, name)) for name in runs},
+      args.runs,
+      warmup=args.warmup,
+      shuffle=False,
+  )
+  med = {name: timings.median(name) / args.window for name in runs}
   param_count = sum(x.size for x in jax.tree.leaves(params))
   result = dict(
       machine=f"{platform.processor() or platform.machine()}, {jax.device_count()} x {jax.devices()[0].device_kind}",

@@ -7,9 +7,10 @@ interleaved; the AnLR overhead share of a step is
 
 .. math::  \mathrm{overhead} = (t_\mathrm{anlr} - t_\mathrm{adamw}) / t_\mathrm{anlr},
 
-with ``t_anlr / t_adamw`` the median over runs of the paired quotient (AnLR's step ``i`` runs right
-after AdamW's step ``i``), which cancels the slow load drift of a shared machine. Memory: XLA's ``memory_analysis`` peak of each compiled step and the peak RSS
-over the timed steps. Writes a markdown table, a JSON file and a PNG (matplotlib, Agg).
+with ``t_anlr / t_adamw`` the median over runs of the paired quotient (AnLR's step ``i`` runs in the
+same round as AdamW's step ``i``), which cancels the slow load drift of a shared machine. Memory:
+XLA's ``memory_analysis`` peak of each compiled step and the peak RSS over the timed steps. Writes
+a markdown table, a JSON file and a PNG (matplotlib, Agg).
 
     python benchmarks/scaling.py --png docs/benchmarks_scaling.png --json /tmp/scaling.json
     python benchmarks/scaling.py --ranks 4,128 --seqs 256 --widths 512 --runs 5
@@ -27,8 +28,14 @@ import sys
 if __package__ in (None, ""):
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import BenchConfig, add_config_flags, config_from_args, machine_line
-from benchmarks.train_step import run_interleaved, start_workers
+from benchmarks.common import (
+    BenchConfig,
+    add_config_flags,
+    config_from_args,
+    machine_line,
+    paired_ratio,
+)
+from benchmarks.train_step import run_workers
 
 NAMES = ("jax-adamw", "jax-anlr")
 
@@ -54,20 +61,12 @@ def width_config(base: BenchConfig, width: int) -> BenchConfig:
 
 def measure(cfg: BenchConfig, runs: int, warmup: int) -> dict:
   """Medians, memory and overhead share of ``jax-adamw`` vs ``jax-anlr`` on ``cfg``."""
-  workers, failed = start_workers(NAMES, cfg, warmup)
-  try:
-    if failed:
-      raise RuntimeError(f"scaling: workers failed: {failed}")
-    run_interleaved(workers, runs)
-    for w in workers.values():
-      w.finish()
-  finally:
-    for w in workers.values():
-      w.kill()
+  workers, failed = run_workers(NAMES, cfg, warmup, runs)
+  if failed:
+    raise RuntimeError(f"scaling: workers failed: {failed}")
   a, b = workers["jax-adamw"], workers["jax-anlr"]
   ta, tb = statistics.median(a.times_ms), statistics.median(b.times_ms)
-  # Paired: step i of AnLR ran right after step i of AdamW, so their quotient cancels slow load drift.
-  paired = statistics.median(y / x for x, y in zip(a.times_ms, b.times_ms))
+  paired = paired_ratio(b.times_ms, a.times_ms)  # step i of each in the same round
   return dict(
       hidden=cfg.hidden,
       ffn=cfg.ffn,

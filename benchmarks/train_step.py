@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -33,115 +32,51 @@ if __package__ in (None, ""):
 
 from benchmarks.common import (
     BenchConfig,
-    build_jax_lora_model,
-    build_peft_model,
-    jax_batch,
+    JaxStep,
     Worker,
     add_config_flags,
+    build_torch_step,
     config_from_args,
+    interleave,
+    jax_optimizer,
     machine_line,
+    paired_ratio,
     serve,
+    stderr_tail,
     thread_env,
-    xla_memory,
 )
 
 FRAMEWORKS = ("jax-adamw", "jax-anlr", "torch-eager", "torch-compile")
-LEARNING_RATE = 1e-4
-WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default; used by every framework
 
 
 def build_jax_step(cfg: BenchConfig, optimizer: str):
   """``(step, info)``: a no-argument closure running one jitted train step, and memory facts."""
   import flax
   import jax
-  import jax.numpy as jnp
   import optax
 
-  import anlr_jax
-  from anlr_jax.train.step import init_train_state, make_train_step, stack_layers
-
-  dtype = jnp.dtype(cfg.dtype)
-  graphdef, lora, frozen, extra = build_jax_lora_model(cfg)
-  if optimizer == "adamw":
-    tx = optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
-  elif optimizer == "anlr":
-    tx = anlr_jax.anlr(LEARNING_RATE, weight_decay=WEIGHT_DECAY, warmup_steps=0)
-  else:
-    raise ValueError(f"optimizer={optimizer!r} must be 'adamw' or 'anlr'")
-  compute_dtype = None if dtype == jnp.float32 else dtype
-  stacked = cfg.lora_layout == "stacked"
-  if stacked:
-    lora = stack_layers(lora)
-  train_step = make_train_step(
-      graphdef, tx, compute_dtype=compute_dtype, remat=cfg.remat, stacked_layers=stacked
-  )
-  batch = jax_batch(cfg)
-  state = init_train_state(lora, extra, tx)
-  jitted = jax.jit(train_step, donate_argnums=(0,))
-  t0 = time.perf_counter()
-  compiled = jitted.lower(state, frozen, batch).compile()
-  compile_s = time.perf_counter() - t0
-  xla = xla_memory(compiled)
-  holder = [state]
-
-  def step():
-    new_state, metrics = compiled(holder[0], frozen, batch)
-    jax.block_until_ready((new_state, metrics))
-    holder[0] = new_state
-
+  step = JaxStep(cfg, jax_optimizer(optimizer))
   info = dict(
-      compile_s=compile_s,
-      xla=xla,
+      compile_s=step.compile_s,
+      xla=step.xla,
       backend=jax.default_backend(),
       versions=dict(jax=jax.__version__, flax=flax.__version__, optax=optax.__version__),
-      lora_params=int(sum(x.size for x in jax.tree.leaves(lora))),
-  )
-  return step, info
-
-
-def build_torch_step(cfg: BenchConfig, compile_model: bool):
-  """``(step, info)`` for transformers' LLaMA + PEFT LoRA + ``torch.optim.AdamW`` (CPU)."""
-  import peft
-  import torch
-  import transformers
-
-  torch.set_num_threads(cfg.threads)
-  model = build_peft_model(cfg)
-  model.train()
-  params = [p for p in model.parameters() if p.requires_grad]
-  opt = torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
-  forward = torch.compile(model) if compile_model else model
-  gen = torch.Generator().manual_seed(0)
-  ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=gen)
-  mask = torch.ones_like(ids)
-
-  def step():
-    loss = forward(input_ids=ids, attention_mask=mask, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-  info = dict(
-      threads=torch.get_num_threads(),
-      attn=model.config._attn_implementation,
-      versions=dict(
-          torch=torch.__version__, transformers=transformers.__version__, peft=peft.__version__
-      ),
-      lora_params=int(sum(p.numel() for p in params)),
+      lora_params=step.lora_params,
   )
   return step, info
 
 
 def worker_main(name: str, cfg: BenchConfig, warmup: int):
-  builders = {
-      "jax-adamw": lambda: build_jax_step(cfg, "adamw"),
-      "jax-anlr": lambda: build_jax_step(cfg, "anlr"),
-      "torch-eager": lambda: build_torch_step(cfg, False),
-      "torch-compile": lambda: build_torch_step(cfg, True),
-  }
-  if name not in builders:
-    raise ValueError(f"--worker {name!r} must be one of {sorted(builders)}")
-  step, info = builders[name]()
+  if name not in FRAMEWORKS:
+    raise ValueError(f"--worker {name!r} must be one of {sorted(FRAMEWORKS)}")
+  if name.startswith("jax-"):
+    step, info = build_jax_step(cfg, name[len("jax-") :])
+  else:  # transformers' LLaMA + PEFT LoRA + torch.optim.AdamW on the CPU, cfg.threads threads
+    import torch
+
+    torch.set_num_threads(cfg.threads)
+    step, info = build_torch_step(cfg, name == "torch-compile")
+    info = dict(threads=torch.get_num_threads(), **info)
   serve(step, info, warmup)
 
 
@@ -150,22 +85,12 @@ def start_workers(names, cfg: BenchConfig, warmup: int, script: str = __file__):
   workers, failed = {}, {}
   for name in names:
     with tempfile.TemporaryFile("w+") as err:
-      argv = [
-          sys.executable,
-          os.path.abspath(script),
-          "--worker",
-          name,
-          "--config-json",
-          cfg.to_json(),
-          "--warmup",
-          str(warmup),
-      ]
+      argv = [sys.executable, os.path.abspath(script), "--worker", name]
+      argv += ["--config-json", cfg.to_json(), "--warmup", str(warmup)]
       try:
         workers[name] = Worker(name, argv, env=thread_env(cfg.threads), stderr=err)
       except RuntimeError as e:
-        err.seek(0)
-        tail = [l for l in err.read().strip().splitlines() if l.strip()][-3:]
-        failed[name] = f"{e}: {' | '.join(tail)}"
+        failed[name] = f"{e}: {stderr_tail(err)}"
   return workers, failed
 
 
@@ -173,25 +98,31 @@ def run_interleaved(
     workers: dict, runs: int, settle: int = 0, pause_s: float = 0.1, seed: int = 0
 ) -> None:
   """``settle`` untimed and then ``runs`` timed rounds of one step per worker, each round in a fresh
-  random order (seeded).
+  random order (seeded), 0.1 s apart (:func:`benchmarks.common.interleave`).
 
-  A step can be slowed by the worker that ran just before it (its idle threads still spinning on
-  the same cores); shuffling the order makes every framework follow every other about equally often,
-  and ``pause_s`` between steps lets the previous worker settle. Step times are measured inside the
-  workers, so neither enters them. The workers warm up one after the other, and the first rounds
-  after that run slow for every framework (1.5-3x in the first round on the 2-core CPU); the
-  ``settle`` rounds absorb that and are kept apart in each worker's ``settle_ms``.
+  Step times are measured inside the workers, so neither the pause nor the pipes enter them. The
+  workers warm up one after the other, and the first rounds after that run slow for every framework
+  (1.5-3x in the first round on the 2-core CPU); the ``settle`` rounds absorb that and are kept
+  apart in each worker's ``settle_ms``.
   """
-  rng = random.Random(seed)
-  order = list(workers.values())
-  for i in range(settle + runs):
-    if i == settle:
-      for w in order:
-        w.settle_ms, w.times_ms = w.times_ms, []
-    rng.shuffle(order)
-    for w in order:
-      time.sleep(pause_s)
-      w.step()
+  steps = {name: w.step for name, w in workers.items()}
+  timings = interleave(steps, runs, settle=settle, pause=pause_s, seed=seed)
+  for name, w in workers.items():
+    w.times_ms, w.settle_ms = timings.times[name], timings.settle[name]
+
+
+def run_workers(names, cfg: BenchConfig, warmup: int, runs: int, settle: int = 0):
+  """``(workers, failed)``: the workers started, timed (:func:`run_interleaved`) and finished (their
+  peak RSS read), every process ended whatever happens."""
+  workers, failed = start_workers(names, cfg, warmup)
+  try:
+    run_interleaved(workers, runs, settle)
+    for w in workers.values():
+      w.finish()
+  finally:
+    for w in workers.values():
+      w.kill()
+  return workers, failed
 
 
 def summarise(cfg: BenchConfig, workers: dict, failed: dict, runs: int, settle: int = 0) -> dict:
@@ -232,7 +163,7 @@ def ratio_lines(res: dict) -> list[str]:
   if have("jax-adamw", "jax-anlr"):
     a, b = fw["jax-adamw"], fw["jax-anlr"]
     lines.append(f"ratio step time jax-anlr / jax-adamw: {b['median_ms'] / a['median_ms']:.3f}")
-    paired = statistics.median(y / x for x, y in zip(a["times_ms"], b["times_ms"]))
+    paired = paired_ratio(b["times_ms"], a["times_ms"])
     lines.append(f"ratio step time jax-anlr / jax-adamw, median of paired runs: {paired:.3f}")
     lines.append(
         f"ratio step peak RSS jax-anlr / jax-adamw: "
@@ -313,14 +244,7 @@ def main(argv=None):
     raise ValueError(f"--runs={args.runs} must be >= 1")
   if args.settle < 0:
     raise ValueError(f"--settle={args.settle} must be >= 0")
-  workers, failed = start_workers(names, cfg, args.warmup)
-  try:
-    run_interleaved(workers, args.runs, args.settle)
-    for w in workers.values():
-      w.finish()
-  finally:
-    for w in workers.values():
-      w.kill()
+  workers, failed = run_workers(names, cfg, args.warmup, args.runs, args.settle)
   res = summarise(cfg, workers, failed, args.runs, args.settle)
   print_report(res)
   if args.json:

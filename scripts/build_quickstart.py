@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import pathlib
 import random
@@ -58,11 +57,20 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import anlr_jax  # noqa: E402
 from anlr_jax import assets  # noqa: E402
+from anlr_jax.data import alpaca_prompt, read_examples, tokenize_examples  # noqa: E402
 from anlr_jax.data.formats import ALPACA_PREAMBLE, ALPACA_PREAMBLE_WITH_INPUT  # noqa: E402
-from anlr_jax.models.config import ModelConfig  # noqa: E402
-from anlr_jax.models.hf_io import save_hf_model  # noqa: E402
-from anlr_jax.models.llama import LlamaForCausalLM  # noqa: E402
+from anlr_jax.evals import evaluate, load_eval_examples  # noqa: E402
+from anlr_jax.models import (  # noqa: E402
+    LlamaForCausalLM,
+    ModelConfig,
+    generate,
+    load_hf_model,
+    load_tokenizer,
+    save_hf_model,
+)
+from anlr_jax.nn import inject_lora  # noqa: E402
 
 # --------------------------------------------------------------------------------------------------
 # The world
@@ -321,8 +329,6 @@ def build_task(world: list[Entity], seed: int) -> tuple[list[dict], list[dict]]:
 def check_task_vocabulary(records: list[dict], tokenizer, where: str) -> None:
   """Raises ValueError naming the first record of `where` whose prompt or answer has an unknown word
   or whose prompt plus answer (with bos and eos) exceeds the model's context."""
-  from anlr_jax.data.formats import alpaca_prompt
-
   for i, record in enumerate(records):
     prompt = alpaca_prompt(record["instruction"], record["input"])
     for part, text in (
@@ -373,14 +379,46 @@ def packed_windows(docs: list[str], tokenizer, seq_len: int) -> np.ndarray:
   return stream[: n * seq_len].reshape(n, seq_len)
 
 
+def _padded(
+    rows, width: int, pad_id, *, left: bool, dtype=np.int32
+) -> tuple[np.ndarray, np.ndarray]:
+  """``(values, mask)``: the rows padded with ``pad_id`` to ``(len(rows), width)`` on the left or
+  the right, and the int32 mask of their positions."""
+  values = np.full((len(rows), width), pad_id, dtype)
+  mask = np.zeros((len(rows), width), np.int32)
+  for i, row in enumerate(rows):
+    span = slice(width - len(row), width) if left else slice(0, len(row))
+    values[i, span], mask[i, span] = row, 1
+  return values, mask
+
+
+def _prompt_batch(texts: list[str], tokenizer) -> tuple[np.ndarray, np.ndarray]:
+  """``[bos] + tok(text)`` rows left-padded to the longest, so every text ends at the last position;
+  ``(ids, attention_mask)``."""
+  rows = [
+      [tokenizer.bos_token_id, *ids]
+      for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]
+  ]
+  return _padded(rows, max(map(len, rows)), tokenizer.pad_token_id, left=True)
+
+
 def _lm_loss(model: LlamaForCausalLM, tokens: jax.Array) -> jax.Array:
+  """Pretraining: the mean next-token cross-entropy over every position."""
   logits = model(tokens[:, :-1])
   return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]))
 
 
-@nnx.jit
-def _pretrain_step(model, optimizer, tokens):
-  loss, grads = nnx.value_and_grad(_lm_loss)(model, tokens)
+def _response_loss(model, ids, mask):
+  """Fine-tuning: the mean next-token cross-entropy over the response tokens (``mask``)."""
+  logits = model(ids[:, :-1])
+  token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])
+  return jnp.sum(token_loss * mask[:, 1:]) / jnp.maximum(jnp.sum(mask[:, 1:]), 1.0)
+
+
+@nnx.jit(static_argnums=(0,))
+def _update(loss_fn, model, optimizer, *batch):
+  """One optimizer step on ``loss_fn(model, *batch)`` w.r.t. the variables the optimizer updates."""
+  loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, optimizer.wrt))(model, *batch)
   optimizer.update(model, grads)
   return loss
 
@@ -393,9 +431,9 @@ def pretrain(
     batch_size: int,
     peak_lr: float,
     seed: int,
-    log_every: int = 100,
 ) -> list[tuple[int, float]]:
-  """Full-weight AdamW pretraining on random batches of `windows`; returns ``(step, loss)`` logs."""
+  """Full-weight AdamW pretraining on random batches of `windows`; returns ``(step, loss)`` logs
+  (the mean loss of every 100 steps)."""
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, peak_lr, min(100, steps // 10), steps, end_value=peak_lr * 0.1
   )
@@ -405,8 +443,8 @@ def pretrain(
   log, running, start = [], [], time.time()
   for step in range(1, steps + 1):
     batch = windows[rng.integers(0, len(windows), batch_size)]
-    running.append(_pretrain_step(model, optimizer, jnp.asarray(batch)))
-    if step % log_every == 0 or step == steps:
+    running.append(_update(_lm_loss, model, optimizer, jnp.asarray(batch)))
+    if step % 100 == 0 or step == steps:
       loss = float(jnp.mean(jnp.stack(running)))
       running = []
       log.append((step, loss))
@@ -416,22 +454,12 @@ def pretrain(
   return log
 
 
-def fact_recall(
-    model: LlamaForCausalLM, tokenizer, world: list[Entity], attributes=tuple(ATTRIBUTES)
-) -> dict[str, float]:
+def fact_recall(model: LlamaForCausalLM, tokenizer, world: list[Entity]) -> dict[str, float]:
   """Per attribute, the share of animals whose value is the argmax next token after the cue."""
   result = {}
-  for attr in attributes:
-    cues = [RECALL_CUES[attr].format(e=e.name) for e in world]
-    ids = tokenizer(cues, add_special_tokens=False)["input_ids"]
-    width = max(map(len, ids)) + 1
-    bos, pad = tokenizer.bos_token_id, tokenizer.pad_token_id
-    batch = np.full((len(ids), width), pad, np.int32)
-    mask = np.zeros_like(batch)
-    for i, row in enumerate(ids):  # left-pad so the cue ends at the last position
-      batch[i, width - len(row) - 1 :] = [bos, *row]
-      mask[i, width - len(row) - 1 :] = 1
-    logits = model(jnp.asarray(batch), attention_mask=jnp.asarray(mask))
+  for attr in ATTRIBUTES:
+    ids, mask = _prompt_batch([RECALL_CUES[attr].format(e=e.name) for e in world], tokenizer)
+    logits = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask))
     predicted = np.asarray(jnp.argmax(logits[:, -1], axis=-1))
     gold = np.array([tokenizer.convert_tokens_to_ids(getattr(e, attr)) for e in world])
     result[attr] = float(np.mean(predicted == gold))
@@ -449,50 +477,11 @@ EVAL_MAX_NEW_TOKENS = 4
 """Greedy tokens generated per test prompt: the answer is one word, then eos."""
 
 
-def _padded_train_arrays(train_path: pathlib.Path, tokenizer) -> tuple[np.ndarray, np.ndarray]:
-  """Training ids and response-only loss masks, right-padded to one width."""
-  from anlr_jax.data import read_examples, tokenize_examples
-
-  tokenized = tokenize_examples(
-      read_examples(train_path).examples, tokenizer, max_length=MAX_POSITIONS
-  )
-  width = int(tokenized.lengths.max())
-  ids = np.full((len(tokenized), width), tokenizer.pad_token_id, np.int32)
-  mask = np.zeros((len(tokenized), width), np.float32)
-  for i, (row, row_mask) in enumerate(zip(tokenized.input_ids, tokenized.loss_mask)):
-    ids[i, : len(row)], mask[i, : len(row)] = row, row_mask
-  return ids, mask
-
-
-def _response_loss(model, ids, mask):
-  logits = model(ids[:, :-1])
-  token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])
-  return jnp.sum(token_loss * mask[:, 1:]) / jnp.maximum(jnp.sum(mask[:, 1:]), 1.0)
-
-
-@nnx.jit
-def _lora_step(model, optimizer, ids, mask):
-  loss, grads = nnx.value_and_grad(_response_loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(
-      model, ids, mask
-  )
-  optimizer.update(model, grads)
-  return loss
-
-
 def test_accuracy(model, tokenizer, test_path: pathlib.Path) -> float:
   """Greedy-generation accuracy on ``test.json`` scored as ``assets.QUICKSTART_TASK``."""
-  from anlr_jax.evals import default_prompt, evaluate, load_eval_examples
-  from anlr_jax.models.generation import generate
-
-  examples = load_eval_examples(test_path)
-  width = max(len(tokenizer(default_prompt(e)).input_ids) for e in examples) + 1
 
   def generate_fn(prompts):
-    ids = np.full((len(prompts), width), tokenizer.pad_token_id, np.int32)
-    mask = np.zeros_like(ids)
-    for i, prompt in enumerate(prompts):
-      row = [tokenizer.bos_token_id, *tokenizer(prompt, add_special_tokens=False).input_ids]
-      ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+    ids, mask = _prompt_batch(prompts, tokenizer)
     out = generate(
         model,
         ids,
@@ -503,6 +492,7 @@ def test_accuracy(model, tokenizer, test_path: pathlib.Path) -> float:
     )
     return tokenizer.batch_decode(np.asarray(out), skip_special_tokens=True)
 
+  examples = load_eval_examples(test_path)  # one batch: every prompt padded to the longest
   return evaluate(generate_fn, examples, assets.QUICKSTART_TASK, batch_size=len(examples)).accuracy
 
 
@@ -510,15 +500,6 @@ def lora_finetune(
     asset_dir: pathlib.Path, method: str, *, steps: int, batch_size: int, lr: float, seed: int
 ) -> dict:
   """LoRA (r=8, alpha=16) fine-tune of the base model with `method` in {'adamw', 'anlr'}."""
-  import anlr_jax
-  from anlr_jax.models.hf_io import load_hf_model, load_tokenizer
-  from anlr_jax.nn.inject import inject_lora
-
-  tokenizer = load_tokenizer(asset_dir)
-  model, _ = load_hf_model(asset_dir, dtype=jnp.float32)
-  model = inject_lora(
-      model, target_modules=CHECK_TARGETS, rank=8, alpha=16.0, dropout=0.0, rngs=nnx.Rngs(seed)
-  )
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, steps // 10, steps, end_value=0.0)
   if method == "adamw":
     tx = optax.adamw(schedule, weight_decay=0.0)
@@ -526,13 +507,26 @@ def lora_finetune(
     tx = anlr_jax.anlr(schedule, weight_decay=0.0, warmup_steps=steps // 10)
   else:
     raise ValueError(f"method must be 'adamw' or 'anlr', got {method!r}")
+  tokenizer = load_tokenizer(asset_dir)
+  model, _ = load_hf_model(asset_dir, dtype=jnp.float32)
+  model = inject_lora(
+      model, target_modules=CHECK_TARGETS, rank=8, alpha=16.0, dropout=0.0, rngs=nnx.Rngs(seed)
+  )
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
-  ids, mask = _padded_train_arrays(asset_dir / assets.TRAIN_FILE, tokenizer)
+  # Training ids and response-only loss masks, right-padded to the longest example.
+  train = tokenize_examples(
+      read_examples(asset_dir / assets.TRAIN_FILE).examples, tokenizer, max_length=MAX_POSITIONS
+  )
+  width = int(train.lengths.max())
+  ids, _ = _padded(train.input_ids, width, tokenizer.pad_token_id, left=False)
+  mask, _ = _padded(train.loss_mask, width, 0.0, left=False, dtype=np.float32)
   rng = np.random.default_rng(seed)
   start, losses = time.time(), []
   for _ in range(steps):
     pick = rng.integers(0, len(ids), batch_size)
-    losses.append(_lora_step(model, optimizer, jnp.asarray(ids[pick]), jnp.asarray(mask[pick])))
+    losses.append(
+        _update(_response_loss, model, optimizer, jnp.asarray(ids[pick]), jnp.asarray(mask[pick]))
+    )
   final_loss = float(jnp.mean(jnp.stack(losses[-20:])))
   seconds = time.time() - start
   accuracy = test_accuracy(model, tokenizer, asset_dir / assets.TEST_FILE)
@@ -552,8 +546,6 @@ def run_check(
     asset_dir: pathlib.Path, *, seed: int, steps: int, batch_size: int, lr: float
 ) -> dict:
   """Test accuracy of the base model, then after a LoRA fine-tune with adamw and with anlr."""
-  from anlr_jax.models.hf_io import load_hf_model, load_tokenizer
-
   base, _ = load_hf_model(asset_dir, dtype=jnp.float32)
   result = {
       "settings": dict(
@@ -593,14 +585,18 @@ def task_info(n_train: int, n_test: int) -> dict:
   )
 
 
+def _write_json(path: pathlib.Path, payload) -> None:
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(payload, f, indent=1)
+    f.write("\n")
+
+
 def update_build_info(out: pathlib.Path, fields: dict) -> dict:
   """Merges `fields` into ``out/build_info.json`` (created if missing); returns the new record."""
   path = out / assets.BUILD_INFO_FILE
   info = json.loads(path.read_text()) if path.is_file() else {}
   info.update(fields)
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump(info, f, indent=1)
-    f.write("\n")
+  _write_json(path, info)
   return info
 
 
@@ -615,16 +611,12 @@ def write_task_files(out: pathlib.Path, world: list[Entity], seed: int, tokenize
       (assets.TRAIN_FILE, train),
       (assets.TEST_FILE, test),
   ):
-    with open(out / name, "w", encoding="utf-8") as f:
-      json.dump(payload, f, indent=1)
-      f.write("\n")
+    _write_json(out / name, payload)
   return task_info(len(train), len(test))
 
 
 def build_task_only(out: pathlib.Path, *, seed: int) -> dict:
   """Rewrites the task files in `out` for the shipped tokenizer and updates ``build_info.json``."""
-  from anlr_jax.models.hf_io import load_tokenizer
-
   if not (out / assets.TOKENIZER_FILE).is_file():
     raise FileNotFoundError(
         f"--task-only needs the built tokenizer at {out / assets.TOKENIZER_FILE}"

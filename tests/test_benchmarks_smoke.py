@@ -11,7 +11,7 @@ import re
 import pytest
 
 from benchmarks import gpu_train_step, scaling, train_step
-from benchmarks.common import BenchConfig
+from benchmarks.common import BenchConfig, interleave, paired_ratio
 
 TINY = [
     "--hidden",
@@ -21,9 +21,9 @@ TINY = [
     "--heads",
     "4",
     "--ffn",
-    "128",
+    "64",
     "--vocab",
-    "256",
+    "64",
     "--batch",
     "2",
     "--seq",
@@ -31,39 +31,66 @@ TINY = [
     "--rank",
     "4",
 ]
+"""The smallest model: every weight 64 x 64, so each process compiles few distinct init shapes."""
+TINY_LORA_PARAMS = 2 * 5 * (64 + 64) * 4  # layers x (q, k, v, up, down: in + out) x rank
 
 
-def test_train_step_runs_every_framework_and_prints_ratios(tmp_path, capsys):
+@pytest.fixture(autouse=True, scope="module")
+def fast_xla():
+  """XLA's cheapest compile (most optimisations off) here and in the workers (which inherit the
+  environment): these tests check what the scripts run and print, not how fast the steps are."""
+  import jax
+
+  patch = pytest.MonkeyPatch()
+  patch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+  before = jax.config.values["jax_disable_most_optimizations"]
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", before)
+  patch.undo()
+
+
+def test_train_step_on_a_pretrained_model_runs_every_framework_and_prints_ratios(tmp_path, capsys):
+  import torch
+  import transformers
+
+  torch.manual_seed(0)
+  hf = transformers.LlamaConfig(
+      vocab_size=64,
+      hidden_size=64,
+      intermediate_size=64,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,  # grouped-query attention, as in SmolLM2
+      tie_word_embeddings=True,
+  )
+  transformers.LlamaForCausalLM(hf).save_pretrained(tmp_path / "model")
   out_json = tmp_path / "train_step.json"
   res = train_step.main(
-      TINY
-      + [
-          "--frameworks",
-          "jax-adamw,jax-anlr,torch-eager",
-          "--runs",
-          "2",
-          "--warmup",
-          "1",
-          "--settle",
-          "1",
-          "--json",
-          str(out_json),
-      ]
+      ["--model", str(tmp_path / "model"), "--batch", "2", "--seq", "16", "--rank", "4"]
+      + ["--frameworks", "jax-adamw,jax-anlr,torch-eager", "--runs", "2", "--warmup", "1"]
+      + ["--settle", "1", "--json", str(out_json)]
   )
   printed = capsys.readouterr().out
   assert set(res["frameworks"]) == {"jax-adamw", "jax-anlr", "torch-eager"}, res["failed"]
+  assert (res["config"]["hidden"], res["config"]["heads"]) == (64, 4)  # from the model's config
   for name, fw in res["frameworks"].items():
     assert len(fw["times_ms"]) == 2 and all(t > 0 for t in fw["times_ms"]), name
     assert len(fw["settle_ms"]) == 1, name  # the untimed round is kept apart
     assert fw["tokens_per_s"] == pytest.approx(2 * 16 / (fw["median_ms"] / 1e3)), name
     assert fw["steady_peak_rss_mib"] > 0 and fw["peak_rss_mib"] >= fw["steady_peak_rss_mib"] - 1
-  # Same LoRA parameter count in JAX and PEFT: 2 layers x (q,k,v: 64+64, up: 64+128, down: 128+64) x 4.
-  expected = 2 * 4 * (3 * 128 + 192 + 192)
+    assert fw["first_step_s"] > 0, name
+  # The same LoRA on the same shapes in JAX and PEFT: 2 layers x (q, up, down: 64 + 64; k, v:
+  # 64 + 32, 2 of the 4 heads for keys and values) x rank 4.
+  expected = 2 * (3 * 128 + 2 * 96) * 4
   assert {fw["lora_params"] for fw in res["frameworks"].values()} == {expected}
   a, b = res["frameworks"]["jax-adamw"], res["frameworks"]["jax-anlr"]
   assert 0 < a["xla"]["peak_bytes"] and 0 < b["xla"]["peak_bytes"]
   match = re.search(r"ratio step time jax-anlr / jax-adamw: ([0-9.]+)", printed)
   assert match and float(match.group(1)) == pytest.approx(b["median_ms"] / a["median_ms"], abs=1e-3)
+  paired = re.search(r"jax-anlr / jax-adamw, median of paired runs: ([0-9.]+)", printed)
+  ratios = [y / x for x, y in zip(a["times_ms"], b["times_ms"])]
+  assert paired and float(paired.group(1)) == pytest.approx(sum(ratios) / 2, abs=1e-3)
   assert re.search(r"ratio tokens/s jax-adamw / torch-eager: [0-9.]+", printed)
   assert json.loads(out_json.read_text())["config"]["rank"] == 4
 
@@ -80,42 +107,67 @@ def test_bench_config_names_bad_field():
     BenchConfig(targets=("q_proj", "qkv"))
 
 
-def test_scaling_sweeps_and_writes_plot_and_table(tmp_path, capsys):
+def test_scaling_measures_a_point_and_writes_plot_and_table(tmp_path, capsys):
   png, out_json = tmp_path / "scaling.png", tmp_path / "scaling.json"
-  # Base at width 64 as width_config builds it (1 head, FFN 176), so every sweep meets the base.
+  # Base at width 64 as width_config builds it (1 head, FFN 176): each sweep's point is the base.
   base = TINY[:4] + ["--heads", "1", "--ffn", "176"] + TINY[8:]
   rows = scaling.main(
       base
-      + [
-          "--ranks",
-          "2,4",
-          "--seqs",
-          "16",
-          "--widths",
-          "64",
-          "--runs",
-          "2",
-          "--warmup",
-          "1",
-          "--png",
-          str(png),
-          "--json",
-          str(out_json),
-      ]
+      + ["--ranks", "4", "--seqs", "16", "--widths", "64", "--runs", "2", "--warmup", "1"]
+      + ["--png", str(png), "--json", str(out_json)]
   )
   printed = capsys.readouterr().out
-  assert [r["sweep"] for r in rows] == ["rank", "rank", "seq", "hidden"]
-  assert [r["rank"] for r in rows] == [2, 4, 4, 4]
-  # The base config appears in three sweeps and is measured once.
-  assert rows[1]["adamw_ms"] == rows[2]["adamw_ms"] == rows[3]["adamw_ms"]
-  for r in rows:
-    assert r["time_ratio"] == pytest.approx(r["anlr_ms"] / r["adamw_ms"])
-    assert r["overhead_share"] == pytest.approx(1 - 1 / r["paired_ratio"])
-    assert r["paired_ratio"] > 0
-  assert "ratio overhead share rank 2 -> 4" in printed
-  assert printed.count("\n| ") >= 4  # table rows
+  assert [r["sweep"] for r in rows] == ["rank", "seq", "hidden"]
+  r = rows[0]
+  assert rows[1:] == [dict(r, sweep="seq"), dict(r, sweep="hidden")]  # measured once
+  assert r["time_ratio"] == pytest.approx(r["anlr_ms"] / r["adamw_ms"])
+  assert r["overhead_share"] == pytest.approx(1 - 1 / r["paired_ratio"])
+  assert r["paired_ratio"] > 0 and r["adamw_xla_mib"] > 0 and r["anlr_rss_mib"] > 0
+  assert r["lora_params"] == 2 * 4 * (3 * (64 + 64) + 2 * (64 + 176))  # q, k, v; up, down
+  assert printed.count("\n| ") == 4  # header and three rows
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  assert len(json.loads(out_json.read_text())["rows"]) == 4
+  assert len(json.loads(out_json.read_text())["rows"]) == 3
+
+
+def test_scaling_sweeps_measure_each_config_once(monkeypatch, capsys):
+  measured = []
+
+  def measure(cfg, runs, warmup):
+    measured.append((cfg.hidden, cfg.seq, cfg.rank))
+    ratio = 1 + cfg.rank / 100
+    return dict(
+        **{k: getattr(cfg, k) for k in ("hidden", "ffn", "heads", "seq", "rank")},
+        lora_params=cfg.rank,
+        adamw_ms=10.0,
+        anlr_ms=10.0 * ratio,
+        time_ratio=ratio,
+        paired_ratio=ratio,
+        overhead_share=1 - 1 / ratio,
+        adamw_xla_mib=1.0,
+        anlr_xla_mib=1.0,
+        xla_ratio=1.0,
+        adamw_rss_mib=2.0,
+        anlr_rss_mib=2.0,
+        rss_ratio=1.0,
+    )
+
+  monkeypatch.setattr(scaling, "measure", measure)
+  base = TINY[:4] + ["--heads", "1", "--ffn", "176"] + TINY[8:]
+  rows = scaling.main(base + ["--ranks", "2,4", "--seqs", "16,32", "--widths", "64,128"])
+  printed = capsys.readouterr().out
+  assert [(r["sweep"], r["rank"], r["seq"], r["hidden"]) for r in rows] == [
+      ("rank", 2, 16, 64),
+      ("rank", 4, 16, 64),
+      ("seq", 4, 16, 64),
+      ("seq", 4, 32, 64),
+      ("hidden", 4, 16, 64),
+      ("hidden", 4, 16, 128),
+  ]
+  # The base config (r 4, seq 16, d 64) appears in three sweeps and is measured once.
+  assert measured == [(64, 16, 2), (64, 16, 4), (64, 32, 4), (128, 16, 4)]
+  assert "ratio overhead share rank 2 -> 4: +2.0 % -> +3.8 %" in printed
+  assert "ratio overhead share seq 16 -> 32" in printed and "hidden 64 -> 128" in printed
+  assert printed.count("\n| ") == 7  # header and six rows
 
 
 def test_scaling_width_config_and_bad_lists():
@@ -156,7 +208,9 @@ def test_gpu_train_step_runs_on_cpu_and_reports_consistent_figures(tmp_path, cap
     assert r["tokens_per_s"] == pytest.approx(2 * 16 / (r["median_ms"] / 1e3))
   assert set(a["step_ms_by_window"]) == {"1", "2"}
   assert jax_part["batch_modules"] is True
-  assert jax_part["lora_params"] == t["lora_params"] == 2 * 4 * (3 * 128 + 192 + 192)
+  assert jax_part["lora_params"] == t["lora_params"] == TINY_LORA_PARAMS
+  ratios = [y / x for x, y in zip(a["step_ms"], b["step_ms"])]  # window 2, the last one
+  assert jax_part["anlr_over_adamw_paired"] == pytest.approx(sum(ratios) / 2)
   printed = capsys.readouterr().out
   match = re.search(r"AnLR / AdamW: step time ([0-9.]+)", printed)
   assert match and float(match.group(1)) == pytest.approx(b["median_ms"] / a["median_ms"], abs=1e-3)
@@ -251,28 +305,46 @@ def test_nonfinite_guard_times_both_steps_and_prints_the_ratio(tmp_path, capsys)
   assert json.loads((tmp_path / "guard.json").read_text())["rounds"] == 3
 
 
-def test_train_step_on_a_pretrained_model_directory(tmp_path, capsys):
-  import torch
-  import transformers
+def test_optimizer_overhead_times_both_optimizers_and_counts_their_state(tmp_path, capsys):
+  from benchmarks import optimizer_overhead
 
-  torch.manual_seed(0)
-  hf = transformers.LlamaConfig(
-      vocab_size=300,
-      hidden_size=48,
-      intermediate_size=96,
-      num_hidden_layers=2,
-      num_attention_heads=4,
-      num_key_value_heads=2,  # grouped-query attention, as in SmolLM2
-      tie_word_embeddings=True,
+  out_json = tmp_path / "opt.json"
+  res = optimizer_overhead.main(
+      ["--layers", "1", "--rank", "2", "--runs", "2", "--warmup", "1", "--window", "2"]
+      + ["--stacked", "--unbatched", "--json", str(out_json)]
   )
-  transformers.LlamaForCausalLM(hf).save_pretrained(tmp_path / "model")
-  res = train_step.main(
-      ["--model", str(tmp_path / "model"), "--batch", "2", "--seq", "16", "--rank", "4"]
-      + ["--frameworks", "jax-adamw,torch-eager", "--runs", "2", "--warmup", "1", "--settle", "0"]
+  printed = capsys.readouterr().out
+  assert res["time_ratio"] == pytest.approx(res["anlr_ms"] / res["adamw_ms"])
+  assert res["unbatched_time_ratio"] == pytest.approx(res["anlr_unbatched_ms"] / res["adamw_ms"])
+  assert res["lora_params"] == 2 * (3 * 8192 + 2 * 15104)  # 1 layer x r 2 x (q, k, v; up, down)
+  assert res["anlr_state_bytes"] > res["adamw_state_bytes"] and res["extra_state_pct"] < 1
+  assert re.search(
+      r"median of 2 interleaved runs: adamw [0-9.]+ ms, anlr [0-9.]+ ms, ratio", printed
   )
-  capsys.readouterr()
-  assert set(res["frameworks"]) == {"jax-adamw", "torch-eager"}, res["failed"]
-  assert (res["config"]["hidden"], res["config"]["vocab"]) == (48, 300)  # from the model's config
-  jax_fw, torch_fw = res["frameworks"]["jax-adamw"], res["frameworks"]["torch-eager"]
-  assert jax_fw["lora_params"] == torch_fw["lora_params"]  # the same LoRA on the same shapes
-  assert jax_fw["first_step_s"] > 0
+  assert "anlr(batch_modules=False)" in printed and "optimizer state: adamw" in printed
+  assert json.loads(out_json.read_text())["window"] == 2
+
+
+def test_interleave_takes_turns_and_keeps_the_untimed_rounds_apart():
+  calls = []
+
+  def step(name, seconds):
+    def run():
+      calls.append(name)
+      return seconds
+
+    return run
+
+  steps = {"a": step("a", 1.0), "b": step("b", 2.0), "c": step("c", 4.0)}
+  timings = interleave(steps, 3, warmup=1, settle=2, seed=3)
+  assert calls[:3] == ["a", "b", "c"]  # the warmup round, in the given order
+  rounds = [calls[i : i + 3] for i in range(3, len(calls), 3)]
+  assert len(rounds) == 5 and all(sorted(r) == ["a", "b", "c"] for r in rounds)
+  assert len({tuple(r) for r in rounds}) > 1  # shuffled round by round
+  assert {k: len(v) for k, v in timings.times.items()} == {"a": 3, "b": 3, "c": 3}
+  assert {k: len(v) for k, v in timings.settle.items()} == {"a": 2, "b": 2, "c": 2}
+  assert timings.median("c") == 4.0 and timings.paired("b", "a") == 2.0
+  calls.clear()
+  interleave(steps, 2, shuffle=False)
+  assert calls == ["a", "b", "c"] * 2
+  assert paired_ratio([2.0, 3.0, 10.0], [1.0, 1.0, 1.0]) == 3.0
