@@ -192,6 +192,26 @@ def xla_memory(compiled) -> dict:
   return out
 
 
+def tree_size(tree) -> int:
+  """Number of array elements in a pytree (e.g. LoRA parameters)."""
+  import jax
+
+  return int(sum(x.size for x in jax.tree.leaves(tree)))
+
+
+def tree_bytes(tree) -> int:
+  """Bytes of the arrays in a pytree (e.g. an optimizer state)."""
+  import jax
+
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def write_json(path: str, data, indent: int = 2) -> None:
+  """A script's results, as its ``--json`` / ``--out`` file."""
+  with open(path, "w") as f:
+    json.dump(data, f, indent=indent)
+
+
 def current_rss_mib() -> float:
   with open("/proc/self/statm") as f:
     return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -377,10 +397,7 @@ class JaxStep:
     )
     self.batch = jax_batch(cfg) if batch is None else batch
     self.state = init_train_state(lora, extra, tx)
-    self.lora_params = int(sum(x.size for x in jax.tree.leaves(lora)))
-    self.opt_state_bytes = int(
-        sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.state.opt_state))
-    )
+    self.lora_params, self.opt_state_bytes = tree_size(lora), tree_bytes(self.state.opt_state)
     phase = on_phase or (lambda name: None)
     phase("built")
     start = time.perf_counter()

@@ -59,6 +59,8 @@ from benchmarks.common import (
     paired_ratio,
     run_worker,
     timed,
+    tree_size,
+    write_json,
 )
 
 FRAMEWORKS = ("jax", "torch", "torch-compile")
@@ -235,13 +237,10 @@ def _build_jax_steps(
   ``batch_modules`` is passed to the ``jax-anlr`` build (``None``: the backend's default, batched on
   accelerators; ``True`` on the CPU reproduces the accelerator's graph there, to count its kernels).
   """
-  import jax
-
   t0 = time.perf_counter()
   parts = build_jax_lora_model(cfg, attention=attention, max_positions=4096)
   facts = {"init_s": time.perf_counter() - t0}
-  facts["lora_params"] = int(sum(x.size for x in jax.tree.leaves(parts[1])))
-  facts["frozen_params"] = int(sum(x.size for x in jax.tree.leaves(parts[2])))
+  facts["lora_params"], facts["frozen_params"] = tree_size(parts[1]), tree_size(parts[2])
   batch = jax_batch(cfg)
   steps = {}
   for name in ("adamw", "anlr") + (("anlr-unbatched",) if unbatched else ()):
@@ -607,18 +606,17 @@ def main(argv=None):
   print(text)
   summary = {"results": results, "report": text}
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(
-          {
-              "config": json.loads(cfg.to_json()),
-              "flops_per_token": flops_per_token(cfg),
-              "results": results,
-              "report": text,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-          },
-          f,
-          indent=1,
-      )
+    write_json(
+        args.json,
+        {
+            "config": json.loads(cfg.to_json()),
+            "flops_per_token": flops_per_token(cfg),
+            "results": results,
+            "report": text,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        },
+        indent=1,
+    )
   return summary
 
 

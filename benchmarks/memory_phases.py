@@ -53,6 +53,7 @@ from benchmarks.common import (
     run_worker,
     status_mib,
     thread_env,
+    write_json,
 )
 
 OPTIMIZERS = ("adamw", "anlr")
@@ -348,8 +349,7 @@ def main(argv=None) -> dict:
     }
   print(text)
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(out, f, indent=1)
+    write_json(args.json, out, indent=1)
   return out
 
 

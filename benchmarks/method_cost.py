@@ -50,6 +50,7 @@ from benchmarks.common import (
     machine_line,
     model_config,
     timed,
+    write_json,
 )
 
 METHODS = ("lora", "adalora", "lorapro", "loradash", "anlr")
@@ -195,8 +196,7 @@ def main(argv=None):
     launch_s = rows["loradash"]["dash_launch_s"]
     print(f"loradash one-off launch (SVD of every adapted kernel): {launch_s:.2f} s")
   if args.out:
-    with open(args.out, "w") as f:
-      json.dump(result, f, indent=2)
+    write_json(args.out, result)
   return result
 
 

@@ -29,6 +29,7 @@ from benchmarks.common import (
     jax_batch,
     machine_line,
     timed,
+    write_json,
 )
 
 
@@ -65,8 +66,7 @@ def main(argv=None):
       f" {args.rounds} rounds"
   )
   if args.out:
-    with open(args.out, "w") as f:
-      json.dump(result, f, indent=2)
+    write_json(args.out, result)
   return result
 
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 import anlr_jax
-from benchmarks.common import interleave, timed
+from benchmarks.common import interleave, timed, tree_bytes, tree_size, write_json
 
 # LLaMA-2-7B: hidden 4096, FFN 11008; the paper's LoRA targets.
 TARGETS = {
@@ -56,10 +56,6 @@ def lora_tree(layers: int, rank: int, stacked: bool, dtype):
             "lora_b": make(k2, (rank, d_out)),
         }
   return tree
-
-
-def nbytes(tree) -> int:
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def make_step(tx):
@@ -114,7 +110,7 @@ def main(argv=None):
   for name, tx in optimizers.items():
     p = jax.tree.map(jnp.copy, params)
     runs[name] = dict(step=make_step(tx), state=tx.init(p), params=p)
-  state_bytes = {name: nbytes(r["state"]) for name, r in runs.items()}
+  state_bytes = {name: tree_bytes(r["state"]) for name, r in runs.items()}
 
   def window(name):
     r = runs[name]
@@ -130,7 +126,7 @@ def main(argv=None):
       shuffle=False,
   )
   med = {name: timings.median(name) / args.window for name in runs}
-  param_count = sum(x.size for x in jax.tree.leaves(params))
+  param_count = tree_size(params)
   result = dict(
       machine=f"{platform.processor() or platform.machine()}, {jax.device_count()} x {jax.devices()[0].device_kind}",
       backend=jax.default_backend(),
@@ -170,8 +166,7 @@ def main(argv=None):
       f"extra {result['extra_state_pct']:.4f}%"
   )
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=2)
+    write_json(args.json, result)
   return result
 
 

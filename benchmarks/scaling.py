@@ -34,6 +34,7 @@ from benchmarks.common import (
     config_from_args,
     machine_line,
     paired_ratio,
+    write_json,
 )
 from benchmarks.train_step import run_workers
 
@@ -183,12 +184,10 @@ def main(argv=None):
     plot(rows, args.png)
     print(f"plot: {args.png}")
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(
-          dict(machine=machine_line(), runs=args.runs, base=json.loads(base.to_json()), rows=rows),
-          f,
-          indent=2,
-      )
+    write_json(
+        args.json,
+        dict(machine=machine_line(), runs=args.runs, base=json.loads(base.to_json()), rows=rows),
+    )
   return rows
 
 

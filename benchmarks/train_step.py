@@ -44,6 +44,7 @@ from benchmarks.common import (
     serve,
     stderr_tail,
     thread_env,
+    write_json,
 )
 
 FRAMEWORKS = ("jax-adamw", "jax-anlr", "torch-eager", "torch-compile")
@@ -248,8 +249,7 @@ def main(argv=None):
   res = summarise(cfg, workers, failed, args.runs, args.settle)
   print_report(res)
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(res, f, indent=2)
+    write_json(args.json, res)
   return res
 
 
