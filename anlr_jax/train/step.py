@@ -138,6 +138,33 @@ def unstack_module_stats(stats: dict) -> dict:
   return out
 
 
+class LoraLayout(NamedTuple):
+  """How the train state holds the LoRA params, and the one place that converts to and from it.
+
+  ``stacked=False``: the model's per-layer pure dict as it is. ``stacked=True``: the
+  :func:`stack_layers` layout, in which each optimizer module covers one projection of every layer.
+  """
+
+  stacked: bool
+
+  def to_state(self, lora, shardings=None):
+    """``(lora, shardings)`` in this layout from the model's per-layer LoRA params and their
+    ``NamedSharding`` s (None: no shardings)."""
+    if not self.stacked:
+      return lora, shardings
+    stacked = stack_layers(lora)
+    return stacked, None if shardings is None else stacked_shardings(stacked, shardings)
+
+  def to_model(self, lora):
+    """The model's per-layer LoRA params from params in this layout (inside the step: its loss and
+    regulariser; outside: diagnostics and export)."""
+    return unstack_layers(lora) if self.stacked else lora
+
+  def stats_to_model(self, stats: dict) -> dict:
+    """Per-module statistics (e.g. AnLR's ``nu_bar``) under the model's per-layer module names."""
+    return unstack_module_stats(stats) if self.stacked else stats
+
+
 def _cast_floats(tree, dtype):
   if dtype is None:
     return tree
@@ -170,7 +197,8 @@ def make_train_step(
     remat: ``'none'``, ``'full'`` or ``'dots'`` (save only matmul outputs) rematerialisation.
     batch_spec: ``PartitionSpec`` of a micro-batch's rows under the active mesh (None: no constraint).
     stacked_layers: the state's LoRA params are in the :func:`stack_layers` layout (the optimizer
-      and its state see one stacked module per projection); they are unstacked for the model.
+      and its state see one stacked module per projection); ``LoraLayout(stacked_layers).to_model``
+      gives the model its per-layer params.
     skip_nonfinite: keep params and optimizer state unchanged when the loss or the gradient norm
       is not finite (``skipped`` metric); False applies every update (benchmarks compare the two).
     loss_regularizer: ``R(lora) -> scalar`` added to the loss that is differentiated,
@@ -188,11 +216,10 @@ def make_train_step(
     raise ValueError(f'micro_batches={micro_batches} must be >= 1')
   if remat not in REMAT_POLICIES:
     raise ValueError(f'remat={remat!r} must be one of {sorted(REMAT_POLICIES)}')
+  layout = LoraLayout(stacked_layers)
 
   def loss_sum(lora, frozen, extra, batch):
-    if stacked_layers:
-      lora = unstack_layers(lora)
-    model = nnx.merge(graphdef, _cast_floats(lora, compute_dtype), frozen, extra)
+    model = nnx.merge(graphdef, _cast_floats(layout.to_model(lora), compute_dtype), frozen, extra)
     logits = model(batch['input_ids'], attention_mask=batch['attention_mask'])
     total, count = next_token_loss_sum(logits, batch['input_ids'], batch['loss_mask'])
     *_, new_extra = nnx.split(model, nnx.LoRAParam, nnx.Param, ...)
@@ -203,8 +230,7 @@ def make_train_step(
   grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
 
   def regularizer(lora):
-    lora = unstack_layers(lora) if stacked_layers else lora
-    return jnp.asarray(loss_regularizer(lora), jnp.float32)
+    return jnp.asarray(loss_regularizer(layout.to_model(lora)), jnp.float32)
 
   def train_step(state: TrainState, frozen, batch: dict):
     missing = [k for k in BATCH_KEYS if k not in batch]
