@@ -3,6 +3,8 @@
 Not timed tests: no threshold on any time. What is checked is that every framework's worker ran
 its steps, that the reported quantities are consistent (tokens/s = tokens / median time, ratios
 equal the quotients of the reported figures), and that the outputs (JSON, PNG, table) are written.
+To stay cheap, each script runs end to end once, on the smallest shapes (:data:`TINY`), with
+XLA's cheapest compile; logic that needs several runs (the scaling sweeps) is checked with a stub.
 """
 
 import json
