@@ -284,10 +284,10 @@ def test_bad_arguments(kwargs, word):
 
 def test_rank_mismatch_names_module():
   params = {"layers": {"0": {"q_proj": {"lora_a": jnp.ones((6, 4)), "lora_b": jnp.ones((3, 5))}}}}
-  with pytest.raises(ValueError, match="layers/0/q_proj"):
+  with pytest.raises(ValueError, match=r"layers\.0\.q_proj"):
     anlr_jax.anlr(1e-3).init(params)
   orphan = {"layers": {"k_proj": {"lora_a": jnp.ones((6, 4))}}}
-  with pytest.raises(ValueError, match="layers/k_proj"):
+  with pytest.raises(ValueError, match=r"layers\.k_proj"):
     anlr_jax.anlr(1e-3).init(orphan)
 
 

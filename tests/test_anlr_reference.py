@@ -68,7 +68,7 @@ def test_trajectory_matches_numpy_reference(batch_modules):
     update = jax.jit(tx.update)
     flat0 = _flat(params)
     modules = {
-        f"{group}/{leaf}": (f"['{group}']['{leaf}']['lora_a']", f"['{group}']['{leaf}']['lora_b']")
+        f"{group}.{leaf}": (f"['{group}']['{leaf}']['lora_a']", f"['{group}']['{leaf}']['lora_b']")
         for group in ("attn", "mlp")
         for leaf in params[group]
     }
@@ -146,7 +146,7 @@ def test_proposition_2_post_step_scaling_equals_per_component_lr():
       lr = jax.tree.map(lambda x: np.full(x.shape, eta), params)
       for group in ("attn", "mlp"):
         for leaf in params[group]:
-          sk = np.asarray(s[f"{group}/{leaf}"])
+          sk = np.asarray(s[f"{group}.{leaf}"])
           lr[group][leaf]["lora_a"] = eta * np.broadcast_to(
               sk[..., None, :], params[group][leaf]["lora_a"].shape
           )
@@ -209,7 +209,7 @@ def test_peft_layout_equals_flax_layout():
 def _modules(params):
   """Module name -> (A, B) flat keys of ``_params``' LoRA modules."""
   return {
-      f"{group}/{leaf}": (f"['{group}']['{leaf}']['lora_a']", f"['{group}']['{leaf}']['lora_b']")
+      f"{group}.{leaf}": (f"['{group}']['{leaf}']['lora_a']", f"['{group}']['{leaf}']['lora_b']")
       for group in ("attn", "mlp")
       for leaf in params[group]
   }

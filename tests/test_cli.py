@@ -1,7 +1,10 @@
 """The `anlr` CLI end to end on a tiny random HF LLaMA: train -> eval -> export -> PEFT on torch."""
 
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import chex
 import jax.numpy as jnp
@@ -249,3 +252,43 @@ def test_configs_lists_the_shipped_configs_and_train_takes_a_name(capsys):
   assert "model.path: models/Llama-2-7b-hf does not exist" in capsys.readouterr().err
   assert cli.main(["train", "--config", "no_such_config"]) == 2
   assert "shipped configs, usable by name" in capsys.readouterr().err
+
+
+def test_the_compile_cache_setting(monkeypatch, tmp_path):
+  calls = []
+  monkeypatch.setattr(cli.jax.config, "update", lambda *a: calls.append(a))
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+  cli.use_compile_cache(None)
+  assert calls == []
+  cli.use_compile_cache(str(tmp_path / "cache"))
+  assert ("jax_compilation_cache_dir", str(tmp_path / "cache")) in calls
+  assert (tmp_path / "cache").is_dir()
+  calls.clear()
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "theirs"))
+  cli.use_compile_cache(str(tmp_path / "cache"))
+  assert calls == []  # the environment's choice wins
+  from anlr_jax.app.config import RunConfig
+
+  assert RunConfig().compile_cache == "~/.cache/anlr-jax/xla"
+
+
+def test_a_second_process_loads_the_compiled_step_from_the_cache(trained, tmp_path):
+  root, config, _ = trained
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  argv = [sys.executable, "-m", "anlr_jax", "train", "--config", str(config), "method=lora"]
+  cache = tmp_path / "xla"
+  for run in ("a", "b"):
+    done = subprocess.run(
+        [*argv, f"run_dir={tmp_path / run}", f"compile_cache={cache}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    if run == "a":
+      entries = sorted(p.name for p in cache.iterdir())
+      assert entries, "nothing was cached"
+  assert sorted(p.name for p in cache.iterdir()) == entries  # the second run compiled nothing new
+  losses = [json.loads((tmp_path / r / "results.json").read_text())["final_loss"] for r in "ab"]
+  assert losses[0] == losses[1]

@@ -81,7 +81,7 @@ def test_stacked_step_equals_the_per_layer_step(optimizer):
     s_stacked = anlr_jax.find_anlr_state(stacked.opt_state).multipliers
     assert len(s_layered) == 5 * CFG.layers and len(s_stacked) == 5
     for name, s in s_stacked.items():
-      assert s.shape == (CFG.layers, CFG.rank) and f'/{STACKED}/' in name
+      assert s.shape == (CFG.layers, CFG.rank) and f'.{STACKED}.' in name
       for i in range(CFG.layers):
         np.testing.assert_allclose(s[i], s_layered[name.replace(STACKED, str(i))], rtol=1e-5)
     # the multipliers moved away from 1 (the comparison is not between two uniform updates)
@@ -112,7 +112,7 @@ def test_trainer_layouts_give_the_same_run_and_per_layer_diagnostics():
     runs[layout] = (jax.device_get(trainer.lora_params()), diag)
   (lora_s, diag_s), (lora_p, diag_p) = runs['stacked'], runs['per-layer']
   chex.assert_trees_all_close(lora_s, lora_p, rtol=1e-5, atol=1e-7)
-  assert set(diag_s['modules']) == set(diag_p['modules']) and '/0/' in next(iter(diag_p['modules']))
+  assert set(diag_s['modules']) == set(diag_p['modules']) and '.0.' in next(iter(diag_p['modules']))
   chex.assert_trees_all_close(diag_s['modules'], diag_p['modules'], rtol=1e-4, atol=1e-6)
   chex.assert_trees_all_close(diag_s['magnitudes'], diag_p['magnitudes'], rtol=1e-5)
   with pytest.raises(ValueError, match='lora_layout'):

@@ -28,6 +28,8 @@ import threading
 import time
 from typing import Sequence
 
+import jax
+
 from anlr_jax.app.analysis_cli import analyze_main, sweep_main
 from anlr_jax.app.config import ConfigError, RunConfig, help_text, load_config
 from anlr_jax.app.evaluate import eval_run, generate_text
@@ -47,7 +49,27 @@ def _load_run_config(path: str | None, overrides: Sequence[str]) -> RunConfig:
   if path is None:
     path = str(shipped_configs()[QUICKSTART])
     print(f"anlr: no --config given: running the quickstart ({path})", flush=True)
-  return load_config(find_config(path), overrides)
+  config = load_config(find_config(path), overrides)
+  use_compile_cache(config.compile_cache)
+  return config
+
+
+def use_compile_cache(path: str | None) -> None:
+  """Keeps compiled XLA executables in ``path`` across processes (JAX's persistent compilation
+  cache), for computations that took at least half a second to compile. ``JAX_COMPILATION_CACHE_DIR``
+  in the environment wins; None turns it off; a directory that cannot be made is a warning."""
+  if path is None or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return
+  path = os.path.expanduser(path)
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as err:
+    logging.getLogger("anlr_jax").warning(
+        "compile_cache=%s unusable (%s): compiling anew", path, err
+    )
+    return
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 # ------------------------------------------------------------------------------- subcommands
@@ -95,6 +117,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_generate(args) -> int:
+  use_compile_cache(RunConfig.compile_cache)
   text = generate_text(
       args.model,
       args.prompt,

@@ -250,6 +250,11 @@ class RunConfig:
       "runs/{method}-{timestamp}", "output directory; {method}, {seed}, {timestamp} are filled in"
   )
   seed: int = setting(0, "seed of the adapter init, data order and dropout", Range(0))
+  compile_cache: str | None = setting(
+      "~/.cache/anlr-jax/xla",
+      "persistent XLA compilation cache: a re-run, a resumed run, an eval or the next cell of a"
+      " sweep loads its compiled steps instead of compiling them again; null: off",
+  )
   model: ModelSection = dataclasses.field(default_factory=ModelSection)
   lora: LoraSection = dataclasses.field(default_factory=LoraSection)
   anlr: AnLRSection = dataclasses.field(default_factory=AnLRSection)

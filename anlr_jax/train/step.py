@@ -24,6 +24,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from anlr_jax.rundir import module_name
+
 BATCH_KEYS = ('input_ids', 'attention_mask', 'loss_mask')
 REMAT_POLICIES = {
     'none': None,
@@ -63,7 +65,7 @@ def split_model(model: nnx.Module):
   return graphdef, nnx.to_pure_dict(lora), nnx.to_pure_dict(frozen), nnx.to_pure_dict(extra)
 
 
-# Key of a stacked layer list: 'model/layers/*/self_attn/q_proj' holds q_proj of every layer.
+# Key of a stacked layer list: 'model.layers.*.self_attn.q_proj' holds q_proj of every layer.
 STACKED = '*'
 LORA_LAYOUTS = ('stacked', 'per-layer')
 
@@ -123,17 +125,18 @@ def stacked_shardings(stacked, shardings):
 
 
 def unstack_module_stats(stats: dict) -> dict:
-  """Per-module statistics of a stacked tree (``{'model/layers/*/q': (n, ..., r)}``, e.g. AnLR's
-  ``nu_bar``) under the per-layer names ``'model/layers/0/q'`` ... with one slice each."""
+  """Per-module statistics of a stacked tree (``{'model.layers.*.q': (n, ..., r)}``, e.g. AnLR's
+  ``nu_bar``) under the per-layer names ``'model.layers.0.q'`` ... with one slice each (module names:
+  :func:`anlr_jax.rundir.module_name`)."""
   out = {}
   for name, value in stats.items():
-    parts = name.split('/')
+    parts = name.split('.')
     if STACKED not in parts:
       out[name] = value
       continue
     j = parts.index(STACKED)
     for i in range(value.shape[0]):
-      sliced = unstack_module_stats({'/'.join(parts[:j] + [str(i)] + parts[j + 1 :]): value[i]})
+      sliced = unstack_module_stats({module_name(parts[:j] + [str(i)] + parts[j + 1 :]): value[i]})
       out.update(sliced)
   return out
 

@@ -52,13 +52,9 @@ from anlr_jax.train.step import (
     BATCH_KEYS,
     LORA_LAYOUTS,
     REMAT_POLICIES,
-    TrainState,
+    LoraLayout,
     init_train_state,
     make_train_step,
-    stack_layers,
-    stacked_shardings,
-    unstack_layers,
-    unstack_module_stats,
 )
 
 logger = logging.getLogger('anlr_jax.train')
@@ -326,9 +322,8 @@ class Trainer:
     self.frozen = jax.device_put(frozen, self.frozen_shardings)
     lora = nnx.to_pure_dict(lora)
     self.stacked = config.lora_layout == 'stacked'
-    if self.stacked:
-      lora = stack_layers(lora)
-      lora_sh = stacked_shardings(lora, lora_sh)
+    self.layout = LoraLayout(self.stacked)
+    lora, lora_sh = self.layout.to_state(lora, lora_sh)
     lora, extra = jax.device_put((lora, nnx.to_pure_dict(extra)), (lora_sh, extra_sh))
 
     init_fn = lambda l, e: init_train_state(l, e, tx)  # noqa: E731
@@ -511,17 +506,16 @@ class Trainer:
 
     def with_magnitudes(opt_state, lora):
       state = anlr_optim.find_anlr_state(opt_state)
-      if self.stacked:  # report per layer, as the per-layer layout does
-        lora = unstack_layers(lora)
-        per_module = {f: v for f, v in state._asdict().items() if isinstance(v, dict)}
-        state = state._replace(**{f: unstack_module_stats(v) for f, v in per_module.items()})
+      lora = self.layout.to_model(lora)  # reported per layer, whatever the layout
+      per_module = {f: v for f, v in state._asdict().items() if isinstance(v, dict)}
+      state = state._replace(**{f: self.layout.stats_to_model(v) for f, v in per_module.items()})
       return {**anlr_optim.diagnostics(state), 'magnitudes': anlr_optim.rank_magnitudes(lora)}
 
     return jax.jit(with_magnitudes)
 
   def lora_params(self):
     """The current LoRA params as the model's pure dict (per layer, whatever ``lora_layout``)."""
-    return unstack_layers(self.state.lora) if self.stacked else self.state.lora
+    return self.layout.to_model(self.state.lora)
 
   def updated_model(self) -> nnx.Module:
     """Writes the current LoRA params and model state back into ``model`` and returns it."""
