@@ -76,7 +76,7 @@ def test_saved_config_round_trips(tmp_path):
         ),
         (
             ["bogus=1"],
-            r"unknown key 'bogus'; allowed top-level keys: method, compare, run_dir, seed, model",
+            r"unknown key 'bogus'; allowed top-level keys: method, compare, run_dir, seed, compile_cache, model",
         ),
         (["optim.lr=1"], r"unknown section 'optim'"),
         (["lora.rank=abc"], r"lora.rank: expected int, got 'abc'"),

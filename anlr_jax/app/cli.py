@@ -41,10 +41,6 @@ from anlr_jax.train.lock import DirectoryLockedError
 from anlr_jax.train.trainer import NonFiniteError, TrainingInterrupted
 
 
-class CLIError(Exception):
-  """A usage error reported as ``anlr: error: ...`` with exit status 2."""
-
-
 def _load_run_config(path: str | None, overrides: Sequence[str]) -> RunConfig:
   if path is None:
     path = str(shipped_configs()[QUICKSTART])
@@ -262,7 +258,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"anlr {args.command}: error: {err}", file=sys.stderr)
     return 3
   except (
-      CLIError,
       ConfigError,
       FileNotFoundError,
       KeyError,

@@ -59,6 +59,7 @@ from anlr_jax.nn.inject import PAPER_TARGET_MODULES
 from anlr_jax.nn.loradash import LORADASH_DEFAULTS
 from anlr_jax.optim.lorapro import MODES as LORAPRO_MODES
 from anlr_jax.optim.transform import DEFAULTS as ANLR_DEFAULTS
+from anlr_jax.optim.transform import RULES as ANLR_RULES
 from anlr_jax.train.trainer import TrainerConfig
 
 logger = logging.getLogger("anlr_jax.app")
@@ -104,21 +105,25 @@ class AnLRSection:
   """AnLR settings (the anlr* methods and the random/sensitivity ablations)."""
 
   velocity_weight: float = setting(
-      ANLR_DEFAULTS["alpha"], "exponent of the velocity signal (the paper's alpha: 2)", Range()
+      ANLR_DEFAULTS["alpha"],
+      "exponent of the velocity signal (the paper's alpha: 2)",
+      ANLR_RULES["alpha"],
   )
   snr_weight: float = setting(
-      ANLR_DEFAULTS["beta"], "exponent of the Adam-SNR signal (the paper's beta: 1)", Range()
+      ANLR_DEFAULTS["beta"],
+      "exponent of the Adam-SNR signal (the paper's beta: 1)",
+      ANLR_RULES["beta"],
   )
   kappa: float = setting(
       ANLR_DEFAULTS["kappa"],
       "multipliers clamped to [1/kappa, kappa] (paper: 3)",
-      Range(1, lo_open=True),
+      ANLR_RULES["kappa"],
   )
   rho: float = setting(
-      ANLR_DEFAULTS["rho"], "EMA decay of the per-rank velocity", Range(0, 1, hi_open=True)
+      ANLR_DEFAULTS["rho"], "EMA decay of the per-rank velocity", ANLR_RULES["rho"]
   )
   warmup_steps: int = setting(
-      ANLR_DEFAULTS["warmup_steps"], "updates with every multiplier = 1", Range(0)
+      ANLR_DEFAULTS["warmup_steps"], "updates with every multiplier = 1", ANLR_RULES["warmup_steps"]
   )
 
   def as_kwargs(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from anlr_jax.fields import Range
 from anlr_jax.optim import rank_stats
 from anlr_jax.optim.dims import LoraDimsSpec, LoraModule, find_lora_modules
 
@@ -71,14 +72,23 @@ def _check(name: str, value, ok: Callable[[float], bool], requirement: str):
     raise ValueError(f"{name} must be {requirement}, got {value!r}")
 
 
+RULES = {
+    "alpha": Range(),
+    "beta": Range(),
+    "kappa": Range(1, lo_open=True),
+    "rho": Range(0, 1, hi_open=True),
+    "warmup_steps": Range(0),
+}
+"""The allowed values of AnLR's constants (the run config's ``anlr:`` section uses the same rules)."""
+
+
 def _validate(signal, kappa, rho, warmup_steps, alpha, beta):
   if signal not in SIGNALS:
     raise ValueError(f"signal must be one of {SIGNALS}, got {signal!r}")
-  _check("kappa", kappa, lambda v: v > 1.0, "> 1")
-  _check("rho", rho, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
-  _check("warmup_steps", warmup_steps, lambda v: v >= 0 and v == int(v), "a non-negative integer")
-  _check("alpha", alpha, np.isfinite, "finite")
-  _check("beta", beta, np.isfinite, "finite")
+  values = dict(alpha=alpha, beta=beta, kappa=kappa, rho=rho, warmup_steps=warmup_steps)
+  for name, rule in RULES.items():
+    _check(name, values[name], rule.allows, str(rule))
+  _check("warmup_steps", warmup_steps, lambda v: v == int(v), "an integer")
 
 
 def _unwrap(x):
