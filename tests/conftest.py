@@ -1,11 +1,16 @@
-"""Test session setup: 8 fake CPU devices, set before any JAX computation runs.
+"""Test session setup: 8 fake CPU devices, set before any JAX computation runs; a fresh
+compilation-cache directory for the CLI.
 
 Every test sees the same 8-device CPU backend; unsharded tests simply run on device 0.
 """
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The CLI's persistent compilation cache: one fresh directory per test session (and its
+# subprocesses), so the suite neither reads nor fills the user's ~/.cache.
+os.environ["ANLR_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="anlr-xla-")
 
 import jax  # noqa: E402
 

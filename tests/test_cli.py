@@ -267,9 +267,14 @@ def test_the_compile_cache_setting(monkeypatch, tmp_path):
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "theirs"))
   cli.use_compile_cache(str(tmp_path / "cache"))
   assert calls == []  # the environment's choice wins
-  from anlr_jax.app.config import RunConfig
+  from anlr_jax.app.config import COMPILE_CACHE, RunConfig
 
-  assert RunConfig().compile_cache == "~/.cache/anlr-jax/xla"
+  monkeypatch.delenv("ANLR_COMPILE_CACHE", raising=False)
+  assert RunConfig().compile_cache == COMPILE_CACHE == "~/.cache/anlr-jax/xla"
+  monkeypatch.setenv("ANLR_COMPILE_CACHE", str(tmp_path / "mine"))
+  assert RunConfig().compile_cache == str(tmp_path / "mine")
+  monkeypatch.setenv("ANLR_COMPILE_CACHE", "")
+  assert RunConfig().compile_cache is None
 
 
 def test_a_second_process_loads_the_compiled_step_from_the_cache(trained, tmp_path):

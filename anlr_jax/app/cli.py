@@ -113,7 +113,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_generate(args) -> int:
-  use_compile_cache(RunConfig.compile_cache)
+  use_compile_cache(RunConfig().compile_cache)
   text = generate_text(
       args.model,
       args.prompt,

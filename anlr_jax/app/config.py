@@ -66,6 +66,9 @@ logger = logging.getLogger("anlr_jax.app")
 
 _DTYPE_NAMES = tuple(DTYPES)
 
+COMPILE_CACHE = "~/.cache/anlr-jax/xla"
+"""The default ``compile_cache`` directory (``$ANLR_COMPILE_CACHE`` overrides it; empty: off)."""
+
 
 # ------------------------------------------------------------------------------------- sections
 @dataclasses.dataclass
@@ -256,9 +259,10 @@ class RunConfig:
   )
   seed: int = setting(0, "seed of the adapter init, data order and dropout", Range(0))
   compile_cache: str | None = setting(
-      "~/.cache/anlr-jax/xla",
-      "persistent XLA compilation cache: a re-run, a resumed run, an eval or the next cell of a"
-      " sweep loads its compiled steps instead of compiling them again; null: off",
+      help="persistent XLA compilation cache: a re-run, a resumed run, an eval or the next cell of"
+      " a sweep loads its compiled steps instead of compiling them again; null: off (default:"
+      f" $ANLR_COMPILE_CACHE, else {COMPILE_CACHE})",
+      factory=lambda: os.environ.get("ANLR_COMPILE_CACHE", COMPILE_CACHE) or None,
   )
   model: ModelSection = dataclasses.field(default_factory=ModelSection)
   lora: LoraSection = dataclasses.field(default_factory=LoraSection)
