@@ -71,3 +71,38 @@ def test_the_oldest_python_allowed_is_one_every_dependency_installs_on():
     if needs and not SpecifierSet(needs).contains(oldest):
       refuse[req.name] = needs
   assert not refuse, f"requires-python >={oldest}, but these need: {refuse}"
+
+
+def test_the_wheel_ships_the_configs_the_assets_and_the_anlr_command(tmp_path):
+  import subprocess
+  import zipfile
+
+  try:  # build with the installed setuptools when it is recent enough (no download)
+    isolation = int(importlib.metadata.version("setuptools").split(".")[0]) < 68
+  except importlib.metadata.PackageNotFoundError:
+    isolation = True
+  flags = [] if isolation else ["--no-build-isolation"]
+  command = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *flags, "-w", str(tmp_path)]
+  subprocess.run([*command, str(ROOT)], check=True, capture_output=True)
+  (wheel,) = tmp_path.glob("anlr_jax-*.whl")
+  names = set(zipfile.ZipFile(wheel).namelist())
+  shipped = {f"anlr_jax/configs/{p.name}" for p in (ROOT / "anlr_jax" / "configs").iterdir()}
+  assert "anlr_jax/configs/quickstart.yaml" in shipped and shipped <= names
+  assert "anlr_jax/assets/quickstart/model.safetensors" in names
+  entry = next(n for n in names if n.endswith("entry_points.txt"))
+  assert "anlr = anlr_jax.app.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+
+
+def test_the_library_never_imports_the_application():
+  """``anlr_jax.app`` sits on top: no library module imports it (or the CLI through it)."""
+  for path in sorted((ROOT / "anlr_jax").rglob("*.py")):
+    if "app" in path.relative_to(ROOT / "anlr_jax").parts or path.name == "__main__.py":
+      continue
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+      if isinstance(node, ast.ImportFrom) and node.module:
+        modules = [node.module]
+      elif isinstance(node, ast.Import):
+        modules = [alias.name for alias in node.names]
+      else:
+        continue
+      assert not any(m.startswith("anlr_jax.app") for m in modules), (path, modules)
