@@ -21,7 +21,7 @@ from anlr_jax import rundir
 from anlr_jax.app.config import RunConfig, load_config
 from anlr_jax.app.model import is_run_dir, load_adapted_model, load_base
 from anlr_jax.app.paths import require_path
-from anlr_jax.app.report import BASE_ROW, Log, is_writer, say, write_json
+from anlr_jax.app.report import BASE_ROW, Log, is_writer, say
 from anlr_jax.data import alpaca_prompt, chat_prompt, end_of_turn_id
 from anlr_jax.evals import (
     evaluate,
@@ -214,7 +214,8 @@ def eval_run(
       {label: accuracy}, os.path.join(out_dir, rundir.ACCURACY_TABLE), tasks=list(accuracy)
   )
   results = {"adapter": adapter, "accuracy": accuracy, "avg": avg}
-  write_json(os.path.join(out_dir, rundir.RESULTS_FILE), results)
+  if is_writer():
+    rundir.write_results(out_dir, results)
   return {**results, "out_dir": out_dir}
 
 

@@ -29,7 +29,6 @@ that the run is complete. A different identity stops with one line naming each d
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import time
 from typing import Any, Mapping
@@ -72,17 +71,10 @@ from anlr_jax.evals import write_accuracy_table
 from anlr_jax.fields import ConfigError
 from anlr_jax.nn import lora_scale
 from anlr_jax.train import Trainer
+from anlr_jax.train.checkpoint import file_sha256
 from anlr_jax.train.lock import DirectoryLock
 from anlr_jax.train.metrics import read_metrics
 from anlr_jax.train.trainer import CheckpointMismatchError, identity_changes, trainer_identity
-
-
-def _file_digest(path: str) -> str:
-  digest = hashlib.sha256()
-  with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 22), b""):
-      digest.update(block)
-  return digest.hexdigest()
 
 
 def run_identity(
@@ -101,7 +93,7 @@ def run_identity(
       "lora.targets": list(config.lora.targets),
       "data.train": os.path.abspath(data_path),
       "data.size": os.path.getsize(data_path),
-      "data.sha256": _file_digest(data_path),
+      "data.sha256": file_sha256(data_path),
       "data.format": config.data.format,
       "data.max_length": config.data.max_length,
       "data.pad_multiple": config.data.pad_multiple,
@@ -215,7 +207,8 @@ def _finish(
     write_accuracy_table(
         {method: accuracy}, os.path.join(run_dir, rundir.ACCURACY_TABLE), tasks=list(accuracy)
     )
-  write_json(os.path.join(run_dir, rundir.RESULTS_FILE), results)
+  if is_writer():
+    rundir.write_results(run_dir, results)
   return results
 
 

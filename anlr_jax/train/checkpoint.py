@@ -108,12 +108,10 @@ CHECKSUM_FILE = 'anlr_checksums.json'
 """Per-checkpoint file of ``{relative path: sha256}`` for every other file of the step directory."""
 
 
-def _file_digest(path: str) -> str:
-  digest = hashlib.sha256()
+def file_sha256(path: str) -> str:
+  """The SHA-256 hex digest of a file's bytes (read in chunks)."""
   with open(path, 'rb') as f:
-    for block in iter(lambda: f.read(1 << 22), b''):
-      digest.update(block)
-  return digest.hexdigest()
+    return hashlib.file_digest(f, 'sha256').hexdigest()
 
 
 def directory_checksums(root: str) -> dict[str, str]:
@@ -124,7 +122,7 @@ def directory_checksums(root: str) -> dict[str, str]:
       path = os.path.join(folder, name)
       rel = os.path.relpath(path, root)
       if rel != CHECKSUM_FILE and os.path.isfile(path) and not os.path.islink(path):
-        out[rel] = _file_digest(path)
+        out[rel] = file_sha256(path)
   return dict(sorted(out.items()))
 
 
