@@ -84,6 +84,7 @@ __all__ = [
     "FIG3A_LOG_MULTIPLIERS",
     "FIG3B_CUMULATIVE_ENERGY",
     "FIG3C_ENERGY_SHIFT",
+    "ANALYSIS_FIGURES",
     # sweep directory
     "TRAIN_LOG",
     "SWEEP_RESULTS_CSV",
@@ -220,6 +221,16 @@ FIG3B_CUMULATIVE_ENERGY = "fig3b_cumulative_energy"
 """Fig. 3b (``.png`` + ``.csv``): mean cumulative singular energy of ``AB``."""
 FIG3C_ENERGY_SHIFT = "fig3c_energy_shift"
 """Fig. 3c (``.png`` + ``.csv``): per-index energy share, run B - run A."""
+ANALYSIS_FIGURES = (
+    FIG1_VELOCITY_BARS,
+    FIG2A_VELOCITY_TRAJECTORY,
+    FIG2B_QUARTILE_MAGNITUDE,
+    FIG2C_VELOCITY_VS_CONCENTRATION,
+    FIG3A_LOG_MULTIPLIERS,
+    FIG3B_CUMULATIVE_ENERGY,
+    FIG3C_ENERGY_SHIFT,
+)
+"""Stems of every figure (``<stem>.png`` with its numbers in ``<stem>.csv``)."""
 
 TRAIN_LOG = "train.log"
 """A sweep cell's ``anlr train`` command line and its stdout/stderr."""
