@@ -224,3 +224,29 @@ def test_train_run_with_the_chat_template(tmp_path):
   again = [json.loads(l) for l in (tmp_path / "ev" / "eval_gsm8k.jsonl").read_text().splitlines()]
   assert [r["prompt"] for r in again] == [r["prompt"] for r in records]
   assert evaluated["accuracy"] == results["accuracy"]
+
+
+def test_prompt_batches_pad_to_power_of_two_widths(monkeypatch):
+  """Eval prompt batches share a few widths (16 * 2**j), so decoding compiles a handful of
+  programs however the prompt lengths vary, and every prompt still fits."""
+  from anlr_jax.app.evaluate import prompt_width
+
+  assert [prompt_width(n) for n in (1, 16, 17, 32, 33, 48, 64, 65, 200)] == [
+      16, 16, 32, 32, 64, 64, 64, 128, 256
+  ]
+  assert prompt_width(5, multiple=8) == 8 and prompt_width(9, multiple=8) == 16
+  tok = build_tiny_tokenizer()
+  widths = []
+
+  def fake_generate(model, ids, mask, *, max_new_tokens, eos_token_id, pad_token_id):
+    widths.append(ids.shape[1])
+    assert (np.asarray(mask).sum(axis=1) <= ids.shape[1]).all()
+    return np.zeros((ids.shape[0], max_new_tokens), np.int32)
+
+  monkeypatch.setattr(anlr_jax.app.evaluate, "generate", fake_generate)
+  generate_fn = make_generate_fn(None, tok, max_new_tokens=2, batch_size=1)
+  lengths = [len(tok(" ".join(["word"] * n), add_special_tokens=False).input_ids) for n in (8, 10, 12)]
+  assert len(set(lengths)) == 3 and all(33 <= n + 1 <= 64 for n in lengths), lengths
+  for n in (8, 10, 12):
+    generate_fn([" ".join(["word"] * n)])
+  assert widths == [64, 64, 64]  # a multiple of 16 would have been 48, 64, 64

@@ -36,6 +36,15 @@ from anlr_jax.evals.code import BUILTIN_PROBLEMS
 from anlr_jax.models import generate
 
 
+def prompt_width(length: int, multiple: int = 16) -> int:
+  """The padded width of a prompt batch whose longest prompt has ``length`` tokens: the smallest
+  ``multiple * 2**j`` (``j >= 0``) that holds it. Widths grow geometrically, so the number of
+  distinct shapes (compiled programs) grows with ``log(length)``, not with ``length / multiple``;
+  the padding costs at most 2x the prefill (decoding, the bulk of the work, is per token)."""
+  blocks = max(1, math.ceil(length / multiple))
+  return multiple * (1 << (blocks - 1).bit_length())
+
+
 def make_generate_fn(
     model,
     tokenizer,
@@ -50,8 +59,9 @@ def make_generate_fn(
 
   A prompt is ``[bos] + tok(prompt)`` (as :mod:`anlr_jax.data.tokenize` builds it; with
   ``template="chat"`` no bos, and decoding stops at the chat template's end-of-turn token instead of
-  eos), left-padded to a multiple of ``width_multiple``; short batches are padded to ``batch_size``
-  rows, so decoding compiles once per prompt width. With ``exact_continuation`` the continuation is
+  eos), left-padded to :func:`prompt_width` (``width_multiple`` times a power of two); short batches
+  are padded to ``batch_size`` rows. Decoding compiles once per width, so prompts of up to ``L``
+  tokens compile at most ``log2(L / width_multiple) + 1`` programs. With ``exact_continuation`` the continuation is
   ``decode(prompt + new)`` minus ``decode(prompt)``, which keeps the leading spaces that decoding the
   new tokens alone can drop (code indentation).
   """
@@ -76,7 +86,7 @@ def make_generate_fn(
         ([bos] if bos is not None else []) + tokenizer(p, add_special_tokens=False).input_ids
         for p in prompts
     ]
-    width = width_multiple * math.ceil(max(len(r) for r in rows) / width_multiple)
+    width = prompt_width(max(len(r) for r in rows), width_multiple)
     n = max(batch_size, len(rows))
     ids = np.full((n, width), pad, np.int32)
     mask = np.zeros((n, width), np.int32)
@@ -274,4 +284,5 @@ __all__ = [
     "generate_text",
     "load_eval_sets",
     "make_generate_fn",
+    "prompt_width",
 ]
