@@ -1,7 +1,5 @@
-"""``python -m anlr_jax`` = the ``anlr`` command (see :mod:`anlr_jax.app.cli`)."""
+"""``python -m anlr_jax`` = the ``anlr`` command (see :mod:`anlr_jax.app.launch`)."""
 
-import sys
+from anlr_jax.app.launch import run
 
-from anlr_jax.app.cli import main
-
-sys.exit(main())
+run()

@@ -90,7 +90,7 @@ def test_the_wheel_ships_the_configs_the_assets_and_the_anlr_command(tmp_path):
   assert "anlr_jax/configs/quickstart.yaml" in shipped and shipped <= names
   assert "anlr_jax/assets/quickstart/model.safetensors" in names
   entry = next(n for n in names if n.endswith("entry_points.txt"))
-  assert "anlr = anlr_jax.app.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+  assert "anlr = anlr_jax.app.launch:run" in zipfile.ZipFile(wheel).read(entry).decode()
 
 
 def test_the_library_never_imports_the_application():
