@@ -232,7 +232,15 @@ def test_prompt_batches_pad_to_power_of_two_widths(monkeypatch):
   from anlr_jax.app.evaluate import prompt_width
 
   assert [prompt_width(n) for n in (1, 16, 17, 32, 33, 48, 64, 65, 200)] == [
-      16, 16, 32, 32, 64, 64, 64, 128, 256
+      16,
+      16,
+      32,
+      32,
+      64,
+      64,
+      64,
+      128,
+      256,
   ]
   assert prompt_width(5, multiple=8) == 8 and prompt_width(9, multiple=8) == 16
   tok = build_tiny_tokenizer()
@@ -245,7 +253,9 @@ def test_prompt_batches_pad_to_power_of_two_widths(monkeypatch):
 
   monkeypatch.setattr(anlr_jax.app.evaluate, "generate", fake_generate)
   generate_fn = make_generate_fn(None, tok, max_new_tokens=2, batch_size=1)
-  lengths = [len(tok(" ".join(["word"] * n), add_special_tokens=False).input_ids) for n in (8, 10, 12)]
+  lengths = [
+      len(tok(" ".join(["word"] * n), add_special_tokens=False).input_ids) for n in (8, 10, 12)
+  ]
   assert len(set(lengths)) == 3 and all(33 <= n + 1 <= 64 for n in lengths), lengths
   for n in (8, 10, 12):
     generate_fn([" ".join(["word"] * n)])

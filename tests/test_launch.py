@@ -60,8 +60,10 @@ def test_the_command_reexecutes_with_the_tunable_and_runs_once():
   """A real process: the entry runs twice (before and after re-executing) and the command once,
   with the tunable set; with ANLR_HUGE_PAGES=0 it runs once, unchanged."""
   if launch.huge_pages_env({k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}) is None:
-    pytest.skip(f"not applicable here: platform {sys.platform}, libc {platform.libc_ver()}, "
-                f"transparent huge pages {launch._thp_mode()!r} (needs Linux, glibc, madvise)")
+    pytest.skip(
+        f"not applicable here: platform {sys.platform}, libc {platform.libc_ver()}, "
+        f"transparent huge pages {launch._thp_mode()!r} (needs Linux, glibc, madvise)"
+    )
   code = (
       "import os, sys; print('entry', os.environ.get('GLIBC_TUNABLES'), flush=True); "
       "sys.argv = ['anlr', 'configs']; from anlr_jax.app import launch; launch.run()"

@@ -7,7 +7,7 @@ in again, 4 KiB at a time. With transparent huge pages in ``madvise`` mode (the 
 glibc's ``glibc.malloc.hugetlb=1`` tunable makes those mappings huge-page backed: 512 times fewer
 faults. The tunable is read when a process starts, so the entry re-executes itself once with it
 set (same pid, arguments and environment otherwise). Measured on a 2-core CPU it takes the
-SmolLM2-135M train step from about 4.1 to 3.7 s and the reference benchmark step from 1.02 to
+SmolLM2-135M train step from 4.1-4.6 to about 3.65 s and the reference benchmark step from 1.02 to
 0.90 s; numbers are unchanged (docs/benchmarks.md).
 
 Nothing happens when ``ANLR_HUGE_PAGES=0``, when ``GLIBC_TUNABLES`` already names the tunable,
