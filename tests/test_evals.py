@@ -197,3 +197,14 @@ def test_accuracy_table_csv_and_markdown(tmp_path):
   ):
     accuracy_table({"m": {"boolq": 69.3}})
   assert isinstance(lora["winogrande"], EvalResult)
+
+
+def test_generation_progress_bar_on_stderr(capsys):
+  """Long evaluations show how many prompts are done (tqdm on stderr); a single batch does not."""
+  examples = [{"instruction": f"Q{i}", "answer": "option1"} for i in range(5)]
+  evaluate(lambda ps: ["option1"] * len(ps), examples, "winogrande", batch_size=2)
+  assert "winogrande:" in capsys.readouterr().err  # three batches: a bar by default
+  evaluate(lambda ps: ["option1"] * len(ps), examples, "winogrande", batch_size=8)
+  assert "prompt" not in capsys.readouterr().err  # one batch: nothing
+  evaluate(lambda ps: ["option1"] * len(ps), examples, "winogrande", batch_size=2, progress=False)
+  assert "prompt" not in capsys.readouterr().err

@@ -23,6 +23,8 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import tqdm
+
 from anlr_jax.evals import humaneval
 
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(")
@@ -103,6 +105,7 @@ def evaluate_code(
     timeout: float = 3.0,
     workers: int | None = None,
     stops: Sequence[str] = STOP_SEQUENCES,
+    progress: bool | None = None,
 ) -> CodeEvalResult:
   """Generates a completion for every problem, cuts it at ``stops``, runs the tests (module doc).
 
@@ -114,6 +117,8 @@ def evaluate_code(
     timeout: wall-clock seconds per program.
     workers: programs run at once (``humaneval.evaluate``'s default when None).
     stops: the stop sequences.
+    progress: tqdm bars (stderr) of the prompts generated and the programs run (default: when
+      there is more than one batch).
 
   Returns:
     A `CodeEvalResult` with one `CodeRecord` per problem, in order.
@@ -125,9 +130,12 @@ def evaluate_code(
     raise ValueError(f"{task}: no problems to evaluate")
   prompts = [p["prompt"] for p in problems]
   generations: list[str] = []
+  show = len(prompts) > batch_size if progress is None else progress
+  bar = tqdm.tqdm(total=len(prompts), disable=not show, desc=task, unit="prompt", leave=False)
   for start in range(0, len(prompts), batch_size):
     batch = prompts[start : start + batch_size]
     out = generate_fn(list(batch))
+    bar.update(len(batch))
     if not isinstance(out, (list, tuple)) or len(out) != len(batch):
       got = len(out) if isinstance(out, (list, tuple)) else type(out).__name__
       raise ValueError(f"generate_fn returned {got} for {len(batch)} prompts")
@@ -135,6 +143,7 @@ def evaluate_code(
       if not isinstance(text, str):
         raise ValueError(f"generate_fn returned a {type(text).__name__}, not a str")
       generations.append(text[len(prompt) :] if text.startswith(prompt) else text)
+  bar.close()
   completions = [truncate_completion(g, stops) for g in generations]
   samples = [{"task_id": p["task_id"], "completion": c} for p, c in zip(problems, completions)]
   scored = humaneval.evaluate(
@@ -143,7 +152,7 @@ def evaluate_code(
       k=(1,),
       timeout=timeout,
       workers=workers,
-      progress=False,
+      progress=show,
   )
   records = tuple(
       CodeRecord(

@@ -23,6 +23,8 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import tqdm
+
 from anlr_jax.data.formats import alpaca_prompt
 from anlr_jax.evals.extract import Task, extract_prediction, get_task, is_correct, parse_gold
 
@@ -115,6 +117,7 @@ def evaluate(
     *,
     batch_size: int,
     prompt_fn: Callable[[EvalExample], str] = default_prompt,
+    progress: bool | None = None,
 ) -> EvalResult:
   """Generates for every example, extracts the answers and scores them (see the module docstring).
 
@@ -124,6 +127,8 @@ def evaluate(
     task: a task name from `anlr_jax.evals.extract.TASKS` (or an alias), or a `Task`.
     batch_size: prompts per `generate_fn` call.
     prompt_fn: builds the prompt of an example (default: the Alpaca template).
+    progress: a tqdm bar of the prompts generated so far, on stderr (default: when there is more
+      than one batch).
 
   Returns:
     An `EvalResult` with one `EvalRecord` per example.
@@ -144,9 +149,12 @@ def evaluate(
       raise ValueError(f"examples[{i}]: {err}") from None
   prompts = [prompt_fn(item) for item in items]
   records: list[EvalRecord] = []
+  show = len(items) > batch_size if progress is None else progress
+  bar = tqdm.tqdm(total=len(items), disable=not show, desc=task.name, unit="prompt", leave=False)
   for start in range(0, len(items), batch_size):
     batch = prompts[start : start + batch_size]
     generations = generate_fn(list(batch))
+    bar.update(len(batch))
     if not isinstance(generations, (list, tuple)) or len(generations) != len(batch):
       got = (
           len(generations) if isinstance(generations, (list, tuple)) else type(generations).__name__
@@ -172,6 +180,7 @@ def evaluate(
               correct=is_correct(task, prediction, golds[index]),
           )
       )
+  bar.close()
   return EvalResult(task=task.name, records=tuple(records))
 
 
