@@ -61,9 +61,9 @@ def make_generate_fn(
   ``template="chat"`` no bos, and decoding stops at the chat template's end-of-turn token instead of
   eos), left-padded to :func:`prompt_width` (``width_multiple`` times a power of two); short batches
   are padded to ``batch_size`` rows. Decoding compiles once per width, so prompts of up to ``L``
-  tokens compile at most ``log2(L / width_multiple) + 1`` programs. With ``exact_continuation`` the continuation is
-  ``decode(prompt + new)`` minus ``decode(prompt)``, which keeps the leading spaces that decoding the
-  new tokens alone can drop (code indentation).
+  tokens compile at most ``log2(L / width_multiple) + 1`` programs. With ``exact_continuation``
+  the continuation is ``decode(prompt + new)`` minus ``decode(prompt)``, which keeps the leading
+  spaces that decoding the new tokens alone can drop (code indentation).
   """
   chat = template == "chat"
   bos = None if chat else tokenizer.bos_token_id

@@ -131,19 +131,20 @@ def evaluate_code(
   prompts = [p["prompt"] for p in problems]
   generations: list[str] = []
   show = len(prompts) > batch_size if progress is None else progress
-  bar = tqdm.tqdm(total=len(prompts), disable=not show, desc=task, unit="prompt", leave=False)
-  for start in range(0, len(prompts), batch_size):
-    batch = prompts[start : start + batch_size]
-    out = generate_fn(list(batch))
-    bar.update(len(batch))
-    if not isinstance(out, (list, tuple)) or len(out) != len(batch):
-      got = len(out) if isinstance(out, (list, tuple)) else type(out).__name__
-      raise ValueError(f"generate_fn returned {got} for {len(batch)} prompts")
-    for prompt, text in zip(batch, out):
-      if not isinstance(text, str):
-        raise ValueError(f"generate_fn returned a {type(text).__name__}, not a str")
-      generations.append(text[len(prompt) :] if text.startswith(prompt) else text)
-  bar.close()
+  with tqdm.tqdm(
+      total=len(prompts), disable=not show, desc=task, unit="prompt", leave=False
+  ) as bar:
+    for start in range(0, len(prompts), batch_size):
+      batch = prompts[start : start + batch_size]
+      out = generate_fn(list(batch))
+      bar.update(len(batch))
+      if not isinstance(out, (list, tuple)) or len(out) != len(batch):
+        got = len(out) if isinstance(out, (list, tuple)) else type(out).__name__
+        raise ValueError(f"generate_fn returned {got} for {len(batch)} prompts")
+      for prompt, text in zip(batch, out):
+        if not isinstance(text, str):
+          raise ValueError(f"generate_fn returned a {type(text).__name__}, not a str")
+        generations.append(text[len(prompt) :] if text.startswith(prompt) else text)
   completions = [truncate_completion(g, stops) for g in generations]
   samples = [{"task_id": p["task_id"], "completion": c} for p, c in zip(problems, completions)]
   scored = humaneval.evaluate(

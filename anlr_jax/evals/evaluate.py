@@ -150,37 +150,40 @@ def evaluate(
   prompts = [prompt_fn(item) for item in items]
   records: list[EvalRecord] = []
   show = len(items) > batch_size if progress is None else progress
-  bar = tqdm.tqdm(total=len(items), disable=not show, desc=task.name, unit="prompt", leave=False)
-  for start in range(0, len(items), batch_size):
-    batch = prompts[start : start + batch_size]
-    generations = generate_fn(list(batch))
-    bar.update(len(batch))
-    if not isinstance(generations, (list, tuple)) or len(generations) != len(batch):
-      got = (
-          len(generations) if isinstance(generations, (list, tuple)) else type(generations).__name__
-      )
-      raise ValueError(
-          f"generate_fn returned {got} for {len(batch)} prompts; expected a list of "
-          f"{len(batch)} strings"
-      )
-    for offset, (prompt, text) in enumerate(zip(batch, generations)):
-      index = start + offset
-      if not isinstance(text, str):
-        raise ValueError(f"generate_fn returned a {type(text).__name__} for prompt {index}")
-      if text.startswith(prompt):
-        text = text[len(prompt) :]
-      prediction = extract_prediction(task, text)
-      records.append(
-          EvalRecord(
-              index=index,
-              prompt=prompt,
-              generation=text,
-              prediction=prediction,
-              answer=items[index].answer,
-              correct=is_correct(task, prediction, golds[index]),
-          )
-      )
-  bar.close()
+  with tqdm.tqdm(
+      total=len(items), disable=not show, desc=task.name, unit="prompt", leave=False
+  ) as bar:
+    for start in range(0, len(items), batch_size):
+      batch = prompts[start : start + batch_size]
+      generations = generate_fn(list(batch))
+      bar.update(len(batch))
+      if not isinstance(generations, (list, tuple)) or len(generations) != len(batch):
+        got = (
+            len(generations)
+            if isinstance(generations, (list, tuple))
+            else type(generations).__name__
+        )
+        raise ValueError(
+            f"generate_fn returned {got} for {len(batch)} prompts; expected a list of "
+            f"{len(batch)} strings"
+        )
+      for offset, (prompt, text) in enumerate(zip(batch, generations)):
+        index = start + offset
+        if not isinstance(text, str):
+          raise ValueError(f"generate_fn returned a {type(text).__name__} for prompt {index}")
+        if text.startswith(prompt):
+          text = text[len(prompt) :]
+        prediction = extract_prediction(task, text)
+        records.append(
+            EvalRecord(
+                index=index,
+                prompt=prompt,
+                generation=text,
+                prediction=prediction,
+                answer=items[index].answer,
+                correct=is_correct(task, prediction, golds[index]),
+            )
+        )
   return EvalResult(task=task.name, records=tuple(records))
 
 
