@@ -64,6 +64,9 @@ class BenchConfig:
   # a real model instead of random weights: a local Hugging Face directory or a LLaMA/Qwen2 .gguf
   # file; its config then sets hidden, layers, heads, ffn and vocab
   model: str = ""
+  # '' or 'bfloat16': GEMM operands in this dtype, float32 sums, activations in `dtype` (JAX:
+  # ModelConfig.matmul_dtype; PyTorch: the same weights under torch.autocast to this dtype)
+  matmul_dtype: str = ""
 
   def __post_init__(self):
     if self.model:
@@ -82,6 +85,8 @@ class BenchConfig:
       )
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"BenchConfig.dtype={self.dtype!r} must be 'float32' or 'bfloat16'")
+    if self.matmul_dtype not in ("", "bfloat16"):
+      raise ValueError(f"BenchConfig.matmul_dtype={self.matmul_dtype!r} must be '' or 'bfloat16'")
     bad = [
         t
         for t in self.targets
@@ -240,6 +245,7 @@ def model_config(cfg: BenchConfig, *, attention: str = "einsum", max_positions: 
       dtype=dtype,
       param_dtype=dtype,
       attention_impl=attention,
+      matmul_dtype=cfg.matmul_dtype or None,
   )
 
 
@@ -257,7 +263,12 @@ def build_jax_lora_model(cfg: BenchConfig, *, attention: str = "einsum", max_pos
 
     from anlr_jax.models import load_hf_model
 
-    model, _ = load_hf_model(cfg.model, dtype=jnp.dtype(cfg.dtype), attention_impl=attention)
+    model, _ = load_hf_model(
+        cfg.model,
+        dtype=jnp.dtype(cfg.dtype),
+        attention_impl=attention,
+        matmul_dtype=cfg.matmul_dtype or None,
+    )
   else:
     config = model_config(cfg, attention=attention, max_positions=max_positions)
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
@@ -428,7 +439,8 @@ def build_torch_step(
 
   :func:`build_peft_model` with its LoRA factors (and so ``torch.optim.AdamW``'s state) in float32,
   as in the JAX step; ``torch.compile`` on the PEFT model if ``compile_model``; a random ``B x T``
-  batch (torch seed 0). ``step()`` runs forward (``bfloat16`` autocast when ``cfg.dtype`` is),
+  batch (torch seed 0). ``step()`` runs forward (``bfloat16`` autocast when ``cfg.dtype`` or
+  ``cfg.matmul_dtype`` is),
   backward, the AdamW update and ``zero_grad``, waits for the device and returns the loss tensor.
   """
   import peft
@@ -436,7 +448,7 @@ def build_torch_step(
   import transformers
 
   dev = torch.device(device or "cpu")
-  dtype = getattr(torch, cfg.dtype)
+  dtype = getattr(torch, cfg.matmul_dtype or cfg.dtype)  # the autocast dtype
   model = build_peft_model(cfg, device=dev, max_positions=max_positions)
   params = [p for p in model.parameters() if p.requires_grad]
   for p in params:

@@ -85,6 +85,12 @@ class ModelSection:
       "attention kernel: einsum, xla, cudnn (NVIDIA flash) or auto",
       OneOf(ATTENTION_IMPLS),
   )
+  matmul_dtype: str | None = setting(
+      None,
+      "bfloat16: projection/head GEMMs on bfloat16 operands with float32 sums, the rest in"
+      " model.dtype (about 2x faster GEMMs on CPUs with AVX512-BF16/AMX); None: model.dtype",
+      OneOf(("bfloat16", None)),
+  )
 
 
 @dataclasses.dataclass

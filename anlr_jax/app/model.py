@@ -48,7 +48,10 @@ def load_base(config: RunConfig, model_path: str | None = None):
   """``(model, model_config, tokenizer)`` of the base model named by ``model.path``."""
   path = require_path(model_path or config.model.path, "model.path", kind="HF model directory")
   model, model_config = load_hf_model(
-      path, dtype=DTYPES[config.model.dtype], attention_impl=config.model.attention
+      path,
+      dtype=DTYPES[config.model.dtype],
+      attention_impl=config.model.attention,
+      matmul_dtype=config.model.matmul_dtype,
   )
   tokenizer_path = resolve_path(config.model.tokenizer) or path
   tokenizer = load_tokenizer(tokenizer_path)

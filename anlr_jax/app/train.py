@@ -101,6 +101,8 @@ def run_identity(
   }
   if config.data.template != "alpaca":  # runs from before the key existed keep their identity
     identity["data.template"] = config.data.template
+  if config.model.matmul_dtype is not None:  # likewise
+    identity["model.matmul_dtype"] = config.model.matmul_dtype
   if spec.uses_anlr:
     identity.update({f"anlr.{k}": v for k, v in dataclasses.asdict(config.anlr).items()})
   if spec.optimizer == "loraplus":

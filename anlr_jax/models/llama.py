@@ -47,6 +47,7 @@ import numpy as np
 from flax import nnx
 
 from anlr_jax.models.config import ModelConfig
+from anlr_jax.models.matmul import lowp_dot_general, lowp_matmul
 
 AXIS_VOCAB = "vocab"
 AXIS_EMBED = "embed"
@@ -67,12 +68,16 @@ def _axes(*names: str) -> dict:
 def _linear(
     config: ModelConfig, d_in: int, d_out: int, axes: tuple[str, str], bias: bool, rngs: nnx.Rngs
 ) -> nnx.Linear:
+  extra = (
+      {} if config.matmul_dtype is None else {"dot_general": lowp_dot_general(config.matmul_dtype)}
+  )
   return nnx.Linear(
       d_in,
       d_out,
       use_bias=bias,
       dtype=config.dtype,
       param_dtype=config.param_dtype,
+      **extra,
       kernel_init=nnx.initializers.normal(_INIT_STD),
       bias_init=nnx.initializers.zeros_init(),
       kernel_metadata=_axes(*axes),
@@ -374,7 +379,10 @@ class LlamaForCausalLM(nnx.Module):
         new_values.append(v)
     h = self.model.norm(h)
     flat = h.reshape(-1, h.shape[-1])  # 2-D GEMM (see MLP)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and config.matmul_dtype is not None:
+      embedding = self.model.embed_tokens.embedding[...].astype(config.dtype)
+      logits = lowp_matmul(flat, embedding, config.matmul_dtype, transpose_w=True)
+    elif config.tie_word_embeddings:
       logits = self.model.embed_tokens.attend(flat)
     else:
       logits = self.lm_head(flat)
