@@ -289,3 +289,12 @@ def test_the_schedule_warms_up_and_decays_within_the_run():
   assert [float(schedule(t)) for t in range(5)] == [0.0, 0.5, 1.0, 0.5, 0.0]
   cut = TrainerConfig(learning_rate=1.0, lr_warmup_steps=10).schedule(4)  # warmup cut at 4
   assert [float(cut(t)) for t in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]
+
+
+def test_eval_task_aliases_are_stored_under_the_canonical_names(tmp_path):
+  load_config, ConfigError = cfg.load_config, cfg.ConfigError
+  c = load_config(None, ["eval.tasks.arc_e=a.json", "eval.tasks.SIQA=s.json", "eval.tasks.GSM8K=g"])
+  assert c.eval.tasks == {"ARC-Easy": "a.json", "social_i_qa": "s.json", "gsm8k": "g"}
+  (tmp_path / "c.yaml").write_text("eval:\n  tasks:\n    obqa: o.json\n    openbookqa: p.json\n")
+  with pytest.raises(ConfigError, match=r"c.yaml: eval.tasks: 'obqa' and 'openbookqa' name the"):
+    load_config(tmp_path / "c.yaml")

@@ -41,7 +41,7 @@ import yaml
 from anlr_jax.app.methods import METHOD_NAMES, get_method
 from anlr_jax.data.chat import TEMPLATES
 from anlr_jax.data.formats import FORMATS
-from anlr_jax.evals.extract import TASKS
+from anlr_jax.evals.extract import TASKS, get_task
 from anlr_jax.fields import (
     DTYPES,
     RENAMED_KEYS,
@@ -461,6 +461,8 @@ def config_from_dict(raw: Mapping[str, Any] | None) -> RunConfig:
         raise ConfigError(
             f"{name}: expected a mapping of keys ({', '.join(_keys_of(name))}), got {value!r}"
         )
+      if name == "eval" and isinstance(value.get("tasks"), Mapping):
+        value = {**value, "tasks": _canonical_tasks(value["tasks"])}
       sections[name] = _build(SECTIONS[name], value, f"{name}.")
     elif name in TOP_LEVEL:
       top[name] = value
@@ -471,6 +473,23 @@ def config_from_dict(raw: Mapping[str, Any] | None) -> RunConfig:
   config = dataclasses.replace(_build(RunConfig, top, ""), **sections)
   check_method_settings(config)
   return config
+
+
+def _canonical_tasks(tasks: Mapping[str, Any]) -> dict[str, Any]:
+  """``eval.tasks`` with aliases and other spellings (``arc_e``, ``SIQA``) under the canonical task
+  names; unknown names are kept for the rule to reject. Two names of one task: ConfigError."""
+  out, given = {}, {}
+  for key, file in tasks.items():
+    try:
+      name = get_task(key).name
+    except ValueError:
+      name = key
+    if name in out:
+      raise ConfigError(
+          f"eval.tasks: {given[name]!r} and {key!r} name the same task ({name}); keep one"
+      )
+    out[name], given[name] = file, key
+  return out
 
 
 def check_method_settings(config: RunConfig) -> None:
