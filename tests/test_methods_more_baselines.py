@@ -431,6 +431,6 @@ def test_stacked_layout_trains_like_per_layer(method):
     trainer.run()
     extra = jax.tree.map(_key_data, trainer.state.extra)  # the dash directions and RNG keys
     out[layout] = jax.device_get((trainer.lora_params(), extra))
-    assert trainer.stacked == (layout == "stacked")
+    assert trainer.layout.stacked == (layout == "stacked")
     trainer.close()
   chex.assert_trees_all_close(out["stacked"], out["per-layer"], atol=1e-5, rtol=1e-5)

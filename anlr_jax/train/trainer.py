@@ -321,8 +321,7 @@ class Trainer:
     )
     self.frozen = jax.device_put(frozen, self.frozen_shardings)
     lora = nnx.to_pure_dict(lora)
-    self.stacked = config.lora_layout == 'stacked'
-    self.layout = LoraLayout(self.stacked)
+    self.layout = LoraLayout(stacked=config.lora_layout == 'stacked')
     lora, lora_sh = self.layout.to_state(lora, lora_sh)
     lora, extra = jax.device_put((lora, nnx.to_pure_dict(extra)), (lora_sh, extra_sh))
 
@@ -342,7 +341,7 @@ class Trainer:
         compute_dtype=DTYPES[config.compute_dtype],
         remat=config.remat,
         batch_spec=jax.sharding.PartitionSpec(BATCH_AXES),
-        stacked_layers=self.stacked,
+        stacked_layers=self.layout.stacked,
         loss_regularizer=loss_regularizer,
     )
     self.step_traces = 0  # how many times the step was traced (= compiled); 1 in a healthy run
