@@ -6,8 +6,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
-import transformers
 import yaml
 
 import anlr_jax.app.evaluate
@@ -23,6 +21,7 @@ from anlr_jax.data import (
 from anlr_jax.evals import EvalExample, template_prompt_fn
 from anlr_jax.app.evaluate import eval_run, generate_text, make_generate_fn
 from anlr_jax.app.train import train_run
+from tests.helpers.tiny_llama import save_tiny_llama
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 CHATML = (
@@ -170,20 +169,7 @@ def test_errors_name_the_problem(tok, tmp_path):
 
 def test_train_run_with_the_chat_template(tmp_path):
   tok = chat_tokenizer(tmp_path / "model")
-  torch.manual_seed(0)
-  hf_config = transformers.LlamaConfig(
-      vocab_size=len(tok),
-      hidden_size=32,
-      intermediate_size=64,
-      num_hidden_layers=1,
-      num_attention_heads=4,
-      num_key_value_heads=2,
-      max_position_embeddings=256,
-      pad_token_id=0,
-      bos_token_id=1,
-      eos_token_id=2,
-  )
-  transformers.LlamaForCausalLM(hf_config).save_pretrained(tmp_path / "model")
+  save_tiny_llama(tmp_path / "model", len(tok))
   records = [{"query": f"What is {i} + 1?", "response": f"#### {i + 1}"} for i in range(8)]
   (tmp_path / "train.json").write_text(json.dumps(records))
   tests = [{"instruction": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(4)]

@@ -18,6 +18,8 @@ from anlr_jax.app.train import run_identity
 from anlr_jax.models import ModelConfig
 from anlr_jax.models.llama import LlamaForCausalLM
 from anlr_jax.models.matmul import lowp_dot_general, lowp_matmul
+from tests.helpers.tiny_llama import save_tiny_llama
+from tests.tiny_tokenizer import build_tiny_tokenizer
 
 
 def _bf16(a):
@@ -111,24 +113,8 @@ def test_bad_settings_are_named():
 
 
 def test_model_matmul_dtype_reaches_the_loaded_model_and_the_run_identity(tmp_path):
-  import torch
-  import transformers
-
-  from tests.tiny_tokenizer import build_tiny_tokenizer
-
-  tok = build_tiny_tokenizer()
-  tok.save_pretrained(tmp_path / "model")
-  torch.manual_seed(0)
-  hf_config = transformers.LlamaConfig(
-      vocab_size=len(tok),
-      hidden_size=32,
-      intermediate_size=64,
-      num_hidden_layers=1,
-      num_attention_heads=4,
-      num_key_value_heads=2,
-      tie_word_embeddings=True,
-  )
-  transformers.LlamaForCausalLM(hf_config).save_pretrained(tmp_path / "model")
+  tok = build_tiny_tokenizer(tmp_path / "model")
+  save_tiny_llama(tmp_path / "model", len(tok), tie_word_embeddings=True)
   (tmp_path / "train.json").write_text("[]")
   identities = []
   for setting in ([], ["model.matmul_dtype=bfloat16"]):

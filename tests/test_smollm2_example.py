@@ -9,14 +9,13 @@ import os
 import sys
 
 import pytest
-import torch
-import transformers
 
 from anlr_jax.app.config import load_config
 from anlr_jax.app.paths import resolve_path
 from anlr_jax.data import chat_prompt, end_of_turn_id, read_examples, tokenize_examples
 from anlr_jax.nn.inject import PAPER_TARGET_MODULES
 from anlr_jax.app.train import train_run
+from tests.helpers.tiny_llama import save_tiny_llama
 from tests.test_chat_template import chat_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,20 +114,7 @@ def test_ensure_task_writes_once(example, tmp_path):
 
 def test_peft_logits_check_on_a_tiny_chat_run(example, tmp_path):
   tok = chat_tokenizer(tmp_path / "model")
-  torch.manual_seed(0)
-  hf_config = transformers.LlamaConfig(
-      vocab_size=len(tok),
-      hidden_size=32,
-      intermediate_size=64,
-      num_hidden_layers=1,
-      num_attention_heads=4,
-      num_key_value_heads=2,
-      max_position_embeddings=256,
-      pad_token_id=0,
-      bos_token_id=1,
-      eos_token_id=2,
-  )
-  transformers.LlamaForCausalLM(hf_config).save_pretrained(tmp_path / "model")
+  save_tiny_llama(tmp_path / "model", len(tok))
   train, test = example.ensure_task(str(tmp_path / "arith"), n_train=8, n_test=2)
   config = load_config(
       CONFIG,
