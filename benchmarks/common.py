@@ -506,10 +506,12 @@ def paired_ratio(times, base_times) -> float:
 @dataclasses.dataclass
 class Timings:
   """What :func:`interleave` measured, per step name: ``times`` of the timed rounds and ``settle``
-  of the untimed rounds before them, in the unit the steps return."""
+  of the untimed rounds before them, in the unit the steps return; with blocks, ``block_first`` the
+  dropped first step of each timed block."""
 
   times: dict
   settle: dict
+  block_first: dict = dataclasses.field(default_factory=dict)
 
   def median(self, name) -> float:
     return statistics.median(self.times[name])
@@ -529,6 +531,7 @@ def interleave(
     seed: int = 0,
     pause: float = 0.0,
     on_round=None,
+    block: int = 1,
 ) -> Timings:
   """Times ``steps`` (name -> a no-argument callable that runs one step and returns its time, e.g.
   :func:`timed`) side by side: ``warmup`` untimed rounds in the given order and without pauses
@@ -538,23 +541,38 @@ def interleave(
   shuffling makes every step follow every other about equally often; ``pause`` seconds of sleep
   before each call let the previous step settle. ``on_round(i)`` is called after timed round ``i``.
   Only one step runs at any moment, so slow drifts of the machine's load hit all alike.
+
+  With ``block > 1`` each turn is ``block`` back-to-back calls of a step, as a training run makes
+  them: the first call of a block (the one after another step ran) goes to ``block_first``, the
+  other ``block - 1`` to ``times``. A step whose speed depends on having just run (memory the
+  previous step left mapped, warm caches) is measured both ways.
   """
+  if block < 1:
+    raise ValueError(f"interleave: block={block} must be >= 1")
   for _ in range(warmup):
     for fn in steps.values():
       fn()
   rng = random.Random(seed)
   settle_times = {name: [] for name in steps}
   times = {name: [] for name in steps}
+  first = {name: [] for name in steps} if block > 1 else {}
   for i in range(settle + rounds):
     order = list(steps)
     if shuffle:
       rng.shuffle(order)
     for name in order:
       time.sleep(pause)
-      (settle_times if i < settle else times)[name].append(steps[name]())
+      turn = [steps[name]() for _ in range(block)]
+      if i < settle:
+        settle_times[name].extend(turn)
+      elif block > 1:
+        first[name].append(turn[0])
+        times[name].extend(turn[1:])
+      else:
+        times[name].extend(turn)
     if on_round is not None and i >= settle:
       on_round(i - settle)
-  return Timings(times, settle_times)
+  return Timings(times, settle_times, first)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -8,13 +8,14 @@ One step = forward, backward and optimizer update of the LoRA factors on one ``B
     (d) torch-compile  (c) with torch.compile on the PEFT model (skipped with a reason if it fails)
 
 Every framework runs in its own subprocess (peak RSS via ``resource.getrusage`` is its own); the
-parent times them interleaved (one step each per round, each round in a shuffled order) and reports
-medians, tokens/s and ratios. JAX's compiled step also reports XLA's ``memory_analysis()``
+parent times them interleaved (one step each per round, or ``--block`` back-to-back steps, each
+round in a shuffled order) and reports medians, tokens/s and ratios. JAX's compiled step also reports XLA's ``memory_analysis()``
 (arguments + outputs - aliased + temporaries).
 
     python benchmarks/train_step.py                         # reference config (hidden 512, 8 layers)
     python benchmarks/train_step.py --runs 21 --json out.json
     python benchmarks/train_step.py --frameworks jax-adamw,jax-anlr --rank 64
+    python benchmarks/train_step.py --block 4     # 4 back-to-back steps per turn, first left out
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def start_workers(names, cfg: BenchConfig, warmup: int, script: str = __file__):
 
 
 def run_interleaved(
-    workers: dict, runs: int, settle: int = 0, pause_s: float = 0.1, seed: int = 0
+    workers: dict, runs: int, settle: int = 0, pause_s: float = 0.1, seed: int = 0, block: int = 1
 ) -> None:
   """``settle`` untimed and then ``runs`` timed rounds of one step per worker, each round in a fresh
   random order (seeded), 0.1 s apart (:func:`benchmarks.common.interleave`).
@@ -104,20 +105,22 @@ def run_interleaved(
   Step times are measured inside the workers, so neither the pause nor the pipes enter them. The
   workers warm up one after the other, and the first rounds after that run slow for every framework
   (1.5-3x in the first round on the 2-core CPU); the ``settle`` rounds absorb that and are kept
-  apart in each worker's ``settle_ms``.
+  apart in each worker's ``settle_ms``. With ``block > 1`` a turn is ``block`` back-to-back steps
+  and each turn's first step is kept apart in ``block_first_ms``.
   """
   steps = {name: w.step for name, w in workers.items()}
-  timings = interleave(steps, runs, settle=settle, pause=pause_s, seed=seed)
+  timings = interleave(steps, runs, settle=settle, pause=pause_s, seed=seed, block=block)
   for name, w in workers.items():
     w.times_ms, w.settle_ms = timings.times[name], timings.settle[name]
+    w.block_first_ms = timings.block_first.get(name, [])
 
 
-def run_workers(names, cfg: BenchConfig, warmup: int, runs: int, settle: int = 0):
+def run_workers(names, cfg: BenchConfig, warmup: int, runs: int, settle: int = 0, block: int = 1):
   """``(workers, failed)``: the workers started, timed (:func:`run_interleaved`) and finished (their
   peak RSS read), every process ended whatever happens."""
   workers, failed = start_workers(names, cfg, warmup)
   try:
-    run_interleaved(workers, runs, settle)
+    run_interleaved(workers, runs, settle, block=block)
     for w in workers.values():
       w.finish()
   finally:
@@ -126,13 +129,16 @@ def run_workers(names, cfg: BenchConfig, warmup: int, runs: int, settle: int = 0
   return workers, failed
 
 
-def summarise(cfg: BenchConfig, workers: dict, failed: dict, runs: int, settle: int = 0) -> dict:
+def summarise(
+    cfg: BenchConfig, workers: dict, failed: dict, runs: int, settle: int = 0, block: int = 1
+) -> dict:
   res = dict(
       config=json.loads(cfg.to_json()),
       machine=machine_line(),
       date=time.strftime("%Y-%m-%d %H:%M %Z"),
       runs=runs,
       settle=settle,
+      block=block,
       failed=failed,
       frameworks={},
   )
@@ -145,6 +151,7 @@ def summarise(cfg: BenchConfig, workers: dict, failed: dict, runs: int, settle: 
         min_ms=min(w.times_ms),
         times_ms=w.times_ms,
         settle_ms=w.settle_ms,
+        **({"block_first_ms": w.block_first_ms} if block > 1 else {}),
     )
   return res
 
@@ -195,6 +202,11 @@ def print_report(res: dict) -> None:
       f"vocab {c['vocab']}, batch {c['batch']} x {c['seq']} tokens, LoRA r={c['rank']} on "
       f"{','.join(c['targets'])}, {c['dtype']}, JAX LoRA layout {c.get('lora_layout', 'per-layer')}; "
       f"median of {res['runs']} interleaved runs after {res.get('settle', 0)} untimed ones"
+      + (
+          f", each run {res['block']} back-to-back steps of which the first is left out"
+          if res.get("block", 1) > 1
+          else ""
+      )
   )
   print(
       "memory: 'step RSS' = peak RSS (VmHWM) over the timed steps, reset after warmup; 'process RSS'"
@@ -230,6 +242,13 @@ def main(argv=None):
       default=5,
       help="untimed interleaved rounds after the warmup, before the timed ones",
   )
+  ap.add_argument(
+      "--block",
+      type=int,
+      default=1,
+      help="steps each framework runs back to back per turn; the first of each turn is left out"
+      " of the timed steps (as a training run sees them); 1: one step per turn",
+  )
   ap.add_argument("--json", help="also write the results to this JSON file")
   ap.add_argument("--worker", help=argparse.SUPPRESS)
   ap.add_argument("--config-json", help=argparse.SUPPRESS)
@@ -245,8 +264,10 @@ def main(argv=None):
     raise ValueError(f"--runs={args.runs} must be >= 1")
   if args.settle < 0:
     raise ValueError(f"--settle={args.settle} must be >= 0")
-  workers, failed = run_workers(names, cfg, args.warmup, args.runs, args.settle)
-  res = summarise(cfg, workers, failed, args.runs, args.settle)
+  if args.block < 1:
+    raise ValueError(f"--block={args.block} must be >= 1")
+  workers, failed = run_workers(names, cfg, args.warmup, args.runs, args.settle, args.block)
+  res = summarise(cfg, workers, failed, args.runs, args.settle, args.block)
   print_report(res)
   if args.json:
     write_json(args.json, res)

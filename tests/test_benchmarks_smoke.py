@@ -71,14 +71,15 @@ def test_train_step_on_a_pretrained_model_runs_every_framework_and_prints_ratios
   res = train_step.main(
       ["--model", str(tmp_path / "model"), "--batch", "2", "--seq", "16", "--rank", "4"]
       + ["--frameworks", "jax-adamw,jax-anlr,torch-eager", "--runs", "2", "--warmup", "1"]
-      + ["--settle", "1", "--json", str(out_json)]
+      + ["--settle", "1", "--block", "2", "--json", str(out_json)]
   )
   printed = capsys.readouterr().out
   assert set(res["frameworks"]) == {"jax-adamw", "jax-anlr", "torch-eager"}, res["failed"]
   assert (res["config"]["hidden"], res["config"]["heads"]) == (64, 4)  # from the model's config
   for name, fw in res["frameworks"].items():
     assert len(fw["times_ms"]) == 2 and all(t > 0 for t in fw["times_ms"]), name
-    assert len(fw["settle_ms"]) == 1, name  # the untimed round is kept apart
+    assert len(fw["block_first_ms"]) == 2, name  # each turn's first step, left out
+    assert len(fw["settle_ms"]) == 2, name  # the untimed round (one block) is kept apart
     assert fw["tokens_per_s"] == pytest.approx(2 * 16 / (fw["median_ms"] / 1e3)), name
     assert fw["steady_peak_rss_mib"] > 0 and fw["peak_rss_mib"] >= fw["steady_peak_rss_mib"] - 1
     assert fw["first_step_s"] > 0, name
@@ -350,3 +351,12 @@ def test_interleave_takes_turns_and_keeps_the_untimed_rounds_apart():
   interleave(steps, 2, shuffle=False)
   assert calls == ["a", "b", "c"] * 2
   assert paired_ratio([2.0, 3.0, 10.0], [1.0, 1.0, 1.0]) == 3.0
+  # blocks: each turn is 3 back-to-back calls; the first of each timed turn is kept apart
+  counter = iter(range(1000))
+  steps = {"a": lambda: next(counter), "b": lambda: next(counter)}
+  timings = interleave(steps, 2, settle=1, shuffle=False, block=3)
+  assert timings.settle == {"a": [0, 1, 2], "b": [3, 4, 5]}
+  assert timings.block_first == {"a": [6, 12], "b": [9, 15]}
+  assert timings.times == {"a": [7, 8, 13, 14], "b": [10, 11, 16, 17]}
+  with pytest.raises(ValueError, match="block=0"):
+    interleave(steps, 1, block=0)
