@@ -208,3 +208,26 @@ def test_bad_arguments_name_the_argument(tmp_path, capsys):
 def test_runner_that_writes_nothing_is_an_error(tmp_path, capsys):
   assert sweep_main(_argv(tmp_path), runner=lambda cell, run_dir: None) == 1
   assert 'results.json' in capsys.readouterr().err
+
+
+def test_accuracy_vs_lr_plot_labels_exactly_the_swept_learning_rates(tmp_path, monkeypatch):
+  from anlr_jax.analysis import figures
+
+  saved = []
+  monkeypatch.setattr(figures, '_save', lambda fig, path: saved.append(fig) or path)
+  table = [
+      {'method': m, 'learning_rate': lr, 'mean': 0.5, 'std': 0.1}
+      for m in METHODS
+      for lr in (5e-4, 1e-3, 2e-3, 4e-3, 8e-3)
+  ]
+  figures.accuracy_vs_lr_figure(table, str(tmp_path / 'plot.png'))
+  (ax,) = saved[0].axes
+  saved[0].canvas.draw()
+  assert [t.get_text() for t in ax.get_xticklabels()] == [
+      '0.0005',
+      '0.001',
+      '0.002',
+      '0.004',
+      '0.008',
+  ]
+  assert not ax.xaxis.get_minor_ticks()  # no log-axis minor labels to overlap them

@@ -15,6 +15,7 @@ import matplotlib
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 
 __all__ = [
@@ -197,6 +198,11 @@ def accuracy_vs_lr_figure(table: Sequence[dict], path: str, *, metric: str = 'av
         label=method,
     )
   ax.set_xscale('log')
+  # ticks at the swept learning rates only (log-axis minor labels overlap on a short range)
+  lrs = sorted({r['learning_rate'] for r in table})
+  ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(lrs))
+  ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+  ax.xaxis.set_major_formatter(matplotlib.ticker.FixedFormatter([f'{lr:g}' for lr in lrs]))
   ax.set(xlabel='learning rate', ylabel=f'accuracy ({metric})')
   ax.legend(fontsize=8)
   return _save(fig, path)
