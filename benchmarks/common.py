@@ -67,6 +67,9 @@ class BenchConfig:
   # '' or 'bfloat16': GEMM operands in this dtype, float32 sums, activations in `dtype` (JAX:
   # ModelConfig.matmul_dtype; PyTorch: the same weights under torch.autocast to this dtype)
   matmul_dtype: str = ""
+  # PyTorch's autocast: 'same' (to matmul_dtype, or dtype when that is not float32, as JAX computes)
+  # or 'off' (PyTorch in dtype, e.g. float32 PEFT against JAX with bfloat16 GEMMs)
+  torch_autocast: str = "same"
 
   def __post_init__(self):
     if self.model:
@@ -85,6 +88,10 @@ class BenchConfig:
       )
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"BenchConfig.dtype={self.dtype!r} must be 'float32' or 'bfloat16'")
+    if self.torch_autocast not in ("same", "off"):
+      raise ValueError(
+          f"BenchConfig.torch_autocast={self.torch_autocast!r} must be 'same' or 'off'"
+      )
     if self.matmul_dtype not in ("", "bfloat16"):
       raise ValueError(f"BenchConfig.matmul_dtype={self.matmul_dtype!r} must be '' or 'bfloat16'")
     bad = [
@@ -440,7 +447,7 @@ def build_torch_step(
   :func:`build_peft_model` with its LoRA factors (and so ``torch.optim.AdamW``'s state) in float32,
   as in the JAX step; ``torch.compile`` on the PEFT model if ``compile_model``; a random ``B x T``
   batch (torch seed 0). ``step()`` runs forward (``bfloat16`` autocast when ``cfg.dtype`` or
-  ``cfg.matmul_dtype`` is),
+  ``cfg.matmul_dtype`` is, unless ``cfg.torch_autocast`` is ``'off'``),
   backward, the AdamW update and ``zero_grad``, waits for the device and returns the loss tensor.
   """
   import peft
@@ -448,7 +455,10 @@ def build_torch_step(
   import transformers
 
   dev = torch.device(device or "cpu")
-  dtype = getattr(torch, cfg.matmul_dtype or cfg.dtype)  # the autocast dtype
+  # the autocast dtype (float32: no autocast)
+  dtype = getattr(
+      torch, cfg.dtype if cfg.torch_autocast == "off" else cfg.matmul_dtype or cfg.dtype
+  )
   model = build_peft_model(cfg, device=dev, max_positions=max_positions)
   params = [p for p in model.parameters() if p.requires_grad]
   for p in params:

@@ -200,7 +200,14 @@ def print_report(res: dict) -> None:
   print(
       f"config: LLaMA hidden {c['hidden']}, {c['layers']} layers, {c['heads']} heads, FFN {c['ffn']}, "
       f"vocab {c['vocab']}, batch {c['batch']} x {c['seq']} tokens, LoRA r={c['rank']} on "
-      f"{','.join(c['targets'])}, {c['dtype']}, JAX LoRA layout {c.get('lora_layout', 'per-layer')}; "
+      f"{','.join(c['targets'])}, {c['dtype']}"
+      + (f", JAX GEMMs in {c['matmul_dtype']}" if c.get("matmul_dtype") else "")
+      + (
+          f", PyTorch autocast {c.get('torch_autocast', 'same')}"
+          if c.get("matmul_dtype") or c["dtype"] != "float32"
+          else ""
+      )
+      + f", JAX LoRA layout {c.get('lora_layout', 'per-layer')}; "
       f"median of {res['runs']} interleaved runs after {res.get('settle', 0)} untimed ones"
       + (
           f", each run {res['block']} back-to-back steps of which the first is left out"

@@ -108,6 +108,28 @@ def test_bench_config_names_bad_field():
     BenchConfig(hidden=64, heads=5)
   with pytest.raises(ValueError, match="BenchConfig.targets"):
     BenchConfig(targets=("q_proj", "qkv"))
+  with pytest.raises(ValueError, match="BenchConfig.torch_autocast"):
+    BenchConfig(torch_autocast="bf16")
+  with pytest.raises(ValueError, match="BenchConfig.matmul_dtype"):
+    BenchConfig(matmul_dtype="float16")
+
+
+def test_torch_step_autocasts_to_the_gemm_dtype_unless_turned_off():
+  """PyTorch's first loss: float32 without autocast, bfloat16 GEMMs under `matmul_dtype` (as JAX
+  computes), float32 again with `torch_autocast='off'`."""
+  from benchmarks.common import build_torch_step
+
+  tiny = dict(hidden=64, layers=2, heads=4, ffn=64, vocab=64, batch=2, seq=16, rank=4)
+  losses = {}
+  for name, extra in (
+      ("f32", {}),
+      ("autocast", {"matmul_dtype": "bfloat16"}),
+      ("off", {"matmul_dtype": "bfloat16", "torch_autocast": "off"}),
+  ):
+    step, _ = build_torch_step(BenchConfig(**tiny, **extra), False)
+    losses[name] = float(step())
+  assert losses["off"] == losses["f32"]
+  assert losses["autocast"] != losses["f32"]
 
 
 def test_scaling_measures_a_point_and_writes_plot_and_table(tmp_path, capsys):
