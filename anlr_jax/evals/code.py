@@ -34,9 +34,8 @@ import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import tqdm
-
 from anlr_jax.evals import humaneval
+from anlr_jax.evals.evaluate import generate_batched
 
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(")
 """A completion ends before the first of these (HumanEval's stop sequences)."""
@@ -184,22 +183,10 @@ def evaluate_code(
     prompts = [p["prompt"] for p in problems]
   else:
     prompts = [chat(chat_message(p["prompt"])) for p in problems]
-  generations: list[str] = []
   show = len(prompts) > batch_size if progress is None else progress
-  with tqdm.tqdm(
-      total=len(prompts), disable=not show, desc=task, unit="prompt", leave=False
-  ) as bar:
-    for start in range(0, len(prompts), batch_size):
-      batch = prompts[start : start + batch_size]
-      out = generate_fn(list(batch))
-      bar.update(len(batch))
-      if not isinstance(out, (list, tuple)) or len(out) != len(batch):
-        got = len(out) if isinstance(out, (list, tuple)) else type(out).__name__
-        raise ValueError(f"generate_fn returned {got} for {len(batch)} prompts")
-      for prompt, text in zip(batch, out):
-        if not isinstance(text, str):
-          raise ValueError(f"generate_fn returned a {type(text).__name__}, not a str")
-        generations.append(text[len(prompt) :] if text.startswith(prompt) else text)
+  generations = generate_batched(
+      generate_fn, prompts, batch_size=batch_size, desc=task, progress=show
+  )
   if chat is None:
     completions = [truncate_completion(g, stops) for g in generations]
   else:

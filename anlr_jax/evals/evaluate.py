@@ -110,6 +110,52 @@ def default_prompt(example: EvalExample) -> str:
   return alpaca_prompt(example.instruction, example.input)
 
 
+def generate_batched(
+    generate_fn: GenerateFn,
+    prompts: Sequence[str],
+    *,
+    batch_size: int,
+    desc: str,
+    progress: bool | None = None,
+) -> list[str]:
+  """``generate_fn`` over ``prompts`` in batches of ``batch_size``: one continuation per prompt, in
+  order, with the prompt removed when the generation repeats it.
+
+  Args:
+    progress: a tqdm bar (``desc``) of the prompts generated so far, on stderr (default: when there
+      is more than one batch).
+
+  Raises:
+    ValueError: ``generate_fn`` returned the wrong number of items, or an item that is not a str.
+  """
+  out: list[str] = []
+  show = len(prompts) > batch_size if progress is None else progress
+  with tqdm.tqdm(
+      total=len(prompts), disable=not show, desc=desc, unit="prompt", leave=False
+  ) as bar:
+    for start in range(0, len(prompts), batch_size):
+      batch = list(prompts[start : start + batch_size])
+      generations = generate_fn(batch)
+      bar.update(len(batch))
+      if not isinstance(generations, (list, tuple)) or len(generations) != len(batch):
+        got = (
+            len(generations)
+            if isinstance(generations, (list, tuple))
+            else type(generations).__name__
+        )
+        raise ValueError(
+            f"generate_fn returned {got} for {len(batch)} prompts; expected a list of "
+            f"{len(batch)} strings"
+        )
+      for offset, (prompt, text) in enumerate(zip(batch, generations)):
+        if not isinstance(text, str):
+          raise ValueError(
+              f"generate_fn returned a {type(text).__name__} for prompt {start + offset}"
+          )
+        out.append(text[len(prompt) :] if text.startswith(prompt) else text)
+  return out
+
+
 def evaluate(
     generate_fn: GenerateFn,
     examples: Sequence[EvalExample | Mapping[str, Any]],
@@ -148,42 +194,22 @@ def evaluate(
     except ValueError as err:
       raise ValueError(f"examples[{i}]: {err}") from None
   prompts = [prompt_fn(item) for item in items]
-  records: list[EvalRecord] = []
-  show = len(items) > batch_size if progress is None else progress
-  with tqdm.tqdm(
-      total=len(items), disable=not show, desc=task.name, unit="prompt", leave=False
-  ) as bar:
-    for start in range(0, len(items), batch_size):
-      batch = prompts[start : start + batch_size]
-      generations = generate_fn(list(batch))
-      bar.update(len(batch))
-      if not isinstance(generations, (list, tuple)) or len(generations) != len(batch):
-        got = (
-            len(generations)
-            if isinstance(generations, (list, tuple))
-            else type(generations).__name__
+  generations = generate_batched(
+      generate_fn, prompts, batch_size=batch_size, desc=task.name, progress=progress
+  )
+  records = []
+  for index, (item, prompt, text, gold) in enumerate(zip(items, prompts, generations, golds)):
+    prediction = extract_prediction(task, text)
+    records.append(
+        EvalRecord(
+            index=index,
+            prompt=prompt,
+            generation=text,
+            prediction=prediction,
+            answer=item.answer,
+            correct=is_correct(task, prediction, gold),
         )
-        raise ValueError(
-            f"generate_fn returned {got} for {len(batch)} prompts; expected a list of "
-            f"{len(batch)} strings"
-        )
-      for offset, (prompt, text) in enumerate(zip(batch, generations)):
-        index = start + offset
-        if not isinstance(text, str):
-          raise ValueError(f"generate_fn returned a {type(text).__name__} for prompt {index}")
-        if text.startswith(prompt):
-          text = text[len(prompt) :]
-        prediction = extract_prediction(task, text)
-        records.append(
-            EvalRecord(
-                index=index,
-                prompt=prompt,
-                generation=text,
-                prediction=prediction,
-                answer=items[index].answer,
-                correct=is_correct(task, prediction, golds[index]),
-            )
-        )
+    )
   return EvalResult(task=task.name, records=tuple(records))
 
 
