@@ -162,7 +162,9 @@ class ModelConfig:
           f"ModelConfig.attention_impl={self.attention_impl!r} must be one of {ATTENTION_IMPLS}."
       )
     object.__setattr__(self, "rope_scaling", _canonical_rope_scaling(self.rope_scaling))
-    for name in ("dtype", "param_dtype"):
+    for name in ("dtype", "param_dtype", "matmul_dtype"):
+      if name == "matmul_dtype" and self.matmul_dtype is None:
+        continue
       try:
         dtype = jnp.dtype(getattr(self, name))
       except TypeError as e:
@@ -170,14 +172,6 @@ class ModelConfig:
       if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"ModelConfig.{name} must be a floating dtype, got {dtype}.")
       object.__setattr__(self, name, dtype)
-    if self.matmul_dtype is not None:
-      try:
-        matmul = jnp.dtype(self.matmul_dtype)
-      except TypeError as e:
-        raise ValueError(f"ModelConfig.matmul_dtype={self.matmul_dtype!r} is not a dtype.") from e
-      if not jnp.issubdtype(matmul, jnp.floating):
-        raise ValueError(f"ModelConfig.matmul_dtype must be a floating dtype, got {matmul}.")
-      object.__setattr__(self, "matmul_dtype", matmul)
 
   def __hash__(self):
     # rope_scaling is a dict; hash its sorted items so configs can sit in static jit arguments.
