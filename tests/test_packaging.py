@@ -106,3 +106,53 @@ def test_the_library_never_imports_the_application():
       else:
         continue
       assert not any(m.startswith("anlr_jax.app") for m in modules), (path, modules)
+
+
+def _module_imports() -> dict[str, set[str]]:
+  """``{module: the anlr_jax modules it imports}`` over every import statement, function-local
+  ones included; a name imported from a package resolves to its submodule when there is one."""
+  files = {}
+  for path in (ROOT / "anlr_jax").rglob("*.py"):
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+  def known(name: str) -> str:
+    while name not in files:
+      name = name.rpartition(".")[0]
+    return name
+
+  graph = {}
+  for module, path in files.items():
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+      if isinstance(node, ast.Import):
+        targets.update(a.name for a in node.names)
+      elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        targets.update(
+            f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
+            for a in node.names
+        )
+    graph[module] = {known(t) for t in targets if t.startswith("anlr_jax")} - {module}
+  return graph
+
+
+def test_no_import_cycle_between_library_modules():
+  """Module A imports B and B (perhaps through others) imports A: a cycle hidden in function-level
+  imports is still a cycle. Packages' ``__init__`` files only re-export and are left out."""
+  graph = _module_imports()
+  packages = {m for m in graph if (ROOT / m.replace(".", "/") / "__init__.py").is_file()}
+  library = {m for m in graph if m not in packages and not m.startswith("anlr_jax.app")}
+  edges = {m: graph[m] & library for m in library}
+  state = dict.fromkeys(library, 0)  # 0 unvisited, 1 on the current path, 2 done
+
+  def visit(module: str, path: list[str]) -> None:
+    state[module] = 1
+    for target in sorted(edges[module]):
+      assert state[target] != 1, " -> ".join(path[path.index(target) :] + [module, target])
+      if state[target] == 0:
+        visit(target, path + [module])
+    state[module] = 2
+
+  for module in sorted(library):
+    if state[module] == 0:
+      visit(module, [])

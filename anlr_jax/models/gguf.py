@@ -42,6 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from anlr_jax.models.config import ModelConfig
+from anlr_jax.models.hf_files import (
+    CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
+    INDEX_FILE,
+    parse_size,
+    write_safetensors_shards,
+)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 SUPPORTED_TENSOR_TYPES = (
@@ -61,7 +68,6 @@ SUPPORTED_TENSOR_TYPES = (
 )
 """GGML tensor types :func:`read_gguf` dequantises (``gguf.GGMLQuantizationType`` names)."""
 
-GENERATION_CONFIG_FILE = "generation_config.json"
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -448,12 +454,8 @@ def convert_gguf(
   Returns:
     The names of the files written to ``out_dir``.
   """
-  from safetensors.numpy import save_file
-
-  from anlr_jax.models import hf_io
-
   path, out_dir = os.fspath(path), os.fspath(out_dir)
-  limit = hf_io._parse_size(max_shard_size)
+  parse_size(max_shard_size)  # a bad size fails before the file is read
   try:
     dtype = jnp.dtype(dtype)
   except TypeError as e:
@@ -462,38 +464,20 @@ def convert_gguf(
     raise ValueError(f"dtype must be a floating dtype, got {dtype}.")
   hf_config, tensors = read_gguf(path, lazy=True)
   os.makedirs(out_dir, exist_ok=True)
-
-  shards: list[list[str]] = [[]]
-  shard_bytes, total = 0, 0
-  for name in tensors:
-    size = math.prod(tensors.shape(name)) * dtype.itemsize
-    if shards[-1] and shard_bytes + size > limit:
-      shards.append([])
-      shard_bytes = 0
-    shards[-1].append(name)
-    shard_bytes += size
-    total += size
-  n = len(shards)
-  files = (
-      [hf_io.SINGLE_FILE]
-      if n == 1
-      else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+  sizes = {name: math.prod(tensors.shape(name)) * dtype.itemsize for name in tensors}
+  written = write_safetensors_shards(
+      out_dir,
+      sizes,
+      lambda names: {n: np.ascontiguousarray(tensors[n].astype(dtype)) for n in names},
+      max_shard_size,
   )
-  for file, names in zip(files, shards):
-    arrays = {name: np.ascontiguousarray(tensors[name].astype(dtype)) for name in names}
-    save_file(arrays, os.path.join(out_dir, file), metadata={"format": "pt"})
-    del arrays
-  written = list(files)
-  if n > 1:
-    weight_map = {name: file for file, names in zip(files, shards) for name in names}
-    with open(os.path.join(out_dir, hf_io.INDEX_FILE), "w") as f:
-      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    written.append(hf_io.INDEX_FILE)
+  if len(written) > 1:
+    written.append(INDEX_FILE)
 
   hf_config["torch_dtype"] = hf_config["dtype"] = str(dtype)
-  with open(os.path.join(out_dir, hf_io.CONFIG_FILE), "w") as f:
+  with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
     json.dump(hf_config, f, indent=2)
-  written.append(hf_io.CONFIG_FILE)
+  written.append(CONFIG_FILE)
 
   reader = tensors._reader
   generation = {

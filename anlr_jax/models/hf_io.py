@@ -40,17 +40,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from anlr_jax.models.config import ModelConfig
+from anlr_jax.models.gguf import load_gguf_tokenizer, read_gguf
+from anlr_jax.models.hf_files import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    SINGLE_FILE,
+    TOKENIZER_FILES,
+    is_gguf,
+    parse_size,
+    write_safetensors_shards,
+)
 from anlr_jax.models.llama import LlamaForCausalLM
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-CONFIG_FILE = "config.json"
 # Buffers some older checkpoints store next to the weights; they are recomputed, never loaded.
 _IGNORED_KEY = re.compile(r".*rotary_emb\.inv_freq$")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +157,6 @@ def _weight_map(path: str) -> dict[str, str]:
     with safe_open(single_path, framework="numpy") as f:
       return {key: SINGLE_FILE for key in f.keys()}
   raise FileNotFoundError(f"No {SINGLE_FILE} or {INDEX_FILE} found in {path}.")
-
-
-def _is_gguf(path: str) -> bool:
-  return path.lower().endswith(".gguf")
 
 
 def _check_tensor_names(
@@ -275,9 +276,7 @@ def load_hf_model(
       not have, or the model_type is unsupported (for GGUF files see ``read_gguf``).
   """
   path = os.fspath(path)
-  if _is_gguf(path):
-    from anlr_jax.models.gguf import read_gguf
-
+  if is_gguf(path):
     hf_config, tensors = read_gguf(path, lazy=True)
     return model_from_hf_tensors(
         hf_config,
@@ -326,31 +325,6 @@ def load_hf_model(
 
 # --------------------------------------------------------------------------------------------------
 # Saving
-
-_SIZE_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-}
-
-
-def _parse_size(size: int | str) -> int:
-  """Bytes from an int or a string such as ``"5GB"`` / ``"200MiB"``."""
-  if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
-    value = int(size)
-  else:
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(size))
-    unit = match.group(2).upper() if match else ""
-    if not match or (unit or "B") not in _SIZE_UNITS:
-      raise ValueError(f"max_shard_size={size!r} is not a size such as 5000000 or '5GB'.")
-    value = int(float(match.group(1)) * _SIZE_UNITS[unit or "B"])
-  if value <= 0:
-    raise ValueError(f"max_shard_size must be positive, got {size!r}.")
-  return value
 
 
 def _torch_layout_tensor(
@@ -406,38 +380,21 @@ def save_hf_model(
     The written safetensors file names.
   """
   out_dir = os.fspath(out_dir)
-  limit = _parse_size(max_shard_size)
+  parse_size(max_shard_size)  # a bad size fails before anything is written
   os.makedirs(out_dir, exist_ok=True)
-  table = hf_param_table(config)
-
-  shards: list[list[ParamEntry]] = [[]]
-  shard_bytes = 0
+  entries = {entry.hf_key: entry for entry in hf_param_table(config)}
   sizes = {}
-  for entry in table:
+  for key, entry in entries.items():
     module = _submodule(model, entry.module_path)
     variable = getattr(module.base if _is_lora_wrapper(module) else module, entry.attr)
     itemsize = jnp.dtype(dtype if dtype is not None else variable.get_value().dtype).itemsize
-    sizes[entry.hf_key] = math.prod(entry.hf_shape) * itemsize
-    if shards[-1] and shard_bytes + sizes[entry.hf_key] > limit:
-      shards.append([])
-      shard_bytes = 0
-    shards[-1].append(entry)
-    shard_bytes += sizes[entry.hf_key]
-
-  n = len(shards)
-  names = (
-      [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    sizes[key] = math.prod(entry.hf_shape) * itemsize
+  names = write_safetensors_shards(
+      out_dir,
+      sizes,
+      lambda keys: {k: _torch_layout_tensor(model, entries[k], merge_lora, dtype) for k in keys},
+      max_shard_size,
   )
-  weight_map = {}
-  for name, entries in zip(names, shards):
-    tensors = {e.hf_key: _torch_layout_tensor(model, e, merge_lora, dtype) for e in entries}
-    save_file(tensors, os.path.join(out_dir, name), metadata={"format": "pt"})
-    weight_map.update({e.hf_key: name for e in entries})
-    del tensors
-  if n > 1:
-    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
-    with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
-      json.dump(index, f, indent=2)
 
   hf_config = config.to_hf_config()
   if dtype is not None:
@@ -460,12 +417,10 @@ def load_tokenizer(path: str | os.PathLike):
   import transformers
 
   path = os.fspath(path)
-  if _is_gguf(path):
-    from anlr_jax.models.gguf import load_gguf_tokenizer
-
+  if is_gguf(path):
     return load_gguf_tokenizer(path)
   if not os.path.isdir(path) or not any(
-      os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES
+      os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES
   ):
-    raise FileNotFoundError(f"No tokenizer files ({', '.join(_TOKENIZER_FILES)}) found in {path}.")
+    raise FileNotFoundError(f"No tokenizer files ({', '.join(TOKENIZER_FILES)}) found in {path}.")
   return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
