@@ -71,6 +71,241 @@ def _module_for(run: RunLogs, wanted: str | None) -> str:
   return figure_data.representative_module(run)
 
 
+@dataclasses.dataclass
+class _Output:
+  """The output directory, what has been written to it and what could not be drawn, in order."""
+
+  out: str
+  files: list[str]
+  missing: list[str]
+
+  def path(self, stem: str, ext: str) -> str:
+    return os.path.join(self.out, f'{stem}.{ext}')
+
+  def csv(self, stem: str, rows: list[dict]) -> None:
+    self.files.append(write_csv(self.path(stem, 'csv'), rows))
+
+  def png(self, written: str) -> None:
+    self.files.append(written)
+
+
+def _velocity_bars(o: _Output, diag_runs: list[RunLogs]) -> None:
+  """Fig. 1: each rank's final velocity over its module's mean, a few modules per run."""
+  bars = {run.run_dir: figure_data.velocity_bars(run) for run in diag_runs}
+  stem = rundir.FIG1_VELOCITY_BARS
+  o.csv(stem, [dict(run=r.label, **row) for r in diag_runs for row in bars[r.run_dir]])
+  o.png(
+      figures.velocity_bars_figure(
+          [(r.label, bars[r.run_dir], bar_modules(r)) for r in diag_runs], o.path(stem, 'png')
+      )
+  )
+
+
+def _velocity_trajectory(
+    o: _Output, diag_runs: list[RunLogs], chosen: dict[str, str], stability: dict[str, dict]
+) -> None:
+  """Fig. 2a: per-rank velocity over steps in one module, and the ordering's stability."""
+  stem = rundir.FIG2A_VELOCITY_TRAJECTORY
+  o.csv(
+      stem,
+      [
+          dict(run=r.label, module=chosen[r.run_dir], step=int(s), rank=k, velocity=float(v))
+          for r in diag_runs
+          for s, nu in zip(r.steps, r.nu_bar[chosen[r.run_dir]])
+          for k, v in enumerate(nu)
+      ],
+  )
+  if any(stability.values()):
+    o.csv(
+        rundir.FIG2A_ORDERING_STABILITY,
+        [
+            dict(run=r.label, module=m, spearman=rho)
+            for r in diag_runs
+            for m, rho in stability[r.run_dir].items()
+        ],
+    )
+  else:
+    o.missing.append(
+        'fig2a_ordering_stability: needs at least 2 diagnostic snapshots per run '
+        '(lower trainer.diag_every).'
+    )
+  o.png(
+      figures.velocity_trajectory_figure(
+          [
+              (
+                  r.label,
+                  chosen[r.run_dir],
+                  r.steps,
+                  r.nu_bar[chosen[r.run_dir]],
+                  list(stability[r.run_dir].values()),
+              )
+              for r in diag_runs
+          ],
+          o.path(stem, 'png'),
+      )
+  )
+
+
+def _quartile_magnitude(o: _Output, diag_runs: list[RunLogs]) -> None:
+  """Fig. 2b: the contribution magnitude of each velocity quartile over steps."""
+  quart = {r.run_dir: figure_data.quartile_magnitude(r) for r in diag_runs}
+  stem = rundir.FIG2B_QUARTILE_MAGNITUDE
+  o.csv(
+      stem,
+      [
+          dict(
+              run=r.label,
+              step=int(s),
+              source=quart[r.run_dir][2],
+              **{f'q{q + 1}': float(m[q]) for q in range(4)},
+          )
+          for r in diag_runs
+          for s, m in zip(quart[r.run_dir][0], quart[r.run_dir][1])
+      ],
+  )
+  o.png(
+      figures.quartile_magnitude_figure(
+          [(r.label, *quart[r.run_dir]) for r in diag_runs], o.path(stem, 'png')
+      )
+  )
+
+
+def _log_multipliers(o: _Output, diag_runs: list[RunLogs], chosen: dict[str, str]) -> None:
+  """Fig. 3a: log s_k of one module over steps, for the runs that log multipliers."""
+  heat_runs = [r for r in diag_runs if chosen[r.run_dir] in r.multipliers]
+  if not heat_runs:
+    return
+  heat = {r.run_dir: figure_data.log_multipliers(r, chosen[r.run_dir]) for r in heat_runs}
+  stem = rundir.FIG3A_LOG_MULTIPLIERS
+  o.csv(
+      stem,
+      [
+          dict(run=r.label, module=chosen[r.run_dir], step=int(s), rank=k, log_s=float(v))
+          for r in heat_runs
+          for s, ls in zip(*heat[r.run_dir])
+          for k, v in enumerate(ls)
+      ],
+  )
+  o.png(
+      figures.multiplier_heatmap_figure(
+          [(r.label, chosen[r.run_dir], *heat[r.run_dir]) for r in heat_runs],
+          o.path(stem, 'png'),
+      )
+  )
+
+
+def _velocity_vs_concentration(
+    o: _Output, diag_runs: list[RunLogs], spectra: dict[str, dict]
+) -> None:
+  """Fig. 2c: a module's velocity anisotropy against its adapter's energy concentration."""
+  both = [r for r in diag_runs if spectra[r.run_dir]]
+  conc = {r.run_dir: figure_data.velocity_vs_concentration(r, spectra[r.run_dir]) for r in both}
+  both = [r for r in both if conc[r.run_dir]]
+  if not both:
+    o.missing.append(
+        f'fig2c not drawn: needs {_DIAG_FILES} and {rundir.LORA_FILE} with '
+        'matching module names in the same run.'
+    )
+    return
+  stem = rundir.FIG2C_VELOCITY_VS_CONCENTRATION
+  o.csv(stem, [dict(run=r.label, **row) for r in both for row in conc[r.run_dir]])
+  o.png(
+      figures.concentration_figure(
+          [
+              (
+                  r.label,
+                  conc[r.run_dir],
+                  figure_data.cumulative_energy_by_velocity_group(
+                      conc[r.run_dir], spectra[r.run_dir]
+                  ),
+              )
+              for r in both
+          ],
+          o.path(stem, 'png'),
+      )
+  )
+
+
+def _cumulative_energy(
+    o: _Output, runs: list[RunLogs], spectra: dict[str, dict]
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """Fig. 3b: mean cumulative singular energy of the adapters; returns each run's (share, cum.)."""
+  energy = {
+      r.run_dir: figure_data.cumulative_energy_mean(spectra[r.run_dir])
+      for r in runs
+      if spectra[r.run_dir]
+  }
+  spec_runs = [r for r in runs if r.run_dir in energy]
+  if not spec_runs:
+    o.missing.append(f'fig3b not drawn: no run has {rundir.LORA_FILE}.')
+    return energy
+  stem = rundir.FIG3B_CUMULATIVE_ENERGY
+  o.csv(
+      stem,
+      [
+          dict(run=r.label, index=i + 1, energy_share=float(p), cumulative_energy=float(c))
+          for r in spec_runs
+          for i, (p, c) in enumerate(zip(*energy[r.run_dir]))
+      ],
+  )
+  o.png(
+      figures.cumulative_energy_figure(
+          [(r.label, energy[r.run_dir][1]) for r in spec_runs], o.path(stem, 'png')
+      )
+  )
+  return energy
+
+
+def _energy_shift(o: _Output, runs: list[RunLogs], energy: dict[str, tuple]) -> None:
+  """Fig. 3c: the per-index energy share of run B minus run A."""
+  spec_runs = [r for r in runs if r.run_dir in energy]
+  if len(spec_runs) != 2:
+    o.missing.append(
+        f'fig3c not drawn: needs {rundir.LORA_FILE} in both runs.'
+        if len(runs) == 2
+        else 'fig3c not drawn: needs two runs (anlr analyze RUN_LORA RUN_ANLR).'
+    )
+    return
+  a, b = spec_runs
+  pa, pb = energy[a.run_dir][0], energy[b.run_dir][0]
+  if len(pa) != len(pb):
+    o.missing.append(f'fig3c not drawn: the runs have different ranks ({len(pa)} vs {len(pb)}).')
+    return
+  shift = measures.energy_shift(pa, pb)
+  stem = rundir.FIG3C_ENERGY_SHIFT
+  o.csv(
+      stem,
+      [
+          dict(index=i + 1, share_a=float(x), share_b=float(y), shift=float(s))
+          for i, (x, y, s) in enumerate(zip(pa, pb, shift))
+      ],
+  )
+  o.png(figures.energy_shift_figure(shift, a.label, b.label, o.path(stem, 'png')))
+
+
+def _summary(o: _Output, runs: list[RunLogs], spectra: dict, stability: dict) -> list[dict]:
+  """The summary table, runs side by side, as CSV and Markdown."""
+  summary = [
+      figure_data.summary_row(r, spectra[r.run_dir], stability.get(r.run_dir, {})) for r in runs
+  ]
+  o.csv(
+      rundir.ANALYSIS_SUMMARY,
+      [
+          dict(metric=key, description=desc, **{r.label: s[key] for r, s in zip(runs, summary)})
+          for key, desc in figure_data.SUMMARY_COLUMNS
+      ],
+  )
+  o.files.append(
+      write_markdown(
+          o.path(rundir.ANALYSIS_SUMMARY, 'md'),
+          ['metric'] + [r.label for r in runs],
+          [[desc] + [s[key] for s in summary] for key, desc in figure_data.SUMMARY_COLUMNS],
+          title='Rank-one dynamics summary',
+      )
+  )
+  return summary
+
+
 def analyze(
     run_dirs: Sequence[str],
     out: str,
@@ -98,233 +333,37 @@ def analyze(
   if len(runs) == 2 and runs[0].label == runs[1].label:
     runs[0].label, runs[1].label = f'A: {runs[0].label}', f'B: {runs[1].label}'
   os.makedirs(out, exist_ok=True)
-  files, missing = [], [m for run in runs for m in run.missing]
-  path = lambda name: os.path.join(out, name)
+  o = _Output(out, files=[], missing=[m for run in runs for m in run.missing])
   diag_runs = [run for run in runs if run.has_diagnostics]
   spectra = {run.run_dir: figure_data.module_spectra(run) for run in runs}
 
+  stability = {}
   if diag_runs:
-    # Fig. 1
-    bars = {run.run_dir: figure_data.velocity_bars(run) for run in diag_runs}
-    files.append(
-        write_csv(
-            path(f'{rundir.FIG1_VELOCITY_BARS}.csv'),
-            [dict(run=r.label, **row) for r in diag_runs for row in bars[r.run_dir]],
-        )
-    )
-    files.append(
-        figures.velocity_bars_figure(
-            [(r.label, bars[r.run_dir], bar_modules(r)) for r in diag_runs],
-            path(f'{rundir.FIG1_VELOCITY_BARS}.png'),
-        )
-    )
-    # Fig. 2a
-    chosen = {}
     first = _module_for(diag_runs[0], module)
-    for run in diag_runs:
-      chosen[run.run_dir] = first if first in run.nu_bar else _module_for(run, None)
+    chosen = {r.run_dir: first if first in r.nu_bar else _module_for(r, None) for r in diag_runs}
     stability = {
         r.run_dir: figure_data.ordering_stability_by_module(r, early_fraction=early_fraction)
         for r in diag_runs
     }
-    files.append(
-        write_csv(
-            path(f'{rundir.FIG2A_VELOCITY_TRAJECTORY}.csv'),
-            [
-                dict(run=r.label, module=chosen[r.run_dir], step=int(s), rank=k, velocity=float(v))
-                for r in diag_runs
-                for s, nu in zip(r.steps, r.nu_bar[chosen[r.run_dir]])
-                for k, v in enumerate(nu)
-            ],
-        )
-    )
-    if any(stability.values()):
-      files.append(
-          write_csv(
-              path(f'{rundir.FIG2A_ORDERING_STABILITY}.csv'),
-              [
-                  dict(run=r.label, module=m, spearman=rho)
-                  for r in diag_runs
-                  for m, rho in stability[r.run_dir].items()
-              ],
-          )
-      )
-    else:
-      missing.append(
-          'fig2a_ordering_stability: needs at least 2 diagnostic snapshots per run '
-          '(lower trainer.diag_every).'
-      )
-    files.append(
-        figures.velocity_trajectory_figure(
-            [
-                (
-                    r.label,
-                    chosen[r.run_dir],
-                    r.steps,
-                    r.nu_bar[chosen[r.run_dir]],
-                    list(stability[r.run_dir].values()),
-                )
-                for r in diag_runs
-            ],
-            path(f'{rundir.FIG2A_VELOCITY_TRAJECTORY}.png'),
-        )
-    )
-    # Fig. 2b
-    quart = {r.run_dir: figure_data.quartile_magnitude(r) for r in diag_runs}
-    files.append(
-        write_csv(
-            path(f'{rundir.FIG2B_QUARTILE_MAGNITUDE}.csv'),
-            [
-                dict(
-                    run=r.label,
-                    step=int(s),
-                    source=quart[r.run_dir][2],
-                    **{f'q{q + 1}': float(m[q]) for q in range(4)},
-                )
-                for r in diag_runs
-                for s, m in zip(quart[r.run_dir][0], quart[r.run_dir][1])
-            ],
-        )
-    )
-    files.append(
-        figures.quartile_magnitude_figure(
-            [(r.label, *quart[r.run_dir]) for r in diag_runs],
-            path(f'{rundir.FIG2B_QUARTILE_MAGNITUDE}.png'),
-        )
-    )
-    # Fig. 3a
-    heat_runs = [r for r in diag_runs if chosen[r.run_dir] in r.multipliers]
-    heat = {r.run_dir: figure_data.log_multipliers(r, chosen[r.run_dir]) for r in heat_runs}
-    if heat_runs:
-      files.append(
-          write_csv(
-              path(f'{rundir.FIG3A_LOG_MULTIPLIERS}.csv'),
-              [
-                  dict(run=r.label, module=chosen[r.run_dir], step=int(s), rank=k, log_s=float(v))
-                  for r in heat_runs
-                  for s, ls in zip(*heat[r.run_dir])
-                  for k, v in enumerate(ls)
-              ],
-          )
-      )
-      files.append(
-          figures.multiplier_heatmap_figure(
-              [(r.label, chosen[r.run_dir], *heat[r.run_dir]) for r in heat_runs],
-              path(f'{rundir.FIG3A_LOG_MULTIPLIERS}.png'),
-          )
-      )
+    _velocity_bars(o, diag_runs)
+    _velocity_trajectory(o, diag_runs, chosen, stability)
+    _quartile_magnitude(o, diag_runs)
+    _log_multipliers(o, diag_runs, chosen)
   else:
-    stability = {}
-    missing.append(
+    o.missing.append(
         f'fig1, fig2a, fig2b, fig3a not drawn: no run has {_DIAG_FILES} '
         '(train with trainer.diag_every=N).'
     )
+  _velocity_vs_concentration(o, diag_runs, spectra)
+  energy = _cumulative_energy(o, runs, spectra)
+  _energy_shift(o, runs, energy)
+  summary = _summary(o, runs, spectra, stability)
 
-  # Fig. 2c
-  both = [r for r in diag_runs if spectra[r.run_dir]]
-  conc = {r.run_dir: figure_data.velocity_vs_concentration(r, spectra[r.run_dir]) for r in both}
-  both = [r for r in both if conc[r.run_dir]]
-  if both:
-    files.append(
-        write_csv(
-            path(f'{rundir.FIG2C_VELOCITY_VS_CONCENTRATION}.csv'),
-            [dict(run=r.label, **row) for r in both for row in conc[r.run_dir]],
-        )
-    )
-    files.append(
-        figures.concentration_figure(
-            [
-                (
-                    r.label,
-                    conc[r.run_dir],
-                    figure_data.cumulative_energy_by_velocity_group(
-                        conc[r.run_dir], spectra[r.run_dir]
-                    ),
-                )
-                for r in both
-            ],
-            path(f'{rundir.FIG2C_VELOCITY_VS_CONCENTRATION}.png'),
-        )
-    )
-  else:
-    missing.append(
-        f'fig2c not drawn: needs {_DIAG_FILES} and {rundir.LORA_FILE} with '
-        'matching module names in the same run.'
-    )
-
-  # Fig. 3b / 3c
-  spec_runs = [r for r in runs if spectra[r.run_dir]]
-  energy = {r.run_dir: figure_data.cumulative_energy_mean(spectra[r.run_dir]) for r in spec_runs}
-  if spec_runs:
-    files.append(
-        write_csv(
-            path(f'{rundir.FIG3B_CUMULATIVE_ENERGY}.csv'),
-            [
-                dict(run=r.label, index=i + 1, energy_share=float(p), cumulative_energy=float(c))
-                for r in spec_runs
-                for i, (p, c) in enumerate(zip(*energy[r.run_dir]))
-            ],
-        )
-    )
-    files.append(
-        figures.cumulative_energy_figure(
-            [(r.label, energy[r.run_dir][1]) for r in spec_runs],
-            path(f'{rundir.FIG3B_CUMULATIVE_ENERGY}.png'),
-        )
-    )
-  else:
-    missing.append(f'fig3b not drawn: no run has {rundir.LORA_FILE}.')
-  if len(spec_runs) == 2:
-    a, b = spec_runs
-    pa, pb = energy[a.run_dir][0], energy[b.run_dir][0]
-    if len(pa) == len(pb):
-      shift = measures.energy_shift(pa, pb)
-      files.append(
-          write_csv(
-              path(f'{rundir.FIG3C_ENERGY_SHIFT}.csv'),
-              [
-                  dict(index=i + 1, share_a=float(x), share_b=float(y), shift=float(s))
-                  for i, (x, y, s) in enumerate(zip(pa, pb, shift))
-              ],
-          )
-      )
-      files.append(
-          figures.energy_shift_figure(
-              shift, a.label, b.label, path(f'{rundir.FIG3C_ENERGY_SHIFT}.png')
-          )
-      )
-    else:
-      missing.append(f'fig3c not drawn: the runs have different ranks ({len(pa)} vs {len(pb)}).')
-  elif len(runs) == 2:
-    missing.append(f'fig3c not drawn: needs {rundir.LORA_FILE} in both runs.')
-  else:
-    missing.append('fig3c not drawn: needs two runs (anlr analyze RUN_LORA RUN_ANLR).')
-
-  # Summary table, runs side by side.
-  summary = [
-      figure_data.summary_row(r, spectra[r.run_dir], stability.get(r.run_dir, {})) for r in runs
-  ]
-  files.append(
-      write_csv(
-          path(f'{rundir.ANALYSIS_SUMMARY}.csv'),
-          [
-              dict(metric=key, description=desc, **{r.label: s[key] for r, s in zip(runs, summary)})
-              for key, desc in figure_data.SUMMARY_COLUMNS
-          ],
-      )
-  )
-  files.append(
-      write_markdown(
-          path(f'{rundir.ANALYSIS_SUMMARY}.md'),
-          ['metric'] + [r.label for r in runs],
-          [[desc] + [s[key] for s in summary] for key, desc in figure_data.SUMMARY_COLUMNS],
-          title='Rank-one dynamics summary',
-      )
-  )
-  if missing:
-    with open(path(rundir.MISSING_FILE), 'w') as f:
-      f.write('\n'.join(missing) + '\n')
-    files.append(path(rundir.MISSING_FILE))
-    for message in missing:
+  if o.missing:
+    missing_file = os.path.join(out, rundir.MISSING_FILE)
+    with open(missing_file, 'w') as f:
+      f.write('\n'.join(o.missing) + '\n')
+    o.files.append(missing_file)
+    for message in o.missing:
       log(f'anlr analyze: {message}')
-  return AnalysisReport(files=files, missing=missing, summary=summary)
+  return AnalysisReport(files=o.files, missing=o.missing, summary=summary)
