@@ -430,3 +430,42 @@ def test_llama_train_export_load_in_peft(tmp_path, variant):
   assert _tensor_bytes(tmp_path / "adapter" / "adapter_model.safetensors") == _tensor_bytes(
       tmp_path / "again" / "adapter_model.safetensors"
   )
+
+
+def test_read_adapter_names_what_is_wrong_with_the_directory(tmp_path):
+  from anlr_jax.nn.peft_io import adapter_peft_type, read_adapter, write_adapter
+
+  with pytest.raises(FileNotFoundError, match="adapter config not found"):
+    read_adapter(tmp_path, "LORA")
+  assert adapter_peft_type(tmp_path) is None
+  (tmp_path / "adapter_config.json").write_text("[1, 2]")
+  with pytest.raises(ValueError, match="is not a JSON object"):
+    read_adapter(tmp_path, "LORA")
+  (tmp_path / "adapter_config.json").write_text("{oops")
+  with pytest.raises(ValueError, match="is not valid JSON"):
+    read_adapter(tmp_path, "LORA")
+  tensors = {"base_model.model.x.lora_A.weight": np.ones((2, 3), np.float32)}
+  write_adapter(
+      tmp_path,
+      tensors,
+      peft_type="ADALORA",
+      task_type=None,
+      base_model_name_or_path=None,
+      alpha=4.0,
+      dropout=0.0,
+      target_modules=["x"],
+      init_r=2,
+  )
+  config = json.loads((tmp_path / "adapter_config.json").read_text())
+  assert config["lora_alpha"] == 4 and isinstance(config["lora_alpha"], int)
+  assert config["init_r"] == 2 and config["target_modules"] == ["x"]
+  assert adapter_peft_type(tmp_path) == "ADALORA"
+  with pytest.raises(ValueError, match="peft_type 'ADALORA' is not 'LORA'"):
+    read_adapter(tmp_path, "LORA")
+  config, read, _ = read_adapter(tmp_path, "ADALORA")
+  np.testing.assert_array_equal(
+      read["base_model.model.x.lora_A.weight"], tensors[next(iter(tensors))]
+  )
+  (tmp_path / "adapter_model.safetensors").unlink()
+  with pytest.raises(FileNotFoundError, match="adapter weights not found"):
+    read_adapter(tmp_path, "ADALORA")

@@ -41,7 +41,7 @@ from anlr_jax.nn import (
     iter_adalora_layers,
     iter_lora_layers,
 )
-from anlr_jax.nn.peft_io import ADAPTER_CONFIG_FILE
+from anlr_jax.nn.peft_io import ADAPTER_CONFIG_FILE, adapter_peft_type
 
 
 def load_base(config: RunConfig, model_path: str | None = None):
@@ -223,7 +223,7 @@ def load_adapted_model(config: RunConfig, adapter: str | None, *, model_path: st
     load_lora_params(model, os.path.join(adapter, rundir.LORA_FILE))
   elif os.path.isfile(os.path.join(adapter, ADAPTER_CONFIG_FILE)):
     model, model_config, tokenizer = load_base(config, model_path)
-    if _peft_type(os.path.join(adapter, ADAPTER_CONFIG_FILE)) == "ADALORA":
+    if adapter_peft_type(adapter) == "ADALORA":
       import_adalora_adapter(model, adapter)
     else:
       import_peft_adapter(model, adapter)
@@ -234,14 +234,6 @@ def load_adapted_model(config: RunConfig, adapter: str | None, *, model_path: st
     )
   model.eval()
   return model, model_config, tokenizer
-
-
-def _peft_type(config_path: str) -> str | None:
-  try:
-    with open(config_path, encoding="utf-8") as f:
-      return json.load(f).get("peft_type")
-  except (OSError, ValueError, AttributeError):
-    return None  # import_peft_adapter says what is wrong with the file
 
 
 __all__ = [

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 import typing as tp
@@ -41,8 +40,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from anlr_jax.nn.inject import (
     PAPER_TARGET_MODULES,
@@ -51,7 +48,7 @@ from anlr_jax.nn.inject import (
     set_submodule,
 )
 from anlr_jax.nn.lora import ADAPTER_DTYPE, kernel_axes, low_rank_product
-from anlr_jax.nn.peft_io import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, KEY_PREFIX
+from anlr_jax.nn.peft_io import KEY_PREFIX, read_adapter, write_adapter
 from anlr_jax.optim.adalora import AdaLoRAConfig
 
 INIT_STD = 0.02
@@ -261,40 +258,26 @@ def export_adalora_adapter(
 
   if target_modules is None:
     target_modules = sorted({p.rsplit(".", 1)[-1] for p in paths})
-  peft_config = {
-      "peft_type": "ADALORA",
-      "task_type": task_type,
-      "base_model_name_or_path": base_model_name_or_path or None,
-      "init_r": config.init_r,
-      "target_r": config.target_r,
-      "tinit": config.tinit,
-      "tfinal": config.tfinal,
-      "deltaT": config.deltaT,
-      "beta1": config.beta1,
-      "beta2": config.beta2,
-      "orth_reg_weight": config.orth_reg_weight,
-      "total_step": config.total_step,
-      "rank_pattern": (
-          {f"{p}{FACTOR_KEYS['lora_e']}": v for p, v in sorted(pattern.items())} or None
-      ),
-      "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
-      "lora_dropout": dropout,
-      "target_modules": list(target_modules),
-      "init_lora_weights": True,
-      "fan_in_fan_out": False,
-      "bias": "none",
-      "modules_to_save": None,
-      "layers_to_transform": None,
-      "layers_pattern": None,
-      "use_rslora": False,
-      "use_dora": False,
-      "inference_mode": True,
-      "revision": None,
-  }
-  os.makedirs(out_dir, exist_ok=True)
-  with open(os.path.join(out_dir, ADAPTER_CONFIG_FILE), "w") as f:
-    json.dump(peft_config, f, indent=2, sort_keys=True)
-  save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+  write_adapter(
+      out_dir,
+      tensors,
+      peft_type="ADALORA",
+      task_type=task_type,
+      base_model_name_or_path=base_model_name_or_path,
+      alpha=alpha,
+      dropout=dropout,
+      target_modules=target_modules,
+      init_r=config.init_r,
+      target_r=config.target_r,
+      tinit=config.tinit,
+      tfinal=config.tfinal,
+      deltaT=config.deltaT,
+      beta1=config.beta1,
+      beta2=config.beta2,
+      orth_reg_weight=config.orth_reg_weight,
+      total_step=config.total_step,
+      rank_pattern=({f"{p}{FACTOR_KEYS['lora_e']}": v for p, v in sorted(pattern.items())} or None),
+  )
 
 
 def import_adalora_adapter(
@@ -322,16 +305,7 @@ def import_adalora_adapter(
     FileNotFoundError: a file is missing. KeyError: a tensor is missing or names no module.
     ValueError: not an ADALORA adapter, or a shape mismatch.
   """
-  adapter_dir = os.fspath(adapter_dir)
-  config_path = os.path.join(adapter_dir, ADAPTER_CONFIG_FILE)
-  weights_path = os.path.join(adapter_dir, ADAPTER_WEIGHTS_FILE)
-  for path in (config_path, weights_path):
-    if not os.path.isfile(path):
-      raise FileNotFoundError(f"adapter file not found: {path}")
-  with open(config_path) as f:
-    raw = json.load(f)
-  if raw.get("peft_type") != "ADALORA":
-    raise ValueError(f"{config_path}: peft_type {raw.get('peft_type')!r} is not 'ADALORA'")
+  raw, tensors, weights_path = read_adapter(adapter_dir, "ADALORA")
   config = AdaLoRAConfig(
       **{f.name: raw.get(f.name, f.default) for f in dataclasses.fields(AdaLoRAConfig)}
   )
@@ -343,8 +317,6 @@ def import_adalora_adapter(
       if k.endswith(FACTOR_KEYS["lora_e"])
   }
   rngs = nnx.Rngs(0) if rngs is None else rngs
-  with safe_open(weights_path, framework="numpy") as f:
-    tensors = {key: f.get_tensor(key) for key in f.keys()}
   suffix = FACTOR_KEYS["lora_a"]
   module_paths = sorted(
       k[len(KEY_PREFIX) : -len(suffix)]

@@ -133,47 +133,111 @@ def export_peft_adapter(
           layer.lora_magnitude[...]
       )
 
+  write_adapter(
+      out_dir,
+      tensors,
+      peft_type="LORA",
+      task_type=task_type,
+      base_model_name_or_path=base_model_name_or_path,
+      alpha=alpha,
+      dropout=dropout,
+      target_modules=_target_names(model, [p for p, _ in layers]),
+      use_rslora=use_rslora,
+      use_dora=use_dora,
+      r=rank,
+      lora_bias=False,
+      rank_pattern={},
+      alpha_pattern={},
+  )
+
+
+def write_adapter(
+    out_dir: str | os.PathLike,
+    tensors: dict[str, np.ndarray],
+    *,
+    peft_type: str,
+    task_type: str | None,
+    base_model_name_or_path: str | None,
+    alpha: float,
+    dropout: float,
+    target_modules: tp.Sequence[str],
+    use_rslora: bool = False,
+    use_dora: bool = False,
+    **settings: tp.Any,
+) -> None:
+  """Writes ``adapter_config.json`` (the fields every PEFT adapter type shares, then ``settings``,
+  the type's own) and ``adapter_model.safetensors`` to ``out_dir`` (created if needed)."""
   config = {
-      "peft_type": "LORA",
+      "peft_type": peft_type,
       "task_type": task_type,
       "base_model_name_or_path": base_model_name_or_path or None,
-      "r": rank,
       "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
       "lora_dropout": dropout,
+      "target_modules": list(target_modules),
       "use_rslora": use_rslora,
       "use_dora": use_dora,
-      "target_modules": _target_names(model, [p for p, _ in layers]),
       "init_lora_weights": True,
       "fan_in_fan_out": False,
       "bias": "none",
-      "lora_bias": False,
       "modules_to_save": None,
-      "rank_pattern": {},
-      "alpha_pattern": {},
       "layers_to_transform": None,
       "layers_pattern": None,
       "inference_mode": True,
       "revision": None,
+      **settings,
   }
+  out_dir = os.fspath(out_dir)
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, ADAPTER_CONFIG_FILE), "w") as f:
     json.dump(config, f, indent=2, sort_keys=True)
   save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
 
 
-def _read_config(config_path: str) -> dict:
+def adapter_peft_type(adapter_dir: str | os.PathLike) -> str | None:
+  """The ``peft_type`` of an adapter directory's config (``"LORA"`` when the field is absent), or
+  None when the config is missing or unreadable (the importer then says what is wrong)."""
+  try:
+    with open(os.path.join(adapter_dir, ADAPTER_CONFIG_FILE), encoding="utf-8") as f:
+      return json.load(f).get("peft_type", "LORA")
+  except (OSError, ValueError, AttributeError):
+    return None
+
+
+def read_adapter(
+    adapter_dir: str | os.PathLike, peft_type: str
+) -> tuple[dict[str, tp.Any], dict[str, np.ndarray], str]:
+  """An adapter directory's config, its tensors and the weights file's path (for messages).
+
+  Raises:
+    FileNotFoundError: a file is missing. ValueError: the config is not a JSON object, or its
+    ``peft_type`` (``"LORA"`` when absent) is not ``peft_type``.
+  """
+  adapter_dir = os.fspath(adapter_dir)
+  config_path = os.path.join(adapter_dir, ADAPTER_CONFIG_FILE)
+  weights_path = os.path.join(adapter_dir, ADAPTER_WEIGHTS_FILE)
   if not os.path.isfile(config_path):
     raise FileNotFoundError(f"adapter config not found: {config_path}")
-  with open(config_path) as f:
+  with open(config_path, encoding="utf-8") as f:
     try:
       config = json.load(f)
     except json.JSONDecodeError as err:
       raise ValueError(f"{config_path} is not valid JSON: {err}") from err
+  if not isinstance(config, dict):
+    raise ValueError(f"{config_path} is not a JSON object")
+  if config.get("peft_type", "LORA") != peft_type:
+    raise ValueError(f"{config_path}: peft_type {config['peft_type']!r} is not {peft_type!r}")
+  if not os.path.isfile(weights_path):
+    raise FileNotFoundError(f"adapter weights not found: {weights_path}")
+  with safe_open(weights_path, framework="numpy") as f:
+    tensors = {key: f.get_tensor(key) for key in f.keys()}
+  return config, tensors, weights_path
+
+
+def _check_lora_config(config: dict, config_path: str) -> None:
+  """Refuses a LoRA config this importer cannot reproduce, naming the field."""
   for key in ("r", "lora_alpha"):
     if key not in config:
       raise KeyError(f"{config_path} has no '{key}'")
-  if config.get("peft_type", "LORA") != "LORA":
-    raise ValueError(f"{config_path}: peft_type {config['peft_type']!r} is not 'LORA'")
   unsupported = {
       "fan_in_fan_out": (False, None),
       "rank_pattern": ({}, None),
@@ -194,7 +258,6 @@ def _read_config(config_path: str) -> dict:
           f"{config_path}: {key}={config[key]!r} is not supported (expected one of {allowed}); "
           "PiSSA-style adapters must be converted to plain LoRA first"
       )
-  return config
 
 
 def import_peft_adapter(
@@ -223,19 +286,13 @@ def import_peft_adapter(
     FileNotFoundError: a file is missing. KeyError: a tensor key is missing or names no module in
     ``model``. ValueError: a shape mismatch, an unsupported config field or an incompatible layer.
   """
-  adapter_dir = os.fspath(adapter_dir)
-  config_path = os.path.join(adapter_dir, ADAPTER_CONFIG_FILE)
-  weights_path = os.path.join(adapter_dir, ADAPTER_WEIGHTS_FILE)
-  config = _read_config(config_path)
-  if not os.path.isfile(weights_path):
-    raise FileNotFoundError(f"adapter weights not found: {weights_path}")
+  config, tensors, weights_path = read_adapter(adapter_dir, "LORA")
+  _check_lora_config(config, os.path.join(adapter_dir, ADAPTER_CONFIG_FILE))
   rank, alpha = int(config["r"]), float(config["lora_alpha"])
   use_rslora, use_dora = bool(config.get("use_rslora", False)), bool(config.get("use_dora", False))
   dropout = float(config.get("lora_dropout", 0.0))
   rngs = nnx.Rngs(0) if rngs is None else rngs
 
-  with safe_open(weights_path, framework="numpy") as f:
-    tensors = {key: f.get_tensor(key) for key in f.keys()}
   expected_keys = set()
   module_paths = sorted(
       k[len(KEY_PREFIX) : -len(LORA_A_SUFFIX)]
