@@ -265,7 +265,7 @@ def test_budget_schedule_matches_paper_formula_and_peft(init_r, target_r, tinit,
   for t in range(0, total + 3):
     assert ada.budget_schedule(t, b0, bT, cfg) == allocator.budget_schedule(t)
   # the traced table lookup used inside update_and_allocate
-  table = jax.jit(lambda s: ada._budget_at(s, b0, bT, cfg))
+  table = jax.jit(lambda s: ada.budget_at(s, b0, bT, cfg))
   assert [int(table(t)) for t in range(0, total + 3, max(1, total // 50))] == [
       ours[t + 1] for t in range(0, total + 3, max(1, total // 50))
   ]

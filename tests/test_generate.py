@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from anlr_jax.models.generation import TRACE_COUNTS, _decode_step, _filter_logits, generate
+from anlr_jax.models.generation import TRACE_COUNTS, filter_logits, generate
 from anlr_jax.models.hf_io import load_hf_model
 from tests.test_models_llama import left_padded_batch, make_hf_model
 
@@ -68,11 +68,9 @@ def test_decode_step_compiles_once(hf_and_flax):
   n = 20  # the length the other tests use, so the compiled functions are shared
   generate(model, ids, mask, max_new_tokens=n)  # warm up this model / shape
   traces = dict(TRACE_COUNTS)
-  cache_size = _decode_step._cache_size()
   out = generate(model, ids, mask, max_new_tokens=n)
   generate(model, ids, mask, max_new_tokens=n, eos_token_id=int(out[0, 1]), pad_token_id=3)
   assert TRACE_COUNTS == traces  # 19 more decode steps per call, new eos/pad ids: no new trace
-  assert _decode_step._cache_size() == cache_size
   # Sampling compiles once more, whatever the temperature / top_k / top_p.
   generate(model, ids, mask, max_new_tokens=n, temperature=0.5, rng=jax.random.key(0))
   sampled = dict(TRACE_COUNTS)
@@ -100,14 +98,14 @@ def test_sampling_is_reproducible_and_seed_dependent(hf_and_flax):
 
 def test_filter_logits_against_numpy():
   logits = jnp.log(jnp.asarray([[0.05, 0.4, 0.1, 0.3, 0.15], [0.2, 0.2, 0.2, 0.2, 0.2]]))
-  kept = np.asarray(_filter_logits(logits, None, 0.75)) > -1e30
+  kept = np.asarray(filter_logits(logits, None, 0.75)) > -1e30
   # Row 0 sorted: 0.4, 0.3 (mass 0.7 < 0.75), 0.15 reaches 0.85 -> keep {1, 3, 4}.
   np.testing.assert_array_equal(kept[0], [False, True, False, True, True])
-  kept_k = np.asarray(_filter_logits(logits, 2, None)) > -1e30
+  kept_k = np.asarray(filter_logits(logits, 2, None)) > -1e30
   np.testing.assert_array_equal(kept_k[0], [False, True, False, True, False])
   # Sampling under top_p never leaves the nucleus.
   draws = jax.random.categorical(
-      jax.random.key(0), _filter_logits(logits, None, 0.75)[:1], shape=(2000,)
+      jax.random.key(0), filter_logits(logits, None, 0.75)[:1], shape=(2000,)
   )
   assert set(np.unique(np.asarray(draws))) == {1, 3, 4}
 

@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 
 ASSET_PREFIX = "asset://"
 PACKAGE_PREFIX = "package://"
-PLACEHOLDERS = ("{method}", "{seed}", "{run_dir}")
-"""Expanded in every path key (``run_dir`` takes ``{timestamp}`` instead of ``{run_dir}``)."""
 
 CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 """The shipped run configs (package data)."""
@@ -176,7 +174,6 @@ __all__ = [
     "ASSET_PREFIX",
     "CONFIGS_DIR",
     "PACKAGE_PREFIX",
-    "PLACEHOLDERS",
     "QUICKSTART",
     "config_summary",
     "expand_paths",

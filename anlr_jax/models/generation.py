@@ -39,7 +39,7 @@ class SamplingParams(NamedTuple):
   pad_token_id: jax.Array  # int32 scalar
 
 
-def _filter_logits(logits: jax.Array, top_k, top_p) -> jax.Array:
+def filter_logits(logits: jax.Array, top_k, top_p) -> jax.Array:
   """Sets logits outside the top-k / nucleus (top-p) set to the dtype minimum; ``(B, V)``.
 
   ``top_k`` keeps the ``k`` largest logits (ties at the k-th value stay); ``k <= 0`` or None keeps
@@ -69,7 +69,7 @@ def _next_token(logits, done, rng, step, params: SamplingParams, *, greedy):
   if greedy:
     token = jnp.argmax(logits, axis=-1)
   else:
-    scaled = _filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    scaled = filter_logits(logits / params.temperature, params.top_k, params.top_p)
     token = jax.random.categorical(jax.random.fold_in(rng, step), scaled, axis=-1)
   token = jnp.where(done, params.pad_token_id, token).astype(jnp.int32)
   done = done | ((token == params.eos_token_id) & (params.eos_token_id >= 0))

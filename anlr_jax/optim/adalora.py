@@ -62,6 +62,7 @@ __all__ = [
     "AdaLoRAConfig",
     "AdaLoRAState",
     "RankAllocatorState",
+    "budget_at",
     "budget_schedule",
     "mask_to_budget",
     "orth_regularization",
@@ -303,8 +304,9 @@ def budget_schedule(step: int, init_bgt: int, target_bgt: int, config: AdaLoRACo
   return int((init_bgt - target_bgt) * (mul_coeff**3) + target_bgt), step % config.deltaT == 0
 
 
-def _budget_at(step, init_bgt: int, target_bgt: int, config: AdaLoRAConfig) -> jax.Array:
-  """``b(step)`` for a traced step: the exact Python values, tabulated for ``0 <= t <= T``."""
+def budget_at(step, init_bgt: int, target_bgt: int, config: AdaLoRAConfig) -> jax.Array:
+  """:func:`budget_schedule`'s budget ``b(step)`` for a traced ``step``: its exact Python values,
+  tabulated for ``0 <= t <= T`` (steps outside are clipped into that range)."""
   table = np.array(
       [budget_schedule(s, init_bgt, target_bgt, config)[0] for s in range(config.total_step + 1)],
       np.int32,
@@ -351,7 +353,7 @@ def _allocate(params, grads, state: RankAllocatorState, step, config: AdaLoRACon
       unc[t.name][f] = jnp.where(updating, new_unc, old_unc)
 
   init_bgt, modules = _budgets(triplets)
-  budget = _budget_at(step, init_bgt, config.target_r * modules, config)
+  budget = budget_at(step, init_bgt, config.target_r * modules, config)
   fresh = mask_to_budget(triplet_scores(avg, unc), budget)
   mask_now = (updating & (step > config.tinit) & (step % config.deltaT == 0)) | (
       step == final_start
