@@ -48,6 +48,19 @@ class SweepCell:
   def describe(self) -> str:
     return f'method={self.method} lr={self.learning_rate:g} seed={self.seed}'
 
+  def overrides(self) -> list[str]:
+    """The run-config overrides that make a run this cell (each field's key in :data:`CELL_KEYS`)."""
+    values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    # repr keeps every digit of a float; names and seeds go as they are
+    return [
+        f'{CELL_KEYS[k]}={v!r}' if isinstance(v, float) else f'{CELL_KEYS[k]}={v}'
+        for k, v in values.items()
+    ]
+
+
+CELL_KEYS = {'method': 'method', 'learning_rate': 'trainer.learning_rate', 'seed': 'seed'}
+"""Each :class:`SweepCell` field's run-config key; the fields are also the first result columns."""
+
 
 Runner = Callable[[SweepCell, str], None]
 """Runs one cell so that it leaves ``<run_dir>/results.json``; raises on failure."""
@@ -77,7 +90,8 @@ def subprocess_runner(
     config: str, overrides: Sequence[str] = (), *, python: str = sys.executable
 ) -> Runner:
   """The default runner: ``python -m anlr_jax train --config CONFIG run_dir=<cell dir>
-  method=<m> trainer.learning_rate=<lr> seed=<s> compare=[] *overrides``, output to
+  method=<m> trainer.learning_rate=<lr> seed=<s> compare=[] *overrides`` (the cell's keys are
+  :data:`CELL_KEYS`), output to
   ``<cell dir>/train.log``. ``compare=[]`` because a config's ``compare`` list would replace ``method``.
   """
 
@@ -91,9 +105,7 @@ def subprocess_runner(
         '--config',
         config,
         f'run_dir={run_dir}',
-        f'method={cell.method}',
-        f'trainer.learning_rate={cell.learning_rate!r}',
-        f'seed={cell.seed}',
+        *cell.overrides(),
         'compare=[]',
         # each cell checkpoints into its own directory, unless the overrides say otherwise
         *(
@@ -178,12 +190,7 @@ def collect_results(cells: Sequence[SweepCell], out: str) -> list[dict]:
       continue
     if not isinstance(result.get('avg'), (int, float)):
       raise ValueError(f'{path}: needs a numeric "avg" (got {result.get("avg")!r})')
-    row = dict(
-        method=cell.method,
-        learning_rate=cell.learning_rate,
-        seed=cell.seed,
-        avg=float(result['avg']),
-    )
+    row = dict(dataclasses.asdict(cell), avg=float(result['avg']))
     row.update({f'acc/{task}': float(v) for task, v in (result.get('accuracy') or {}).items()})
     rows.append(row)
   return rows
