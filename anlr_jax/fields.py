@@ -12,8 +12,9 @@ A settings class (:class:`anlr_jax.train.TrainerConfig`, the sections of the run
         check_fields(self)
 
 :func:`check_fields` is the one validation path: it checks every field against its rule and raises
-:class:`ConfigError` naming the field (``LoraSection.rank=0 is not allowed; must be >= 1``); the
-command line reports the same rule and help text (:func:`field_help`, :func:`rule_of`).
+:class:`ConfigError` naming the field (``LoraSection.rank: 0 is not allowed; must be >= 1``, or with
+the run config's dotted prefix ``lora.rank: 0 is not allowed; must be >= 1``); the command line
+reports the same rule and help text (:func:`field_help`, :func:`rule_of`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,31 @@
+"""The README and the docs: every relative link names a file of the repository, and the README's
+optimizer example runs as printed."""
+
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", ROOT / "configs" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_names_an_existing_file(page):
+  broken = []
+  for target in LINK.findall(page.read_text()):
+    if re.match(r"[a-z]+:", target) or target.startswith("#"):
+      continue  # a web address or an anchor of the same page
+    if not (page.parent / target.split("#")[0]).exists():
+      broken.append(target)
+  assert not broken, f"{page.relative_to(ROOT)} links to missing files: {broken}"
+
+
+def test_the_readme_optimizer_example_runs(capsys):
+  text = (ROOT / "README.md").read_text()
+  blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+  assert blocks, "README.md has no python example"
+  exec(compile(blocks[0], "README.md", "exec"), {})
+  printed = capsys.readouterr().out
+  assert all(key in printed for key in ("velocity_cv", "velocity_max_min", "multiplier_max_min"))
