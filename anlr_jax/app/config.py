@@ -57,6 +57,7 @@ from anlr_jax.fields import (
 from anlr_jax.models.config import ATTENTION_IMPLS
 from anlr_jax.nn.inject import PAPER_TARGET_MODULES
 from anlr_jax.nn.loradash import LORADASH_DEFAULTS
+from anlr_jax.optim.adalora import AdaLoRAConfig
 from anlr_jax.optim.lorapro import MODES as LORAPRO_MODES
 from anlr_jax.optim.transform import DEFAULTS as ANLR_DEFAULTS
 from anlr_jax.optim.transform import RULES as ANLR_RULES
@@ -153,6 +154,10 @@ class LoraPlusSection:
   lr_ratio: float = setting(16.0, "learning rate of B over that of A", Range(0, lo_open=True))
 
 
+ADALORA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AdaLoRAConfig)}
+"""The allocator's defaults (PEFT's ``AdaLoraConfig``), stated once in :class:`AdaLoRAConfig`."""
+
+
 @dataclasses.dataclass
 class AdaLoRASection:
   """AdaLoRA settings (method adalora; PEFT's AdaLoraConfig defaults; init_r is lora.rank)."""
@@ -160,23 +165,33 @@ class AdaLoRASection:
   target_r: int | None = setting(
       None, "final average rank per module; None: lora.rank / 1.5 (paper, PEFT)", Range(1)
   )
-  tinit: int = setting(0, "warm-up updates before any triplet is pruned", Range(0))
+  tinit: int = setting(
+      ADALORA_DEFAULTS["tinit"], "warm-up updates before any triplet is pruned", Range(0)
+  )
   tfinal: int = setting(
-      0, "final updates with the final mask fixed (tinit + tfinal < the run's updates)", Range(0)
+      ADALORA_DEFAULTS["tfinal"],
+      "final updates with the final mask fixed (tinit + tfinal < the run's updates)",
+      Range(0),
   )
   delta_t: int = setting(
-      1, "updates between two maskings while the budget decreases (PEFT's deltaT)", Range(1)
+      ADALORA_DEFAULTS["deltaT"],
+      "updates between two maskings while the budget decreases (PEFT's deltaT)",
+      Range(1),
   )
   beta1: float = setting(
-      0.85, "EMA decay of the sensitivity |theta * grad|", Range(0, 1, lo_open=True, hi_open=True)
+      ADALORA_DEFAULTS["beta1"],
+      "EMA decay of the sensitivity |theta * grad|",
+      Range(0, 1, lo_open=True, hi_open=True),
   )
   beta2: float = setting(
-      0.85,
+      ADALORA_DEFAULTS["beta2"],
       "EMA decay of the sensitivity's uncertainty",
       Range(0, 1, lo_open=True, hi_open=True),
   )
   orth_reg_weight: float = setting(
-      0.5, "weight of the orthogonal regulariser added to the loss", Range(0)
+      ADALORA_DEFAULTS["orth_reg_weight"],
+      "weight of the orthogonal regulariser added to the loss",
+      Range(0),
   )
 
 
