@@ -342,7 +342,7 @@ def test_anlr_on_the_lora_subtree_another_optimizer_on_the_head(compose):
     ref_lora = optax.apply_updates(ref_lora, u)
     u, sgd_state = sgd.update(grads["head"], sgd_state, ref_head)
     ref_head = optax.apply_updates(ref_head, u)
-  chex.assert_trees_all_close(params, {"lora": ref_lora, "head": ref_head}, rtol=1e-5, atol=1e-7)
+  chex.assert_trees_all_close(params, {"lora": ref_lora, "head": ref_head}, rtol=1e-4, atol=1e-6)
   s = anlr_jax.find_anlr_state(state).multipliers["lora.q"]  # named from the whole tree
   np.testing.assert_allclose(s, ref_state.multipliers["q"], rtol=1e-5)
   assert np.ptp(np.asarray(s)) > 1e-3
@@ -366,5 +366,5 @@ def test_inject_hyperparams_learning_rate_changed_mid_run_equals_a_schedule():
     params = optax.apply_updates(params, updates)
     u, ref_state = ref_update(grads, ref_state, ref_params)
     ref_params = optax.apply_updates(ref_params, u)
-  chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-7)
+  chex.assert_trees_all_close(params, ref_params, rtol=1e-4, atol=1e-6)
   assert np.ptp(np.asarray(state.inner_state.multipliers["lora.q"])) > 1e-3
