@@ -368,3 +368,20 @@ def test_inject_hyperparams_learning_rate_changed_mid_run_equals_a_schedule():
     ref_params = optax.apply_updates(ref_params, u)
   chex.assert_trees_all_close(params, ref_params, rtol=1e-4, atol=1e-6)
   assert np.ptp(np.asarray(state.inner_state.multipliers["lora.q"])) > 1e-3
+
+
+def test_rank_magnitudes_of_multi_axis_factors_equal_the_2d_reshape():
+  rng = np.random.default_rng(5)
+  tree = {
+      n: {
+          "w_lora_a": jnp.asarray(rng.normal(size=sa)),
+          "w_lora_b": jnp.asarray(rng.normal(size=sb)),
+      }
+      for n, (sa, sb, _) in MULTI_AXIS.items()
+  }
+  got = anlr_jax.rank_magnitudes(tree)
+  for n, (_, _, nb) in MULTI_AXIS.items():
+    a = _to_2d(np.asarray(tree[n]["w_lora_a"]), nb, True)
+    b = _to_2d(np.asarray(tree[n]["w_lora_b"]), nb, False)
+    expected = np.linalg.norm(a, axis=-2) * np.linalg.norm(b, axis=-1)
+    np.testing.assert_allclose(got[f"{n}.w"], expected, rtol=1e-5)
