@@ -108,32 +108,35 @@ def test_find_lora_modules_axes_of_multi_axis_and_stacked_factors():
 
 
 class _Block(nnx.Module):
-  """nnx.Linear, nnx.Einsum (two output axes) and nnx.Conv, with a plain head left out of LoRA."""
+  """nnx.Conv, nnx.Einsum (two output axes), nnx.Linear and nnx.LinearGeneral."""
 
   def __init__(self, rngs):
     self.conv = nnx.Conv(3, 8, kernel_size=(3, 3), rngs=rngs)
     self.q = nnx.Einsum("btd,dnh->btnh", (8, 2, 4), rngs=rngs)
     self.up = nnx.Linear(8, 16, rngs=rngs)
+    self.out = nnx.LinearGeneral(16, (2, 8), rngs=rngs)
 
   def __call__(self, x):  # x (b, 4, 4, 3)
     h = self.conv(x).reshape(x.shape[0], 16, 8)
     h = self.q(h).reshape(x.shape[0], 16, 8)
-    return self.up(jax.nn.gelu(h))
+    return self.out(self.up(jax.nn.gelu(h))).reshape(x.shape[0], 16, 16)
 
 
 def test_qwix_lora_on_linear_einsum_and_conv_trains_with_nnx_optimizer():
   """Qwix's ``<weight>_lora_a``/``_lora_b`` are found with no lora_dims, einsum and conv included,
-  and every module gets multipliers != 1 after warmup inside nnx.Optimizer."""
+  and every module gets multipliers != 1 after warmup inside nnx.Optimizer; base weights frozen."""
   x = jax.random.normal(jax.random.key(0), (2, 4, 4, 3))
   y = jax.random.normal(jax.random.key(1), (2, 16, 16))
   model = qwix.apply_lora_to_model(
       _Block(nnx.Rngs(0)), qwix.LoraProvider(module_path=".*", rank=4, alpha=4.0), x
   )
   lora = nnx.state(model, nnx.LoRAParam)
-  shapes = {m.name: m.rank for m in anlr_jax.find_lora_modules(lora)}
-  assert shapes == {"conv.kernel": 4, "q.kernel": 4, "up.kernel": 4}
-  text = anlr_jax.describe(lora)
-  assert "3 LoRA modules" in text and "q.kernel  A (8, 4)  B (4, 2, 4)  rank 4" in text
+  ranks = {m.name: m.rank for m in anlr_jax.find_lora_modules(lora)}
+  assert ranks == {"conv.kernel": 4, "q.kernel": 4, "up.kernel": 4, "out.kernel": 4}
+  text = anlr_jax.describe(lora).splitlines()
+  assert text[0] == "4 LoRA modules (per-rank multipliers), 0 leaves on plain AdamW"
+  assert "  conv.kernel  A (3, 3, 3, 4)  B (4, 8)  rank 4" in text
+  assert "  q.kernel  A (8, 4)  B (4, 2, 4)  rank 4" in text
   optimizer = nnx.Optimizer(model, anlr_jax.anlr(1e-2, warmup_steps=3), wrt=nnx.LoRAParam)
   frozen = nnx.state(model, nnx.Param)
 
@@ -146,7 +149,7 @@ def test_qwix_lora_on_linear_einsum_and_conv_trains_with_nnx_optimizer():
   for _ in range(8):
     step(model, optimizer)
   s = anlr_jax.find_anlr_state(optimizer.opt_state)
-  assert sorted(s.multipliers) == sorted(shapes)
+  assert sorted(s.multipliers) == sorted(ranks)
   for name, mult in s.multipliers.items():
     assert np.ptp(np.asarray(mult[...])) > 1e-3, name
   chex.assert_trees_all_equal(nnx.state(model, nnx.Param), frozen)  # the base weights stay frozen
