@@ -410,3 +410,12 @@ def test_multi_axis_step_compiles_to_no_more_copies_than_the_2d_one():
     flat[n] = {"w_lora_a": _to_2d(a, nb, True), "w_lora_b": _to_2d(b, nb, False)}
   (multi_moves, multi_ops), (flat_moves, flat_ops) = moves(multi), moves(flat)
   assert multi_moves <= flat_moves and multi_ops <= flat_ops
+
+
+def test_describe_docstring_example_runs():
+  import doctest
+
+  from anlr_jax.optim import detect
+
+  result = doctest.testmod(detect)
+  assert result.attempted >= 3 and result.failed == 0
