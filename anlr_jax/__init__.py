@@ -7,9 +7,12 @@ pipeline are in the subpackages ``anlr_jax.nn``, ``anlr_jax.models``, ``anlr_jax
 """
 
 from anlr_jax.optim import (
+    AUTO,
     DEFAULTS,
     FLAX,
     PEFT,
+    QUAX,
+    QWIX,
     SIGNALS,
     AdaLoRAConfig,
     AdaLoRAState,
@@ -18,6 +21,7 @@ from anlr_jax.optim import (
     LoraModule,
     anlr,
     cumulative_energy,
+    describe,
     diagnostics,
     effective_rank,
     find_anlr_state,

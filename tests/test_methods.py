@@ -179,7 +179,7 @@ def test_loraplus_scales_only_b():
 
 def test_loraplus_peft_layout_scales_lora_B_only():
   """lora_dims=PEFT: lora_B (d_out, r) gets lr_ratio x the AdamW update, lora_A (r, d_in) and other
-  leaves exactly AdamW's; with the default (Flax) layout no PEFT factor is found or scaled."""
+  leaves exactly AdamW's; with the Flax layout no PEFT factor is found or scaled."""
   rng = np.random.default_rng(4)
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
   params = {
@@ -190,7 +190,9 @@ def test_loraplus_peft_layout_scales_lora_B_only():
   ratio = 4.0  # a power of two: the scaled update is exactly representable
   kw = dict(weight_decay=0.1)
   ours = anlr_jax.loraplus(1e-2, lr_ratio=ratio, lora_dims=anlr_jax.PEFT, **kw)
-  flax_dims = anlr_jax.loraplus(1e-2, lr_ratio=ratio, **kw)
+  flax_dims = anlr_jax.loraplus(
+      1e-2, lr_ratio=ratio, lora_dims=anlr_jax.FLAX, require_lora=False, **kw
+  )
   ref = optax.adamw(1e-2, **kw)
   states = [t.init(params) for t in (ours, flax_dims, ref)]
   p = params

@@ -133,8 +133,9 @@ def test_find_lora_modules_layouts_and_paths():
           "x": {"lora_A": {"weight": jnp.ones((2, 5))}, "lora_B": {"weight": jnp.ones((6, 2))}}
       },
   }
-  mods = anlr_jax.find_lora_modules(params)
+  mods = anlr_jax.find_lora_modules(params, anlr_jax.FLAX)
   assert [m.name for m in mods] == ["model.layers.0.q_proj"]
+  assert [m.name for m in anlr_jax.find_lora_modules(params)] == ["model.layers.0.q_proj", "peft.x"]
   both = anlr_jax.find_lora_modules(params, [anlr_jax.FLAX, anlr_jax.PEFT])
   assert sorted(m.name for m in both) == ["model.layers.0.q_proj", "peft.x"]
   prefix = {"model": anlr_jax.FLAX, "peft": anlr_jax.PEFT}

@@ -18,7 +18,17 @@ from anlr_jax.optim.diagnostics import (
     rank_magnitudes,
     singular_values,
 )
-from anlr_jax.optim.dims import FLAX, PEFT, LoraDims, LoraModule, find_lora_modules
+from anlr_jax.optim.detect import describe
+from anlr_jax.optim.dims import (
+    AUTO,
+    FLAX,
+    PEFT,
+    QUAX,
+    QWIX,
+    LoraDims,
+    LoraModule,
+    find_lora_modules,
+)
 from anlr_jax.optim.loraplus import loraplus, scale_lora_b
 from anlr_jax.optim.lorapro import lorapro
 from anlr_jax.optim.transform import DEFAULTS, SIGNALS, AnLRState, anlr, scale_by_anlr

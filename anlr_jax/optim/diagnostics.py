@@ -128,7 +128,8 @@ def rank_magnitudes(lora_params, lora_dims: LoraDimsSpec = None) -> dict:
   Args:
     lora_params: any pytree holding LoRA factor siblings (``nnx.state(model, nnx.LoRAParam)``, a
       nested dict, ...).
-    lora_dims: the layout spec of :func:`anlr_jax.find_lora_modules` (``None``: Flax layout).
+    lora_dims: the layout spec of :func:`anlr_jax.find_lora_modules` (``None``: Flax, Qwix and
+      PEFT names).
 
   Returns:
     ``{module name: (..., r)}`` in float32, with the module names of :func:`diagnostics`
@@ -139,7 +140,8 @@ def rank_magnitudes(lora_params, lora_dims: LoraDimsSpec = None) -> dict:
   for module in find_lora_modules(lora_params, lora_dims):
     a = jnp.asarray(leaves[module.a_index], jnp.float32)
     b = jnp.asarray(leaves[module.b_index], jnp.float32)
-    out[module.name] = jnp.linalg.norm(a, axis=module.a_feature_axis) * jnp.linalg.norm(
-        b, axis=module.b_feature_axis
+    # sqrt of a sum of squares over the feature axis or axes (jnp.linalg.norm takes at most two)
+    out[module.name] = jnp.sqrt(
+        jnp.sum(a * a, axis=module.a_feature_axis) * jnp.sum(b * b, axis=module.b_feature_axis)
     )
   return out

@@ -4,20 +4,31 @@ A LoRA module is a pair of sibling leaves: a factor ``A`` and a factor ``B`` who
 adapter update. Which leaves they are, and which of their axes is the rank axis, is declared with a
 :class:`LoraDims` spec, in the style of ``optax.contrib.MuonDimensionNumbers``:
 
-* Flax NNX layout (:data:`FLAX`, the default): ``lora_a`` of shape ``(..., d_in, r)`` and ``lora_b`` of
-  shape ``(..., r, d_out)``;
+* Flax NNX layout (:data:`FLAX`): ``lora_a`` of shape ``(..., *in, r)`` and ``lora_b`` of shape
+  ``(..., r, *out)``;
+* Qwix layout (:data:`QWIX`): the same axes, named ``<weight>_lora_a`` / ``<weight>_lora_b`` for any
+  weight name (``kernel_lora_a``, ``w_lora_a``);
 * PEFT layout (:data:`PEFT`): ``lora_A`` of shape ``(..., r, d_in)`` and ``lora_B`` of shape
-  ``(..., d_out, r)`` (with or without a trailing ``weight`` key).
+  ``(..., d_out, r)`` (with or without a trailing ``weight`` key);
+* quax's ``LoraArray`` (:data:`QUAX`): ``a (..., out, r)``, ``b (..., r, in)``.
 
-Leading ``...`` axes are batch axes: every slice is an independent module (e.g. layers stacked under
-``nnx.scan``).
+The default (``lora_dims=None``) is :data:`AUTO`, the first three together: their names never clash.
 
-Leaves are paired by *structure*, not by regex on path strings: for each leaf the last path entry
-whose name is ``a_name`` or ``b_name`` splits its key path into a parent (the module) and a suffix
-(e.g. ``.value`` for ``nnx.Variable`` leaves, or ``['weight']``); an ``A`` leaf and a ``B`` leaf with
-the same parent and suffix form one module, named by :func:`anlr_jax.rundir.module_name` of the
-parent path (``.``-joined, e.g. ``model.layers.0.self_attn.q_proj``: the name the LoRA injection, the
-adapter file, the diagnostics and the analysis use for the same module).
+A factor may have several feature axes (``*in``, ``*out``: Qwix on ``nnx.Einsum`` and ``nnx.Conv``
+kernels, e.g. ``A (2, 8, r)`` with ``B (r, 16)``): it is the 2-D factor obtained by flattening them,
+and the rank-one contribution of rank ``k`` is ``A[..., k] ⊗ B[k, ...]``. Leading ``...`` axes that
+``A`` and ``B`` share are batch axes: every slice is an independent module (e.g. layers stacked
+under ``nnx.scan``). The batch axes are the longest common leading axes that leave each factor at
+least one feature axis and give both the same rank.
+
+Leaves are paired by *structure*, not by regex on path strings: each path entry's name (dict key,
+attribute, index; a dict key with dots, as in the flat dict ``safetensors.load_file`` returns, counts
+as its dotted parts) is compared with ``a_name`` / ``b_name``; the last entry that matches splits the
+path into a parent (the module) and a suffix (e.g. ``.value`` for ``nnx.Variable`` leaves, or
+``weight``); an ``A`` leaf and a ``B`` leaf with the same parent, suffix and wildcard stem form one
+module, named by the parent's names joined with ``.`` (``model.layers.0.self_attn.q_proj``: the name
+the LoRA injection, the adapter file, the diagnostics and the analysis use for the same module),
+followed by the stem for wildcard names (``layers.0.attn.q_einsum.w``).
 """
 
 from __future__ import annotations
@@ -28,13 +39,16 @@ from typing import Any, Union
 
 import jax
 
-from anlr_jax.rundir import key_name, module_name
+from anlr_jax.rundir import key_name
 
 __all__ = [
     "LoraDims",
     "LoraModule",
     "FLAX",
+    "QWIX",
     "PEFT",
+    "QUAX",
+    "AUTO",
     "find_lora_modules",
 ]
 
@@ -44,10 +58,13 @@ class LoraDims:
   """Names and rank axes of the two factors of a LoRA module.
 
   Attributes:
-    a_name: key (dict key or attribute name) of the ``A`` factor.
+    a_name: key (dict key or attribute name) of the ``A`` factor; may hold one ``*`` standing for
+      any non-empty stem (``"*_lora_a"``), which ``b_name`` must then hold too.
     b_name: key of the ``B`` factor.
-    a_rank_axis: rank axis of ``A``; ``-1`` for ``(..., d_in, r)``, ``-2`` for ``(..., r, d_in)``.
-    b_rank_axis: rank axis of ``B``; ``-2`` for ``(..., r, d_out)``, ``-1`` for ``(..., d_out, r)``.
+    a_rank_axis: rank axis of ``A``; ``-1`` for ``(..., *in, r)``, ``-2`` for ``(..., r, *in)``
+      (the first axis after the batch axes).
+    b_rank_axis: rank axis of ``B``; ``-2`` for ``(..., r, *out)`` (the first axis after the batch
+      axes), ``-1`` for ``(..., *out, r)``.
   """
 
   a_name: str = "lora_a"
@@ -64,33 +81,67 @@ class LoraDims:
         )
     if self.a_name == self.b_name:
       raise ValueError(f"LoraDims.a_name and b_name must differ, both are {self.a_name!r}")
+    stars = (self.a_name.count("*"), self.b_name.count("*"))
+    if stars not in ((0, 0), (1, 1)):
+      raise ValueError(
+          f"LoraDims names hold one '*' each or none, got a_name={self.a_name!r}, "
+          f"b_name={self.b_name!r}"
+      )
+
+  def match(self, name) -> tuple[str, str] | None:
+    """``(role, stem)`` if ``name`` is this spec's ``A`` (role ``"a"``) or ``B`` (``"b"``) name."""
+    if not isinstance(name, str):
+      return None
+    for role, pattern in (("a", self.a_name), ("b", self.b_name)):
+      prefix, star, suffix = pattern.partition("*")
+      if not star:
+        if name == pattern:
+          return role, ""
+      elif (
+          len(name) > len(prefix) + len(suffix)
+          and name.startswith(prefix)
+          and name.endswith(suffix)
+      ):
+        return role, name[len(prefix) : len(name) - len(suffix)]
+    return None
 
 
 FLAX = LoraDims("lora_a", "lora_b", a_rank_axis=-1, b_rank_axis=-2)
+QWIX = LoraDims("*_lora_a", "*_lora_b", a_rank_axis=-1, b_rank_axis=-2)
 PEFT = LoraDims("lora_A", "lora_B", a_rank_axis=-2, b_rank_axis=-1)
+QUAX = LoraDims("a", "b", a_rank_axis=-1, b_rank_axis=-2)
+AUTO = (FLAX, QWIX, PEFT)
+"""The default layouts: names no other library gives a non-LoRA leaf. :data:`QUAX`'s ``a``/``b`` are
+left out: a model may well have leaves named so that are no LoRA factors."""
 
 LoraDimsSpec = Union[None, LoraDims, Sequence[LoraDims], Callable[[Any], Any], Any]
 
 
 @dataclasses.dataclass(frozen=True)
 class LoraModule:
-  """One LoRA module found in a pytree: flat leaf indices of its factors and its layout."""
+  """One LoRA module found in a pytree: flat leaf indices of its factors, its layout and axes."""
 
   name: str
   a_index: int
   b_index: int
   dims: LoraDims
   rank: int
+  a_feature_axes: tuple[int, ...] = ()  # negative axes of A's *in; () for the single axis
+  b_feature_axes: tuple[int, ...] = ()  # negative axes of B's *out; () for the single axis
 
   @property
-  def a_feature_axis(self) -> int:
-    """The axis of ``A`` summed over to get per-rank quantities (``d_in``)."""
-    return -2 if self.dims.a_rank_axis == -1 else -1
+  def a_feature_axis(self) -> int | tuple[int, ...]:
+    """The axis (or axes) of ``A`` summed over to get per-rank quantities (``d_in``)."""
+    return _one_or_all(self.a_feature_axes, -2 if self.dims.a_rank_axis == -1 else -1)
 
   @property
-  def b_feature_axis(self) -> int:
-    """The axis of ``B`` summed over to get per-rank quantities (``d_out``)."""
-    return -2 if self.dims.b_rank_axis == -1 else -1
+  def b_feature_axis(self) -> int | tuple[int, ...]:
+    """The axis (or axes) of ``B`` summed over to get per-rank quantities (``d_out``)."""
+    return _one_or_all(self.b_feature_axes, -2 if self.dims.b_rank_axis == -1 else -1)
+
+
+def _one_or_all(axes: tuple[int, ...], single: int) -> int | tuple[int, ...]:
+  return single if len(axes) <= 1 else axes
 
 
 def _is_spec_leaf(x) -> bool:
@@ -102,7 +153,7 @@ def _leaf_specs(tree, lora_dims: LoraDimsSpec, num_leaves: int) -> list[tuple[Lo
   if callable(lora_dims) and not isinstance(lora_dims, LoraDims):
     lora_dims = lora_dims(tree)
   if lora_dims is None:
-    return [(FLAX,)] * num_leaves
+    return [AUTO] * num_leaves
   if isinstance(lora_dims, LoraDims):
     return [(lora_dims,)] * num_leaves
   if isinstance(lora_dims, (list, tuple)) and all(isinstance(d, LoraDims) for d in lora_dims):
@@ -134,14 +185,14 @@ def find_lora_modules(tree, lora_dims: LoraDimsSpec = None) -> list[LoraModule]:
   Args:
     tree: parameters (or updates: any pytree with the same structure). Leaves may be arrays,
       ``jax.ShapeDtypeStruct`` or ``nnx.Variable`` s.
-    lora_dims: the layout spec: ``None`` (Flax ``lora_a``/``lora_b``), a :class:`LoraDims`, a sequence
-      of them (several layouts in one tree), a prefix pytree of ``LoraDims``/``None``, or a callable
-      ``params -> spec``.
+    lora_dims: the layout spec: ``None`` (:data:`AUTO`: Flax, Qwix and PEFT names), a
+      :class:`LoraDims`, a sequence of them (several layouts in one tree), a prefix pytree of
+      ``LoraDims``/``None`` (``None``: no LoRA under that subtree), or a callable ``params -> spec``.
 
   Returns:
-    The modules, in flat-leaf order of their ``A`` factor. Each module's ``name`` is
-    :func:`anlr_jax.rundir.module_name` of its parent path (names joined with ``.``; ``''`` for
-    factors at the root).
+    The modules, in flat-leaf order of their ``A`` factor. Each module's ``name`` is its parent
+    path's names joined with ``.`` (``''`` for factors at the root), then ``.<stem>`` for wildcard
+    names.
 
   Raises:
     ValueError: an ``A`` factor without its ``B`` sibling (or the reverse), factors that are not at
@@ -149,41 +200,34 @@ def find_lora_modules(tree, lora_dims: LoraDimsSpec = None) -> list[LoraModule]:
   """
   leaves_with_path, _ = jax.tree_util.tree_flatten_with_path(tree)
   specs = _leaf_specs(tree, lora_dims, len(leaves_with_path))
-  # (parent, suffix, dims) -> {"a": index, "b": index}
+  # (parent, suffix, dims, stem) -> {"a": index, "b": index}
   groups: dict[tuple, dict[str, int]] = {}
-  order: list[tuple] = []
   for index, ((path, _leaf), candidates) in enumerate(zip(leaves_with_path, specs)):
-    names = [key_name(e) for e in path]
+    names = _path_names(path)
     for dims in candidates:
       hit = None
       for j in range(len(names) - 1, -1, -1):
-        if names[j] == dims.a_name:
-          hit = (j, "a")
-          break
-        if names[j] == dims.b_name:
-          hit = (j, "b")
+        hit = dims.match(names[j])
+        if hit is not None:
           break
       if hit is None:
         continue
-      j, role = hit
-      key = (tuple(path[:j]), tuple(path[j + 1 :]), dims)
-      if key not in groups:
-        groups[key] = {}
-        order.append(key)
-      if role in groups[key]:  # pragma: no cover - impossible for distinct leaves
+      role, stem = hit
+      key = (tuple(names[:j]), tuple(names[j + 1 :]), dims, stem)
+      found = groups.setdefault(key, {})
+      if role in found:
         raise ValueError(f"duplicate LoRA factor {role!r} at {jax.tree_util.keystr(path)}")
-      groups[key][role] = index
+      found[role] = index
       break
 
   leaves = [leaf for _, leaf in leaves_with_path]
   modules = []
-  for key in order:
-    parent, suffix, dims = key
-    name = module_name(parent)
-    found = groups[key]
+  for key, found in groups.items():
+    parent, _, dims, stem = key
+    name = ".".join(str(n) for n in parent + ((stem,) if stem else ()))
+    a_role, b_role = (dims.a_name.replace("*", stem), dims.b_name.replace("*", stem))
     if "a" not in found or "b" not in found:
-      missing = dims.b_name if "a" in found else dims.a_name
-      present = dims.a_name if "a" in found else dims.b_name
+      missing, present = (b_role, a_role) if "a" in found else (a_role, b_role)
       raise ValueError(
           f"LoRA module {name!r}: found {present!r} but no sibling {missing!r} "
           f"(lora_dims={dims})"
@@ -192,19 +236,47 @@ def find_lora_modules(tree, lora_dims: LoraDimsSpec = None) -> list[LoraModule]:
     b_shape = _shape(leaves[found["b"]])
     if len(a_shape) < 2 or len(b_shape) < 2:
       raise ValueError(
-          f"LoRA module {name!r}: factors must be at least 2-D, got {dims.a_name} {a_shape} "
-          f"and {dims.b_name} {b_shape}"
+          f"LoRA module {name!r}: factors must be at least 2-D, got {a_role} {a_shape} "
+          f"and {b_role} {b_shape}"
       )
-    r_a = a_shape[dims.a_rank_axis]
-    r_b = b_shape[dims.b_rank_axis]
-    if r_a != r_b or a_shape[:-2] != b_shape[:-2]:
+    axes = _module_axes(a_shape, b_shape, dims)
+    if axes is None:
       raise ValueError(
-          f"LoRA module {name!r}: rank axes disagree: {dims.a_name} {a_shape} has rank {r_a} "
-          f"(axis {dims.a_rank_axis}), {dims.b_name} {b_shape} has rank {r_b} "
-          f"(axis {dims.b_rank_axis}); leading axes {a_shape[:-2]} vs {b_shape[:-2]}"
+          f"LoRA module {name!r}: rank axes disagree: {a_role} {a_shape} (rank axis "
+          f"{dims.a_rank_axis}) and {b_role} {b_shape} (rank axis {dims.b_rank_axis}) give no "
+          "common rank over shared leading (batch) axes"
       )
-    modules.append(LoraModule(name, found["a"], found["b"], dims, int(r_a)))
-  return modules
+    rank, a_axes, b_axes = axes
+    modules.append(LoraModule(name, found["a"], found["b"], dims, rank, a_axes, b_axes))
+  return sorted(modules, key=lambda m: m.a_index)
+
+
+def _path_names(path) -> list:
+  """The names of a key path's entries, a dotted string key counted as its parts."""
+  names = []
+  for entry in path:
+    name = key_name(entry)
+    names.extend(name.split(".") if isinstance(name, str) and name else [name])
+  return names
+
+
+def _module_axes(a_shape, b_shape, dims: LoraDims):
+  """``(rank, a_feature_axes, b_feature_axes)`` (negative axes) of a module, or None.
+
+  The batch axes are the longest common leading axes of ``A`` and ``B`` that leave each factor a
+  rank axis and at least one feature axis and give both factors the same rank.
+  """
+  for n_batch in range(min(len(a_shape), len(b_shape)) - 2, -1, -1):
+    if a_shape[:n_batch] != b_shape[:n_batch]:
+      continue
+    a_rank = len(a_shape) - 1 if dims.a_rank_axis == -1 else n_batch
+    b_rank = n_batch if dims.b_rank_axis == -2 else len(b_shape) - 1
+    if a_shape[a_rank] != b_shape[b_rank]:
+      continue
+    a_axes = tuple(i - len(a_shape) for i in range(n_batch, len(a_shape)) if i != a_rank)
+    b_axes = tuple(i - len(b_shape) for i in range(n_batch, len(b_shape)) if i != b_rank)
+    return int(a_shape[a_rank]), a_axes, b_axes
+  return None
 
 
 def _shape(leaf) -> tuple[int, ...]:

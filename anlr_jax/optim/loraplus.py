@@ -13,13 +13,19 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from anlr_jax.optim.detect import require_lora_modules
 from anlr_jax.optim.dims import LoraDimsSpec, find_lora_modules
 
 __all__ = ["scale_lora_b", "loraplus"]
 
 
-def scale_lora_b(ratio: float, lora_dims: LoraDimsSpec = None) -> optax.GradientTransformation:
-  """Multiplies the updates of every LoRA ``B`` factor by ``ratio``; other leaves pass through."""
+def scale_lora_b(
+    ratio: float, lora_dims: LoraDimsSpec = None, *, require_lora: bool = True
+) -> optax.GradientTransformation:
+  """Multiplies the updates of every LoRA ``B`` factor by ``ratio``; other leaves pass through.
+
+  ``init`` raises a ``ValueError`` when it finds no LoRA module, unless ``require_lora=False``.
+  """
   if not callable(ratio) and not isinstance(ratio, jax.core.Tracer) and float(ratio) <= 0:
     raise ValueError(f"lr_ratio must be > 0, got {ratio!r}")
 
@@ -31,7 +37,11 @@ def scale_lora_b(ratio: float, lora_dims: LoraDimsSpec = None) -> optax.Gradient
       leaves[mod.b_index] = (u.astype(jnp.float32) * ratio).astype(u.dtype)
     return treedef.unflatten(leaves), state
 
-  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+  def init_fn(params):
+    require_lora_modules(params, lora_dims, "loraplus", require_lora=require_lora)
+    return optax.EmptyState()
+
+  return optax.GradientTransformation(init_fn, update_fn)
 
 
 def loraplus(
@@ -44,6 +54,7 @@ def loraplus(
     mask: Optional[Any] = None,
     *,
     lora_dims: LoraDimsSpec = None,
+    require_lora: bool = True,
 ) -> optax.GradientTransformation:
   r"""The LoRA+ baseline: ``optax.adamw`` with :math:`\eta_B = \lambda \eta_A`.
 
@@ -52,11 +63,13 @@ def loraplus(
     lr_ratio: :math:`\lambda = \eta_B / \eta_A` (LoRA+ recommends 16).
     b1, b2, eps, weight_decay, mask: as in ``optax.adamw``.
     lora_dims: how to find LoRA factors (see :func:`anlr_jax.find_lora_modules`).
+    require_lora: ``init`` raises a ``ValueError`` when it finds no LoRA module; False accepts a
+      tree without any (then this is ``optax.adamw``).
 
   References:
     Hayou, Ghosh, Yu, *LoRA+: Efficient Low Rank Adaptation of Large Models*, 2024.
   """
   return optax.chain(
       optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask),
-      scale_lora_b(lr_ratio, lora_dims),
+      scale_lora_b(lr_ratio, lora_dims, require_lora=require_lora),
   )

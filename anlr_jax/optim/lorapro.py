@@ -385,7 +385,7 @@ def lorapro(
       the factors' shapes).
     ridge: :math:`\delta` in :math:`(G + \delta I)^+` for :math:`G = B^\top B, AA^\top`.
     moment_dtype: dtype of the LoRA-Pro moments; None: float32, or the factors' dtype if wider.
-    lora_dims: how to find LoRA factors (see :func:`anlr_jax.find_lora_modules`); None is Flax.
+    lora_dims: how to find LoRA factors (see :func:`anlr_jax.find_lora_modules`).
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a :class:`LoraProState`. It does not compose
@@ -429,6 +429,12 @@ def lorapro(
   def split(tree):
     modules = find_lora_modules(tree, lora_dims)
     _check_unique(modules)
+    for m in modules:
+      if isinstance(m.a_feature_axis, tuple) or isinstance(m.b_feature_axis, tuple):
+        raise ValueError(
+            f"lorapro: LoRA module {m.name!r} has factors with several feature axes; lorapro "
+            "takes 2-D factors (..., d, r) only"
+        )
     lora_indices = {i for m in modules for i in (m.a_index, m.b_index)}
     return modules, lora_indices
 

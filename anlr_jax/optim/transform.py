@@ -26,6 +26,7 @@ import optax
 
 from anlr_jax.fields import Range
 from anlr_jax.optim import rank_stats
+from anlr_jax.optim.detect import require_lora_modules
 from anlr_jax.optim.dims import LoraDimsSpec, LoraModule, find_lora_modules
 
 __all__ = ["AnLRState", "SIGNALS", "DEFAULTS", "scale_by_anlr", "anlr"]
@@ -95,8 +96,8 @@ def _unwrap(x):
   return x.get_value() if hasattr(x, "get_value") else x
 
 
-def _reduced_sharding(x, axis: int):
-  """The sharding of ``x`` with ``axis`` removed, for a concrete ``x`` whose sharding allows it
+def _reduced_sharding(x, axes: tuple[int, ...]):
+  """The sharding of ``x`` with ``axes`` removed, for a concrete ``x`` whose sharding allows it
   (one device, or a ``NamedSharding`` over this process's devices); None otherwise (traced values,
   other shardings, arrays spanning several processes)."""
   if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
@@ -108,22 +109,22 @@ def _reduced_sharding(x, axis: int):
     return sharding
   if isinstance(sharding, jax.sharding.NamedSharding):
     spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
-    kept = spec[:axis] + spec[axis + 1 :]
+    kept = [entry for i, entry in enumerate(spec) if i not in axes]
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*kept))
   return None
 
 
 def _per_rank_filled(leaf, feature_axis, value: float):
-  """A per-rank array (``leaf``'s shape without its feature axis) filled with ``value``, placed
-  like ``leaf``: from the host for a concrete ``leaf`` (no XLA program compiled or run for it, as
-  eager ``jnp`` ops would), else reduced from ``leaf`` inside the trace (XLA folds it)."""
+  """A per-rank array (``leaf``'s shape without its feature axis or axes) filled with ``value``,
+  placed like ``leaf``: from the host for a concrete ``leaf`` (no XLA program compiled or run for
+  it, as eager ``jnp`` ops would), else reduced from ``leaf`` inside the trace (XLA folds it)."""
   x = _unwrap(leaf)
   dtype = rank_stats.stat_dtype(x)
-  axis = feature_axis % x.ndim
-  sharding = _reduced_sharding(x, axis)
+  axes = tuple(sorted(int(a) % x.ndim for a in np.atleast_1d(feature_axis)))
+  sharding = _reduced_sharding(x, axes)
   if sharding is None:
-    return jnp.sum(jnp.zeros_like(x, dtype=dtype), axis=axis) + jnp.asarray(value, dtype)
-  shape = x.shape[:axis] + x.shape[axis + 1 :]
+    return jnp.sum(jnp.zeros_like(x, dtype=dtype), axis=axes) + jnp.asarray(value, dtype)
+  shape = tuple(n for i, n in enumerate(x.shape) if i not in axes)
   # an uncommitted parameter (default device) gives uncommitted state, as jnp ops would: a jitted
   # update then sees the same argument placement on every call and compiles once
   return jax.device_put(np.full(shape, value, dtype), sharding if x.committed else None)
@@ -277,6 +278,7 @@ def scale_by_anlr(
     lora_dims: LoraDimsSpec = None,
     seed: int = 0,
     batch_modules: bool | None = None,
+    require_lora: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Wraps an Adam-family transformation with AnLR per-rank-one multipliers.
 
@@ -300,18 +302,23 @@ def scale_by_anlr(
       :math:`[-\log\kappa, \log\kappa]`, redrawn every step from ``seed`` and the step, mean-normalised)
       or ``"sensitivity"`` (EMA of :math:`\sum |g \odot \theta|` per component in place of the fused
       score). Velocity and SNR are tracked for diagnostics whatever the signal.
-    lora_dims: how to find LoRA factors (see :func:`anlr_jax.find_lora_modules`).
+    lora_dims: how to find LoRA factors (see :func:`anlr_jax.find_lora_modules`; the default finds
+      Flax, Qwix and PEFT names). Check what it finds with :func:`anlr_jax.describe`.
     seed: seed of the ``"random"`` control.
     batch_modules: compute the per-rank statistics of modules whose factors share shape, dtype and
       layout in one batched pass (stacked along a new axis) instead of one pass per module. Same
       values; on GPUs one kernel per group instead of per module (a 32-layer model has 160 modules
       but 3 groups). False: per module. None (default): batched except on the CPU backend, where
       XLA materialises the stacked copies and per-module passes are faster.
+    require_lora: ``init`` raises a ``ValueError`` when it finds no LoRA module (every leaf would
+      train as plain AdamW), naming the leaves that look like LoRA factors; False accepts a tree
+      without LoRA modules.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; extra args are passed to ``inner``.
   """
   _validate(signal, kappa, rho, warmup_steps, alpha, beta)
+  who = "scale_by_anlr"
 
   def inner_update(updates, inner_state, params, count, **extra_args):
     new_updates, new_state = inner.update(updates, inner_state, params, **extra_args)
@@ -353,6 +360,8 @@ def scale_by_anlr(
       lora_dims=lora_dims,
       seed=seed,
       batch_modules=batch_modules,
+      require_lora=require_lora,
+      who=who,
   )
 
 
@@ -369,6 +378,8 @@ def _anlr_transform(
     lora_dims,
     seed,
     batch_modules,
+    require_lora,
+    who,
 ):
   """The AnLR machinery around ``inner_update(updates, inner_state, params, count, **extra_args)
   -> _InnerStep``."""
@@ -379,7 +390,7 @@ def _anlr_transform(
   rule = _Rule(alpha, beta, kappa, rho, warmup_steps, signal, seed)
 
   def init_fn(params):
-    modules = find_lora_modules(params, lora_dims)
+    modules = require_lora_modules(params, lora_dims, who, require_lora=require_lora)
     _check_unique(modules)
     leaves = jax.tree.leaves(params)
 
@@ -468,7 +479,7 @@ def _group_modules(modules, flat_params, batched: bool):
 
 
 def _scale_along(update, s, feature_axis):
-  """``update * s`` with ``s (..., r)`` broadcast along the factor's feature axis."""
+  """``update * s`` with ``s (..., r)`` broadcast along the factor's feature axis (or axes)."""
   dt = rank_stats.stat_dtype(update, s)
   scaled = update.astype(dt) * jnp.expand_dims(s, feature_axis).astype(dt)
   return scaled.astype(update.dtype)
@@ -501,6 +512,7 @@ def anlr(
     lora_dims: LoraDimsSpec = None,
     seed: int = 0,
     batch_modules: bool | None = None,
+    require_lora: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   r"""AdamW with AnLR-LoRA per-rank-one learning rates.
 
@@ -514,8 +526,8 @@ def anlr(
     weight_decay: decoupled weight decay :math:`\lambda` (scaled by :math:`s_k` with the rest of the
       delta on LoRA components).
     mask: weight-decay mask, as in ``optax.adamw``.
-    alpha, beta, kappa, rho, warmup_steps, signal, lora_dims, seed, batch_modules: see
-      :func:`scale_by_anlr`.
+    alpha, beta, kappa, rho, warmup_steps, signal, lora_dims, seed, batch_modules, require_lora:
+      see :func:`scale_by_anlr`.
       Defaults: ``alpha=2``, ``beta=1``, ``kappa=3`` (paper); ``rho=0.95`` and
       ``warmup_steps=100`` (chosen here, see ``DEFAULTS``).
 
@@ -541,6 +553,7 @@ def anlr(
   adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
   decay = optax.add_decayed_weights(weight_decay, mask)
   lr = optax.scale_by_learning_rate(learning_rate)
+  who = "anlr"
 
   def inner_init(params):
     return (adam.init(params), decay.init(params), lr.init(params))
@@ -577,4 +590,6 @@ def anlr(
       lora_dims=lora_dims,
       seed=seed,
       batch_modules=batch_modules,
+      require_lora=require_lora,
+      who=who,
   )
