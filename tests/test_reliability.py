@@ -306,6 +306,39 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
   assert [r["skipped_total"] for r in rows] == [1.0, 2.0, 3.0]
 
 
+def _nan_gradient_entry(lora):
+  """A loss term whose value is 0 and whose gradient is NaN in one entry of one adapter factor:
+  ``d/dx sqrt(x - x') = 1 / (2 sqrt(0))`` times 0."""
+  x = jax.tree.leaves(lora)[0].reshape(-1)[0]
+  return 0.0 * jnp.sqrt(x - jax.lax.stop_gradient(x))
+
+
+def test_a_non_finite_gradient_with_a_finite_loss_is_skipped(tmp_path):
+  cfg = TrainerConfig(
+      steps=10,
+      global_batch=8,
+      compute_dtype="float32",
+      progress=False,
+      run_dir=str(tmp_path),
+      max_nonfinite=3,
+  )
+  tx = anlr_jax.anlr(1e-2, warmup_steps=1)
+  trainer = Trainer(make_toy_model(), ToyBatches(), cfg, tx, loss_regularizer=_nan_gradient_entry)
+  before = jax.device_get(trainer.state)
+  with pytest.raises(NonFiniteError, match=r"3 consecutive updates \(steps 1-3"):
+    trainer.run()
+  after = jax.device_get(trainer.state)
+  for a, b in zip(
+      jax.tree.leaves((before.lora, before.opt_state)),
+      jax.tree.leaves((after.lora, after.opt_state)),
+  ):
+    np.testing.assert_array_equal(a, b)  # skipped: params and optimizer state untouched
+  rows = read_metrics(str(tmp_path))
+  assert [r["skipped_total"] for r in rows] == [1.0, 2.0, 3.0]
+  assert all(np.isfinite(r["loss"]) and r["regularizer"] == 0.0 for r in rows)  # finite loss
+  assert not any(np.isfinite(r["grad_norm"]) for r in rows)  # the gradient norm decided
+
+
 def test_a_stuck_loss_is_warned_about(tmp_path, caplog):
   class Silent(ToyBatches):
 
