@@ -298,6 +298,7 @@ def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = say
         adalora_config=adalora_config(config, total) if spec.uses_adalora else None,
         lora_scale=lora_scale(config.lora.rank, config.lora.alpha, spec.use_rslora),
         lorapro_mode=config.lorapro.mode,
+        dash_launch_step=config.loradash.launch_step,
     )
     hooks = method_hooks(config, method)
     log(
