@@ -111,6 +111,36 @@ def test_resume_with_other_settings_names_each_key(finished, tmp_path, capsys):
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def _files(folder: pathlib.Path) -> dict[str, bytes]:
+  """Every file under ``folder`` with its bytes: what a refused command must leave as it was."""
+  return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def _copy_run(finished, tmp_path) -> pathlib.Path:
+  """A copy of the finished run directory (its checkpoints inside it) to change freely."""
+  import shutil
+
+  run = tmp_path / "run"
+  shutil.copytree(finished[0] / "run", run)
+  return run
+
+
+def test_a_finished_run_with_other_settings_is_refused_and_left_alone(finished, tmp_path, capsys):
+  _, config = finished
+  run = _copy_run(finished, tmp_path)
+  before = _files(run)
+  assert cli.main(["train", "--config", str(config), f"run_dir={run}", "lora.rank=8"]) == 2
+  out, err = capsys.readouterr()
+  assert "complete already" not in out
+  assert re.search(
+      r"run directory .* belongs to a run with other settings \(.*lora.rank: 4 -> 8", err
+  )
+  assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+  assert _files(run) == before  # config.yaml included: still the finished run's
+  assert cli.main(["train", "--config", str(config), f"run_dir={run}"]) == 0
+  assert "complete already" in capsys.readouterr().out  # the same settings: its results
+
+
 def test_resume_allow_permits_a_longer_schedule(finished, tmp_path, capsys):
   root, config = finished
   argv = [
@@ -458,16 +488,25 @@ def test_a_second_writer_fails_fast_and_a_stale_lock_is_taken_over(tmp_path, cap
   lock.release()
 
 
-def test_two_trainings_on_one_run_dir(finished, tmp_path):
-  root, config = finished
-  with DirectoryLock(tmp_path / "run", what="run directory"):
-    pass  # re-entrant and released: the lock file names nobody afterwards
+@pytest.mark.parametrize("state", ["new", "trained", "complete"])
+def test_two_trainings_on_one_run_dir(finished, tmp_path, state):
+  """A second ``anlr train`` on a run directory in use fails at once and writes nothing, whatever
+  the directory holds: nothing yet, a trained adapter to evaluate, or a complete run."""
+  _, config = finished
+  run = tmp_path / "run"
+  if state == "new":
+    with DirectoryLock(run, what="run directory"):
+      pass  # re-entrant and released: the lock file names nobody afterwards
+  else:
+    _copy_run(finished, tmp_path)
+    if state == "trained":
+      (run / RESULTS_FILE).unlink()  # trained, not evaluated yet
   holder = subprocess.Popen(
       [
           sys.executable,
           "-c",
           "import time; from anlr_jax.train.lock import DirectoryLock;"
-          f"DirectoryLock({str(tmp_path / 'run')!r}).acquire(); print('held', flush=True);"
+          f"DirectoryLock({str(run)!r}).acquire(); print('held', flush=True);"
           "time.sleep(60)",
       ],
       stdout=subprocess.PIPE,
@@ -476,11 +515,12 @@ def test_two_trainings_on_one_run_dir(finished, tmp_path):
   )
   try:
     assert holder.stdout.readline().strip() == "held"
-    assert cli.main(["train", "--config", str(config), f"run_dir={tmp_path / 'run'}"]) == 2
+    before = _files(run)
+    assert cli.main(["train", "--config", str(config), f"run_dir={run}"]) == 2
+    assert _files(run) == before  # no config.yaml, no metrics, no results
   finally:
     holder.kill()
     holder.wait()
-  assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 # --------------------------------------------------------------- 7. metrics are a function of step
@@ -528,6 +568,15 @@ def test_the_data_report_counts_dropped_records_and_clipped_warmup(tmp_path, cap
   out = capsys.readouterr().out
   assert "53 records in" in out and "48 used" in out and "5 dropped (no response token" in out
   assert "trainer.lr_warmup_steps=10 is more than the run's 4 updates" in out
+
+
+@pytest.mark.parametrize("key", ["model.path", "model.tokenizer", "data.train", "eval.tasks.boolq"])
+def test_a_start_with_a_missing_input_creates_nothing(tmp_path, capsys, key):
+  config = _config(tmp_path, compare=["lora", "anlr"])
+  assert cli.main(["train", "--config", str(config), f"{key}={tmp_path / 'missing'}"]) == 2
+  err = _err(capsys)
+  assert f"{key}: {tmp_path / 'missing'} does not exist" in err, err
+  assert not (tmp_path / "run").exists()  # no run directory, config.yaml or lock file
 
 
 def test_eval_checks_every_task_file_before_scoring(finished, tmp_path, capsys):
