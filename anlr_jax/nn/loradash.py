@@ -54,9 +54,9 @@ the same dropout mask as the LoRA term (the reference draws a second one), and `
 optimizer updates (the reference counts a layer's training forward passes, the same without
 gradient accumulation). As in the reference's torch AdamW, which creates a parameter's moments at
 its first gradient, ``δ̂``'s Adam moments and bias-correction count start at the launch
-(:func:`dash_optimizer`): its first update is ``-η g / (|g| + ε) ≈ -η sign(g)``, not the
-``(1 - b1) / sqrt(1 - b2^{t+1})`` times smaller step of a count started at update 1 (0.52 at
-``t = 5``, 0.98 at ``t = 100``).
+(:func:`dash_optimizer`): its first update is ``-η g / (|g| + ε) ≈ -η sign(g)``. A count started
+at update 1 would make it ``(1 - b1) / (1 - b1^{t+1}) · sqrt((1 - b2^{t+1}) / (1 - b2))`` times
+that (0.52 at ``t = 5``, 0.98 at ``t = 100``).
 
 The phase switch is in the values only, so a jitted step compiles once for both phases: until
 launch ``dash_u``, ``dash_v`` are zero, hence the dash term and the gradient of ``dash_scale`` are
