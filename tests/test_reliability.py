@@ -198,6 +198,22 @@ def test_a_run_killed_after_its_final_checkpoint_completes(tmp_path, capsys):
   assert (run / LORA_FILE).is_file()
 
 
+def test_a_finished_checkpoint_resumed_in_a_new_run_directory_completes(finished, tmp_path, capsys):
+  """The final checkpoint of a run taken up by a new run directory (no update left to train, no
+  loss row there): the adapter is written and evaluated, ``final_loss`` is None, no loss plot."""
+  root, config = finished
+  run = tmp_path / "new"
+  ckpt = root / "run" / "checkpoints"
+  argv = ["train", "--config", str(config), f"run_dir={run}", f"trainer.ckpt_dir={ckpt}"]
+  assert cli.main(argv) == 0, capsys.readouterr().err
+  out = capsys.readouterr().out
+  assert "resumed at update 4" in out and "final loss n/a" in out
+  results = json.loads((run / RESULTS_FILE).read_text())
+  expected = json.loads((root / "run" / RESULTS_FILE).read_text())
+  assert results["accuracy"] == expected["accuracy"] and results["final_loss"] is None
+  assert (run / LORA_FILE).is_file() and not (run / "loss.png").exists()
+
+
 # ----------------------------------------------------------------------------- 3. integrity
 def _ckpt_trainer(ckpt, steps=4, **kw):
   cfg = TrainerConfig(
