@@ -7,6 +7,7 @@ import logging
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,8 +119,6 @@ def _files(folder: pathlib.Path) -> dict[str, bytes]:
 
 def _copy_run(finished, tmp_path) -> pathlib.Path:
   """A copy of the finished run directory (its checkpoints inside it) to change freely."""
-  import shutil
-
   run = tmp_path / "run"
   shutil.copytree(finished[0] / "run", run)
   return run
@@ -202,8 +201,8 @@ def test_a_finished_checkpoint_resumed_in_a_new_run_directory_completes(finished
   """The final checkpoint of a run taken up by a new run directory (no update left to train, no
   loss row there): the adapter is written and evaluated, ``final_loss`` is None, no loss plot."""
   root, config = finished
-  run = tmp_path / "new"
-  ckpt = root / "run" / "checkpoints"
+  run, ckpt = tmp_path / "new", tmp_path / "checkpoints"
+  shutil.copytree(root / "run" / "checkpoints" / "4", ckpt / "4")  # other tests add 5 and 6
   argv = ["train", "--config", str(config), f"run_dir={run}", f"trainer.ckpt_dir={ckpt}"]
   assert cli.main(argv) == 0, capsys.readouterr().err
   out = capsys.readouterr().out
