@@ -103,6 +103,7 @@ def build_method_step(cfg: BenchConfig, method: str):
       adalora_config=adalora_config(config, ADALORA_TOTAL_STEP) if spec.uses_adalora else None,
       lora_scale=lora_scale(cfg.rank, cfg.alpha, spec.use_rslora),
       lorapro_mode=config.lorapro.mode,
+      dash_launch_step=0,  # launched before the first timed step
   )
   regularizer = method_hooks(config, method).get("loss_regularizer")
   step = JaxStep(cfg, tx, split_model(model), jax_batch(cfg), loss_regularizer=regularizer)

@@ -243,13 +243,16 @@ def test_analysis_subcommands_dispatch(monkeypatch):
   assert calls == [("analyze", ["--run", "x"]), ("sweep", ["--help"])]
 
 
-def test_configs_lists_the_shipped_configs_and_train_takes_a_name(capsys):
+def test_configs_lists_the_shipped_configs_and_train_takes_a_name(capsys, tmp_path, monkeypatch):
   assert cli.main(["configs"]) == 0
   out = capsys.readouterr().out
   assert "quickstart " in out and "commonsense_llama2_7b " in out and "anlr train --config" in out
-  # A shipped config by name: its paths are checked first, so a missing model is the error.
+  # A shipped config by name: its paths are checked first, so a missing model is the error, and
+  # the failed start creates nothing (its run_dir is relative: runs/... under the working dir).
+  monkeypatch.chdir(tmp_path)
   assert cli.main(["train", "--config", "commonsense_llama2_7b"]) == 2
   assert "model.path: models/Llama-2-7b-hf does not exist" in capsys.readouterr().err
+  assert list(tmp_path.iterdir()) == []
   assert cli.main(["train", "--config", "no_such_config"]) == 2
   assert "shipped configs, usable by name" in capsys.readouterr().err
 

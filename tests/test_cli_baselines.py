@@ -1,5 +1,5 @@
 """`anlr sweep` / `anlr train|eval|export` for adalora, lorapro, loradash, anlr+loradash end to end
-on a tiny random HF LLaMA (tests/test_cli.py's setup); plain lora trains beside them."""
+on a tiny random HF LLaMA (tests/test_cli.py's setup); plain lora and loraplus train beside them."""
 
 import json
 import re
@@ -19,13 +19,14 @@ from anlr_jax.rundir import LORA_FILE
 from anlr_jax.app.model import load_adapted_model
 from tests.test_cli import _tiny_setup
 
-METHODS = ("lora", "adalora", "lorapro", "loradash", "anlr+loradash")
+METHODS = ("lora", "loraplus", "adalora", "lorapro", "loradash", "anlr+loradash")
 STEPS = 6
 OVERRIDES = (
     f"trainer.steps={STEPS}",
     "adalora.target_r=2",  # of lora.rank 4: half the triplets are pruned by the end
     "loradash.launch_step=2",
     "loradash.num_directions=4",
+    "loraplus.lr_ratio=4",
 )
 Q = "model.layers.0.self_attn.q_proj"
 
@@ -77,6 +78,8 @@ def test_every_method_trains_and_writes_results(swept):
   assert all(f"| {m} |" in summary for m in METHODS), summary
   identity = json.loads((cells["loradash"] / "results.json").read_text())["identity"]
   assert identity["loradash.launch_step"] == 2 and identity["loradash.num_directions"] == 4
+  identity = json.loads((cells["loraplus"] / "results.json").read_text())["identity"]
+  assert identity["loraplus.lr_ratio"] == 4
 
 
 def test_adalora_prunes_to_its_budget_and_regularises(swept):

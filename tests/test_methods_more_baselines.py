@@ -87,10 +87,12 @@ def test_method_optimizer_builds_each_baseline():
   state = method_optimizer("lorapro", 1e-3, lora_scale=2.0).init(params)
   assert _find(state, LoraProState).lora_mu["q"].shape == (6, 5)  # the paper's full-weight moments
   assert method_optimizer("lorapro", 1e-3, lora_scale=2.0, lorapro_mode="efficient").init(params)
-  state = method_optimizer("anlr+loradash", 1e-3).init(params)
+  state = method_optimizer("anlr+loradash", 1e-3, dash_launch_step=5).init(params)
   assert set(anlr_jax.find_anlr_state(state).multipliers) == {"q"}
   with pytest.raises(ValueError, match="AnLRState"):
-    anlr_jax.find_anlr_state(method_optimizer("loradash", 1e-3).init(params))
+    anlr_jax.find_anlr_state(method_optimizer("loradash", 1e-3, dash_launch_step=5).init(params))
+  with pytest.raises(ValueError, match="needs dash_launch_step"):
+    method_optimizer("loradash", 1e-3)
   with pytest.raises(ValueError, match="needs adalora_config"):
     method_optimizer("adalora", 1e-3)
   with pytest.raises(ValueError, match="needs lora_scale"):
@@ -316,7 +318,7 @@ def _dash_trainer(launch_step, ckpt_dir=None, steps=4):
       learning_rate=1e-2,
       **ONE_DEVICE,
   )
-  tx = method_optimizer("loradash", 1e-2)
+  tx = method_optimizer("loradash", 1e-2, dash_launch_step=launch_step)
   return Trainer(
       model,
       _LlamaBatches(global_batch=4, seq_len=8, vocab=32),
@@ -379,12 +381,91 @@ def test_dash_launches_after_update_t_and_resumes_without_relaunch(tmp_path, mon
   resumed.close()
 
 
+def _q_proj(tree):
+  return tree["model"]["layers"][0]["self_attn"]["q_proj"]
+
+
 def test_dash_launch_at_zero_is_before_the_first_update():
   trainer = _dash_trainer(0, steps=1)
+  seen, launch = [], trainer.on_step
+
+  def on_step(t, step):
+    launch(t, step)
+    model = nnx.merge(t.graphdef, t.lora_params(), t.frozen, t.state.extra)
+    seen.append((step, anlr_jax.nn.dash_launched(model)))
+
+  trainer.on_step = on_step
   trainer.run()
-  directions, _ = _dash_state(trainer)
-  assert (directions["model"]["layers"][0]["self_attn"]["q_proj"]["dash_index"] >= 0).all()
+  assert seen == [(0, True), (1, True)]  # launched by the call before update 1
+  directions, lora = _dash_state(trainer)
+  # B = 0 at the launch, so c A B = 0: every change rate is 0 and the top-s singular directions
+  # are chosen (ties broken by index)
+  np.testing.assert_array_equal(_q_proj(directions)["dash_index"], [0, 1, 2])
+  np.testing.assert_array_equal(_q_proj(directions)["dash_change_rate"], np.zeros(3))
+  # update 1 trained dash_scale with Adam's first step: |-lr g / (|g| + eps)| = lr (|g| >> eps)
+  np.testing.assert_allclose(np.abs(_q_proj(lora)["dash_scale"]), 1e-2, rtol=1e-2)
   trainer.close()
+
+
+def test_the_first_dash_update_is_adams_first_step_in_a_run():
+  """Launched after update 2 of a run, dash_scale's first update (update 3) is Adam's first step,
+  ``-lr g / (|g| + eps)``, of size lr; a count started at update 1 would give 0.64 lr."""
+  trainer = _dash_trainer(2, steps=3)
+  trainer.run()
+  _, lora = _dash_state(trainer)
+  for layer in (0, 1):
+    scale = lora["model"]["layers"][layer]["self_attn"]["q_proj"]["dash_scale"]
+    np.testing.assert_allclose(np.abs(scale), 1e-2, rtol=1e-2)  # |g| >> eps
+  trainer.close()
+
+
+@pytest.mark.parametrize("method", ["loradash", "anlr+loradash"])
+def test_dash_scale_adam_counts_from_the_launch(method):
+  """dash_scale's Adam moments and step count start at the launch (update t + 1): its first update
+  is the Adam formula with count 1, and every later one is optax.adamw's started at the launch on
+  the run's schedule; the LoRA factors get the method's optimizer as if dash_scale were absent."""
+  t, b1, b2, eps, wd = 5, 0.9, 0.999, 1e-8, 0.1
+  schedule = optax.linear_schedule(1e-2, 2e-3, 20)
+  adam = dict(b1=b1, b2=b2, eps=eps, weight_decay=wd)
+  knobs = {"warmup_steps": 1}
+  tx = method_optimizer(
+      method, schedule, clip_norm=None, anlr_kwargs=knobs, dash_launch_step=t, **adam
+  )
+  factors_tx = method_optimizer(method.replace("loradash", "lora").replace("+lora", ""), schedule,
+                                clip_norm=None, anlr_kwargs=knobs, **adam)  # fmt: skip
+  dash_ref = optax.adamw(lambda c: schedule(c + t), **adam)  # started at the launch
+  rng = np.random.default_rng(0)
+  f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+  params = {"q": {"lora_a": f32(6, 2), "lora_b": f32(2, 5), "dash_scale": jnp.zeros(3)}}
+  factors = {"q": {k: params["q"][k] for k in ("lora_a", "lora_b")}}
+  state, factors_state = tx.init(params), factors_tx.init(factors)
+  update = jax.jit(tx.update)
+  for n in range(1, 10):
+    grads = {"q": {"lora_a": f32(6, 2), "lora_b": f32(2, 5), "dash_scale": f32(3)}}
+    if n <= t:  # before the launch dash_scale's gradient is exactly zero
+      grads["q"]["dash_scale"] = jnp.zeros(3)
+    updates, new_state = update(grads, state, params)
+    assert jax.tree.structure(new_state) == jax.tree.structure(state)
+    state = new_state
+    factor_grads = {"q": {k: grads["q"][k] for k in ("lora_a", "lora_b")}}
+    factor_updates, factors_state = factors_tx.update(factor_grads, factors_state, factors)
+    chex.assert_trees_all_close(
+        {"q": {k: updates["q"][k] for k in factors["q"]}}, factor_updates, rtol=1e-5, atol=1e-9
+    )
+    g, dash = np.asarray(grads["q"]["dash_scale"]), np.asarray(updates["q"]["dash_scale"])
+    if n <= t:
+      np.testing.assert_array_equal(dash, np.zeros(3))
+    elif n == t + 1:  # Adam with count k = n - t = 1: m_hat = g, v_hat = g^2; dash_scale = 0
+      want = -float(schedule(n - 1)) * g / (np.abs(g) + eps)
+      np.testing.assert_allclose(dash, want, rtol=1e-5)
+      dash_state = dash_ref.init(params["q"]["dash_scale"])
+    if n > t:
+      ref, dash_state = dash_ref.update(
+          grads["q"]["dash_scale"], dash_state, params["q"]["dash_scale"]
+      )
+      np.testing.assert_allclose(dash, ref, rtol=1e-5, atol=1e-8)
+    params = optax.apply_updates(params, updates)
+    factors = {"q": {k: params["q"][k] for k in factors["q"]}}
 
 
 def _key_data(x):
@@ -419,6 +500,7 @@ def test_stacked_layout_trains_like_per_layer(method):
         1e-2,
         adalora_config=adalora_config(config, 3),
         lora_scale=2.0 / 2,
+        dash_launch_step=config.loradash.launch_step,
     )
     trainer = Trainer(
         model,

@@ -116,6 +116,28 @@ def test_velocity_only_signal_is_monotone_in_velocity():
   chex.assert_trees_all_close(s, want, rtol=1e-5)
 
 
+def test_a_degenerate_module_keeps_unit_multipliers():
+  """A module whose mean velocity (alpha != 0) or mean SNR (beta != 0) is exactly 0 keeps ``s = 1``
+  in every rank while the other signal is non-zero; the healthy module beside it is rescaled."""
+  nu = jnp.asarray([[0.0, 0.0, 0.0, 0.0], [0.5, 1.0, 2.0, 4.0], [0.5, 1.0, 2.0, 4.0]])
+  snr = jnp.asarray([[0.2, 1.0, 3.0, 0.7], [0.2, 1.0, 3.0, 0.7], [0.0, 0.0, 0.0, 0.0]])
+
+  def multipliers(alpha, beta):
+    s = np.asarray(rank_stats.module_multipliers(nu, snr, alpha=alpha, beta=beta, kappa=4.0))
+    assert np.isfinite(s).all() and np.ptp(s[1]) > 0.1, (alpha, beta)
+    return s
+
+  s = multipliers(2.0, 1.0)  # nu_bar = 0 in module 0, snr = 0 in module 2
+  np.testing.assert_array_equal(s[0], np.ones(4))
+  np.testing.assert_array_equal(s[2], np.ones(4))
+  s = multipliers(0.0, 1.0)  # velocity unused: module 0 follows its SNR, module 2 stays 1
+  assert np.ptp(s[0]) > 0.1
+  np.testing.assert_array_equal(s[2], np.ones(4))
+  s = multipliers(2.0, 0.0)  # SNR unused: module 2 follows its velocity, module 0 stays 1
+  np.testing.assert_array_equal(s[0], np.ones(4))
+  assert np.ptp(s[2]) > 0.1
+
+
 def test_find_lora_modules_layouts_and_paths():
   params = {
       "model": {

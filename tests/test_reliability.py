@@ -7,6 +7,7 @@ import logging
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -111,6 +112,34 @@ def test_resume_with_other_settings_names_each_key(finished, tmp_path, capsys):
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def _files(folder: pathlib.Path) -> dict[str, bytes]:
+  """Every file under ``folder`` with its bytes: what a refused command must leave as it was."""
+  return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def _copy_run(finished, tmp_path) -> pathlib.Path:
+  """A copy of the finished run directory (its checkpoints inside it) to change freely."""
+  run = tmp_path / "run"
+  shutil.copytree(finished[0] / "run", run)
+  return run
+
+
+def test_a_finished_run_with_other_settings_is_refused_and_left_alone(finished, tmp_path, capsys):
+  _, config = finished
+  run = _copy_run(finished, tmp_path)
+  before = _files(run)
+  assert cli.main(["train", "--config", str(config), f"run_dir={run}", "lora.rank=8"]) == 2
+  out, err = capsys.readouterr()
+  assert "complete already" not in out
+  assert re.search(
+      r"run directory .* belongs to a run with other settings \(.*lora.rank: 4 -> 8", err
+  )
+  assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+  assert _files(run) == before  # config.yaml included: still the finished run's
+  assert cli.main(["train", "--config", str(config), f"run_dir={run}"]) == 0
+  assert "complete already" in capsys.readouterr().out  # the same settings: its results
+
+
 def test_resume_allow_permits_a_longer_schedule(finished, tmp_path, capsys):
   root, config = finished
   argv = [
@@ -166,6 +195,22 @@ def test_a_run_killed_after_its_final_checkpoint_completes(tmp_path, capsys):
   assert again["accuracy"] == expected["accuracy"]
   assert again["final_loss"] == pytest.approx(expected["final_loss"])  # from all 4 rows
   assert (run / LORA_FILE).is_file()
+
+
+def test_a_finished_checkpoint_resumed_in_a_new_run_directory_completes(finished, tmp_path, capsys):
+  """The final checkpoint of a run taken up by a new run directory (no update left to train, no
+  loss row there): the adapter is written and evaluated, ``final_loss`` is None, no loss plot."""
+  root, config = finished
+  run, ckpt = tmp_path / "new", tmp_path / "checkpoints"
+  shutil.copytree(root / "run" / "checkpoints" / "4", ckpt / "4")  # other tests add 5 and 6
+  argv = ["train", "--config", str(config), f"run_dir={run}", f"trainer.ckpt_dir={ckpt}"]
+  assert cli.main(argv) == 0, capsys.readouterr().err
+  out = capsys.readouterr().out
+  assert "resumed at update 4" in out and "final loss n/a" in out
+  results = json.loads((run / RESULTS_FILE).read_text())
+  expected = json.loads((root / "run" / RESULTS_FILE).read_text())
+  assert results["accuracy"] == expected["accuracy"] and results["final_loss"] is None
+  assert (run / LORA_FILE).is_file() and not (run / "loss.png").exists()
 
 
 # ----------------------------------------------------------------------------- 3. integrity
@@ -306,6 +351,39 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
   assert [r["skipped_total"] for r in rows] == [1.0, 2.0, 3.0]
 
 
+def _nan_gradient_entry(lora):
+  """A loss term whose value is 0 and whose gradient is NaN in one entry of one adapter factor:
+  ``d/dx sqrt(x - x') = 1 / (2 sqrt(0))`` times 0."""
+  x = jax.tree.leaves(lora)[0].reshape(-1)[0]
+  return 0.0 * jnp.sqrt(x - jax.lax.stop_gradient(x))
+
+
+def test_a_non_finite_gradient_with_a_finite_loss_is_skipped(tmp_path):
+  cfg = TrainerConfig(
+      steps=10,
+      global_batch=8,
+      compute_dtype="float32",
+      progress=False,
+      run_dir=str(tmp_path),
+      max_nonfinite=3,
+  )
+  tx = anlr_jax.anlr(1e-2, warmup_steps=1)
+  trainer = Trainer(make_toy_model(), ToyBatches(), cfg, tx, loss_regularizer=_nan_gradient_entry)
+  before = jax.device_get(trainer.state)
+  with pytest.raises(NonFiniteError, match=r"3 consecutive updates \(steps 1-3"):
+    trainer.run()
+  after = jax.device_get(trainer.state)
+  for a, b in zip(
+      jax.tree.leaves((before.lora, before.opt_state)),
+      jax.tree.leaves((after.lora, after.opt_state)),
+  ):
+    np.testing.assert_array_equal(a, b)  # skipped: params and optimizer state untouched
+  rows = read_metrics(str(tmp_path))
+  assert [r["skipped_total"] for r in rows] == [1.0, 2.0, 3.0]
+  assert all(np.isfinite(r["loss"]) and r["regularizer"] == 0.0 for r in rows)  # finite loss
+  assert not any(np.isfinite(r["grad_norm"]) for r in rows)  # the gradient norm decided
+
+
 def test_a_stuck_loss_is_warned_about(tmp_path, caplog):
   class Silent(ToyBatches):
 
@@ -425,16 +503,25 @@ def test_a_second_writer_fails_fast_and_a_stale_lock_is_taken_over(tmp_path, cap
   lock.release()
 
 
-def test_two_trainings_on_one_run_dir(finished, tmp_path):
-  root, config = finished
-  with DirectoryLock(tmp_path / "run", what="run directory"):
-    pass  # re-entrant and released: the lock file names nobody afterwards
+@pytest.mark.parametrize("state", ["new", "trained", "complete"])
+def test_two_trainings_on_one_run_dir(finished, tmp_path, state):
+  """A second ``anlr train`` on a run directory in use fails at once and writes nothing, whatever
+  the directory holds: nothing yet, a trained adapter to evaluate, or a complete run."""
+  _, config = finished
+  run = tmp_path / "run"
+  if state == "new":
+    with DirectoryLock(run, what="run directory"):
+      pass  # re-entrant and released: the lock file names nobody afterwards
+  else:
+    _copy_run(finished, tmp_path)
+    if state == "trained":
+      (run / RESULTS_FILE).unlink()  # trained, not evaluated yet
   holder = subprocess.Popen(
       [
           sys.executable,
           "-c",
           "import time; from anlr_jax.train.lock import DirectoryLock;"
-          f"DirectoryLock({str(tmp_path / 'run')!r}).acquire(); print('held', flush=True);"
+          f"DirectoryLock({str(run)!r}).acquire(); print('held', flush=True);"
           "time.sleep(60)",
       ],
       stdout=subprocess.PIPE,
@@ -443,11 +530,12 @@ def test_two_trainings_on_one_run_dir(finished, tmp_path):
   )
   try:
     assert holder.stdout.readline().strip() == "held"
-    assert cli.main(["train", "--config", str(config), f"run_dir={tmp_path / 'run'}"]) == 2
+    before = _files(run)
+    assert cli.main(["train", "--config", str(config), f"run_dir={run}"]) == 2
+    assert _files(run) == before  # no config.yaml, no metrics, no results
   finally:
     holder.kill()
     holder.wait()
-  assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 # --------------------------------------------------------------- 7. metrics are a function of step
@@ -495,6 +583,15 @@ def test_the_data_report_counts_dropped_records_and_clipped_warmup(tmp_path, cap
   out = capsys.readouterr().out
   assert "53 records in" in out and "48 used" in out and "5 dropped (no response token" in out
   assert "trainer.lr_warmup_steps=10 is more than the run's 4 updates" in out
+
+
+@pytest.mark.parametrize("key", ["model.path", "model.tokenizer", "data.train", "eval.tasks.boolq"])
+def test_a_start_with_a_missing_input_creates_nothing(tmp_path, capsys, key):
+  config = _config(tmp_path, compare=["lora", "anlr"])
+  assert cli.main(["train", "--config", str(config), f"{key}={tmp_path / 'missing'}"]) == 2
+  err = _err(capsys)
+  assert f"{key}: {tmp_path / 'missing'} does not exist" in err, err
+  assert not (tmp_path / "run").exists()  # no run directory, config.yaml or lock file
 
 
 def test_eval_checks_every_task_file_before_scoring(finished, tmp_path, capsys):

@@ -36,9 +36,12 @@ random              lora      default    no      no    anlr (signal="random")
 sensitivity         lora      default    no      no    anlr (signal="sensitivity")
 adalora             adalora   (PEFT's)   no      no    adalora (rank_allocator over adamw)
 lorapro             lora      default    no      no    lorapro (scale = alpha / r)
-loradash            loradash  default    no      no    adamw
-anlr+loradash       loradash  default    no      no    anlr
+loradash            loradash  default    no      no    adamw; dash_scale: AdamW from t
+anlr+loradash       loradash  default    no      no    anlr; dash_scale: AdamW from t
 ==================  ========  =========  ======  ====  ====================================
+
+The ``loradash`` layer's ``dash_scale`` gets AdamW whose moments and step count start at the
+launch ``t`` (:func:`anlr_jax.nn.dash_optimizer`), the LoRA factors the optimizer of the table.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ import optax
 from flax import nnx
 
 from anlr_jax.fields import ConfigError
-from anlr_jax.nn import dash_launched, launch_dash
+from anlr_jax.nn import dash_launched, dash_optimizer, launch_dash
 from anlr_jax.optim import anlr, loraplus
 from anlr_jax.optim.adalora import AdaLoRAConfig, orth_regularization, rank_allocator
 from anlr_jax.optim.lorapro import lorapro
@@ -207,6 +210,7 @@ def method_optimizer(
     adalora_config: Any = None,
     lora_scale: float | None = None,
     lorapro_mode: str = "full",
+    dash_launch_step: int | None = None,
 ) -> optax.GradientTransformation:
   r"""``clip_by_global_norm(clip_norm)`` followed by the method's optimizer on ``learning_rate``.
 
@@ -229,6 +233,9 @@ def method_optimizer(
     lora_scale: the LoRA scale ``c`` the adapters' forward pass uses (``alpha / r``), required by
       ``lorapro``. Ignored by the other methods.
     lorapro_mode: ``lorapro``'s ``mode``: ``"full"`` (the paper's Algorithm 1) or ``"efficient"``.
+    dash_launch_step: LoRA-Dash's ``t`` (``loradash.launch_step``), required by the ``loradash``
+      layer's methods: ``dash_scale`` gets AdamW with its step count starting at the launch
+      (:func:`anlr_jax.nn.dash_optimizer`). Ignored by the other methods.
 
   Returns:
     An optax transformation over the LoRA param tree.
@@ -264,6 +271,12 @@ def method_optimizer(
     raise ValueError(
         f"method {spec.name!r} has optimizer={spec.optimizer!r}; allowed: {OPTIMIZERS}"
     )
+  if spec.uses_loradash:
+    if dash_launch_step is None:
+      raise ValueError(
+          f"method {spec.name!r} needs dash_launch_step (LoRA-Dash's t, loradash.launch_step)"
+      )
+    inner = dash_optimizer(inner, learning_rate, launch_step=dash_launch_step, **adam)
   if clip_norm is None:
     return inner
   return optax.chain(optax.clip_by_global_norm(clip_norm), inner)

@@ -31,8 +31,10 @@ def say(message: str) -> None:
 
 
 def plot_losses(curves: Mapping[str, tuple[list[float], list[float]]], path: str) -> None:
-  """Training loss against update step, one line per label (Agg backend: no display needed)."""
-  if not is_writer():
+  """Training loss against update step, one line per label (Agg backend: no display needed); labels
+  without a loss value are left out, and with none at all no file is written."""
+  curves = {label: curve for label, curve in curves.items() if len(curve[1])}
+  if not is_writer() or not curves:
     return
   fig, ax = plt.subplots(figsize=(6, 4))
   for label, (steps, losses) in curves.items():

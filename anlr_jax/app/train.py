@@ -152,6 +152,18 @@ def _check_vocab(source, vocab_size: int, config: RunConfig) -> None:
     )
 
 
+def _check_inputs(config: RunConfig) -> str:
+  """Checks that every input of a method's run exists (``model.path``, ``model.tokenizer`` when
+  set, ``data.train``, every test file, read): before anything is written. Returns the training
+  file's path."""
+  require_path(config.model.path, "model.path", kind="HF model directory")
+  if config.model.tokenizer is not None:
+    require_path(config.model.tokenizer, "model.tokenizer", kind="tokenizer directory")
+  train_path = require_path(config.data.train, "data.train", kind="training file")
+  load_eval_sets(config)
+  return train_path
+
+
 def _check_schedule(config: RunConfig, method: str, total: int, log: Log) -> None:
   """ConfigError if a method's phase would never start; a note when the LR warmup is cut."""
   spec = get_method(method)
@@ -214,17 +226,23 @@ def _finish(
   return results
 
 
+def _save_config(config: RunConfig, run_dir: str) -> None:
+  """Writes the run's ``config.yaml``: only once its settings are known to be the directory's."""
+  if is_writer():
+    save_config(config, os.path.join(run_dir, rundir.CONFIG_FILE))
+
+
 def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = say) -> dict:
   """Trains one method into ``run_dir`` (see the module docstring); returns its results dict.
 
   Run again on the same ``run_dir``, it resumes from the newest valid checkpoint, or completes
   what is missing of a trained run, or returns the stored results of a complete one.
   """
-  os.makedirs(run_dir, exist_ok=True)
   config = dataclasses.replace(config, method=method, compare=[], run_dir=run_dir)
+  train_path = _check_inputs(config)  # every test file too, before hours of training
+  os.makedirs(run_dir, exist_ok=True)
   with DirectoryLock(run_dir, what="run directory") if is_writer() else no_lock():
     model, model_config, tokenizer = load_base(config)
-    train_path = require_path(config.data.train, "data.train", kind="training file")
     tc = dataclasses.replace(config.trainer, run_dir=run_dir, seed=config.seed)
     identity = run_identity(
         config,
@@ -234,7 +252,6 @@ def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = say
         data_path=train_path,
     )
     identity.update(trainer_identity(tc))
-    load_eval_sets(config)  # every test file is checked before hours of training
     results_path = os.path.join(run_dir, rundir.RESULTS_FILE)
     lora_path = os.path.join(run_dir, rundir.LORA_FILE)
     stored = rundir.read_results(run_dir)
@@ -244,11 +261,10 @@ def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = say
         log(f"[{method}] complete already: {results_path}")
         stored["loss_curve"] = loss_curve(read_metrics(run_dir))
         return stored
-    if is_writer():
-      save_config(config, os.path.join(run_dir, rundir.CONFIG_FILE))
     inject_method(model, config, method)
     if os.path.isfile(lora_path):
       _check_same_run(lora_path, lora_file_identity(lora_path) or {}, identity)
+      _save_config(config, run_dir)
       log(f"[{method}] trained already ({lora_path}): evaluating")
       load_lora_params(model, lora_path)
       rows = read_metrics(run_dir)
@@ -298,6 +314,7 @@ def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = say
         adalora_config=adalora_config(config, total) if spec.uses_adalora else None,
         lora_scale=lora_scale(config.lora.rank, config.lora.alpha, spec.use_rslora),
         lorapro_mode=config.lorapro.mode,
+        dash_launch_step=config.loradash.launch_step,
     )
     hooks = method_hooks(config, method)
     log(
@@ -307,6 +324,7 @@ def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = say
     model.train()
     start = time.perf_counter()
     trainer = Trainer(model, source, tc, tx, identity=identity, schedule=schedule, **hooks)
+    _save_config(config, run_dir)  # the Trainer has checked the checkpoint's identity
     if trainer.step:
       log(f"[{method}] resumed at update {trainer.step} from {tc.ckpt_dir}")
     try:
@@ -348,6 +366,9 @@ def train_run(config: RunConfig, *, log: Log = say, timestamp: str | None = None
   run_dir = format_run_dir(
       config.run_dir, method="-vs-".join(methods), seed=config.seed, timestamp=timestamp
   )
+  for method in methods:  # a start that fails on a missing file creates no run directory
+    sub = run_dir if len(methods) == 1 else rundir.method_dir(run_dir, method)
+    _check_inputs(_method_config(config, method, sub, several=len(methods) > 1))
   os.makedirs(run_dir, exist_ok=True)
   with DirectoryLock(run_dir, what="run directory") if is_writer() else no_lock():
     return _train_run(config, methods, run_dir, log)
@@ -364,10 +385,6 @@ def _method_config(config: RunConfig, method: str, run_dir: str, several: bool) 
 
 
 def _train_run(config: RunConfig, methods: list[str], run_dir: str, log: Log) -> dict:
-  if is_writer():
-    save_config(
-        dataclasses.replace(config, run_dir=run_dir), os.path.join(run_dir, rundir.CONFIG_FILE)
-    )
   if len(methods) == 1 and not config.eval.include_base:
     method_config = _method_config(config, methods[0], run_dir, several=False)
     results = train_method(method_config, methods[0], run_dir, log=log)
@@ -380,7 +397,6 @@ def _train_run(config: RunConfig, methods: list[str], run_dir: str, log: Log) ->
     }
 
   start = time.perf_counter()
-  load_eval_sets(expand_paths(config, methods[0], run_dir))  # check every test file up front
   runs, curves = [], {}
   for method in methods:
     sub = run_dir if len(methods) == 1 else rundir.method_dir(run_dir, method)
@@ -388,6 +404,8 @@ def _train_run(config: RunConfig, methods: list[str], run_dir: str, log: Log) ->
     results = train_method(method_config, method, sub, log=log)
     curves[method] = results.pop("loss_curve")
     runs.append(results)
+  if len(methods) > 1:  # the comparison's config, once every method's settings are checked
+    _save_config(dataclasses.replace(config, run_dir=run_dir), run_dir)
   base = (
       evaluate_base(expand_paths(config, methods[0], run_dir), run_dir, log=log)
       if config.eval.include_base and config.eval.tasks

@@ -49,13 +49,14 @@ In the torch layout of the paper and of the authors' code (``W = W0^T`` of shape
 reference implementation (``Chongjie-Si/Subspace-Tuning``, ``CR_MR/peft/src/peft/tuners/
 lora-dash.py``, ``Linear.forward``): SVD of the frozen weight in float32, projection
 ``diag(U^T ΔW V)`` of the scaled LoRA update, ``topk(|proj| / |σ|, s)``, and the dash term
-``drop(x) (U_s diag(δ̂) V_s^T)^T`` added unscaled. Three deliberate differences: the dash term
-uses the same dropout mask as the LoRA term (the reference draws a second one); ``t`` counts
+``drop(x) (U_s diag(δ̂) V_s^T)^T`` added unscaled. Two deliberate differences: the dash term uses
+the same dropout mask as the LoRA term (the reference draws a second one), and ``t`` counts
 optimizer updates (the reference counts a layer's training forward passes, the same without
-gradient accumulation); and ``dash_scale`` lives in the optimizer from step 1 with zero gradients,
-so Adam's bias correction for it counts from step 1, not from the launch as in the reference's
-torch AdamW (which skips parameters without a gradient): with ``t = 100`` its first dash-phase
-updates are ~2% smaller (``(1 - b1) / sqrt((1 - b2) / (1 - b2^{t+1}))`` ≈ 0.98 of ``sign(g)``).
+gradient accumulation). As in the reference's torch AdamW, which creates a parameter's moments at
+its first gradient, ``δ̂``'s Adam moments and bias-correction count start at the launch
+(:func:`dash_optimizer`): its first update is ``-η g / (|g| + ε) ≈ -η sign(g)``. A count started
+at update 1 would make it ``(1 - b1) / (1 - b1^{t+1}) · sqrt((1 - b2^{t+1}) / (1 - b2))`` times
+that (0.52 at ``t = 5``, 0.98 at ``t = 100``).
 
 The phase switch is in the values only, so a jitted step compiles once for both phases: until
 launch ``dash_u``, ``dash_v`` are zero, hence the dash term and the gradient of ``dash_scale`` are
@@ -64,11 +65,12 @@ with arrays of the same shape, dtype and sharding. ``dash_u``, ``dash_v``, ``das
 and ``dash_index`` (``-1`` until launch) are :class:`DashDirections` variables: neither
 ``nnx.Param`` nor ``nnx.LoRAParam``, so they are never trained, and a trainer that splits the model
 into ``(nnx.LoRAParam, nnx.Param, ...)`` carries them in the third (``extra``) part.
-``dash_scale`` is an ``nnx.LoRAParam`` next to ``lora_a``/``lora_b``: ``anlr_jax.anlr`` pairs
-``lora_a``/``lora_b`` per rank and gives ``dash_scale`` the plain AdamW update.
+``dash_scale`` is an ``nnx.LoRAParam`` next to ``lora_a``/``lora_b``; :func:`dash_optimizer` gives it
+its own AdamW, and the LoRA factors the optimizer it wraps (``optax.adamw``, ``anlr_jax.anlr``).
 
-Use from a trainer: build the model with :func:`inject_loradash` (``s``, ``t``), train as plain
-LoRA (``nnx.LoRAParam`` leaves: ``lora_a``, ``lora_b``, ``dash_scale``); right after optimizer update
+Use from a trainer: build the model with :func:`inject_loradash` (``s``, ``t``), train its
+``nnx.LoRAParam`` leaves (``lora_a``, ``lora_b``, ``dash_scale``) with
+``dash_optimizer(tx, learning_rate, launch_step=t)``; right after optimizer update
 ``t`` (:func:`dash_launch_step`; ``t = 0``: before the first), call :func:`launch_dash` eagerly on
 the model holding the current params (e.g. ``nnx.merge(graphdef, lora, frozen, extra)``), then take
 the new ``extra`` part back (``nnx.split(model, nnx.LoRAParam, nnx.Param, ...)``); no optimizer
@@ -89,6 +91,7 @@ import typing as tp
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from anlr_jax.nn.inject import (
@@ -522,3 +525,73 @@ def launch_dash(model: nnx.Module, num_directions: int | None = None) -> dict[st
   for path, layer in layers:
     layer.set_task_directions(chosen[path])
   return chosen
+
+
+# ---------------------------------------------------------------------------------- optimizer
+DASH_PARAM = "dash_scale"
+"""The name of ``δ̂`` in a LoRA param tree (:func:`dash_optimizer` finds it by this key)."""
+
+
+def scale_by_adam_since_launch(
+    launch_step: int, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
+) -> optax.GradientTransformation:
+  r"""``optax.scale_by_adam`` with the bias correction counted from update ``t + 1``.
+
+  .. math::
+
+     m_n = b_1 m_{n-1} + (1 - b_1) g_n, \quad v_n = b_2 v_{n-1} + (1 - b_2) g_n^2, \quad
+     u_n = \frac{m_n / (1 - b_1^{k})}{\sqrt{v_n / (1 - b_2^{k})} + \epsilon},
+     \quad k = \max(n - t, 1),
+
+  at update ``n`` (1-based), ``t`` = ``launch_step``. ``δ̂``'s gradient is exactly zero up to the
+  launch, so ``m`` and ``v`` are zero there and this is Adam started at update ``t + 1``. The state
+  (``optax.ScaleByAdamState``) keeps the updates' count ``n``, so a resumed run goes on with it.
+  """
+  validate_dash_config(1, launch_step)
+  adam = optax.scale_by_adam(b1, b2, eps)
+
+  def update_fn(updates, state, params=None):
+    since = jnp.maximum(state.count - launch_step, 0).astype(state.count.dtype)
+    updates, new = adam.update(updates, state._replace(count=since), params)
+    return updates, new._replace(count=optax.safe_increment(state.count))
+
+  return optax.GradientTransformation(adam.init, update_fn)
+
+
+def dash_labels(params) -> tp.Any:
+  """``"dash"`` for every ``dash_scale`` leaf of a LoRA param tree, ``"lora"`` for the others."""
+
+  def label(path, _):
+    return "dash" if any(getattr(k, "key", None) == DASH_PARAM for k in path) else "lora"
+
+  return jax.tree_util.tree_map_with_path(label, params)
+
+
+def dash_optimizer(
+    tx: optax.GradientTransformation,
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    launch_step: int,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> optax.GradientTransformation:
+  r"""``tx`` on the LoRA factors and AdamW counted from the launch on ``dash_scale``.
+
+  ``dash_scale`` gets ``-η_n (u_n + λ δ̂)`` with ``u_n`` from :func:`scale_by_adam_since_launch`
+  (``η_n`` the ``learning_rate`` schedule at update ``n``, as for the factors); every other leaf
+  gets ``tx``'s update, as if ``dash_scale`` were not there (``optax.partition``).
+
+  Args:
+    tx: the LoRA factors' optimizer (``optax.adamw``, ``anlr_jax.anlr``, ...).
+    learning_rate: ``η``, a float or the run's schedule.
+    launch_step: ``t``, the number of updates before the launch (:func:`dash_launch_step`).
+    b1, b2, eps, weight_decay: AdamW's constants for ``dash_scale`` (``λ`` = ``weight_decay``).
+  """
+  dash = optax.chain(
+      scale_by_adam_since_launch(launch_step, b1, b2, eps),
+      optax.add_decayed_weights(weight_decay),
+      optax.scale_by_learning_rate(learning_rate),
+  )
+  return optax.partition({"lora": tx, "dash": dash}, dash_labels)
