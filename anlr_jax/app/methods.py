@@ -52,7 +52,7 @@ import optax
 from flax import nnx
 
 from anlr_jax.fields import ConfigError
-from anlr_jax.nn import dash_launched, launch_dash
+from anlr_jax.nn import dash_launched, inject_adalora, inject_lora, inject_loradash, launch_dash
 from anlr_jax.optim import anlr, loraplus
 from anlr_jax.optim.adalora import AdaLoRAConfig, orth_regularization, rank_allocator
 from anlr_jax.optim.lorapro import lorapro
@@ -269,6 +269,38 @@ def method_optimizer(
   return optax.chain(optax.clip_by_global_norm(clip_norm), inner)
 
 
+def inject_method(model: nnx.Module, config: RunConfig, method: str) -> nnx.Module:
+  """Wraps the targeted layers with the adapter layer of ``method`` (seeded by ``config.seed``):
+  ``LoRALinear`` (its init/rsLoRA/DoRA), ``AdaLoRALinear`` (initial rank ``lora.rank``) or
+  ``LoRADashLinear`` (``loradash.num_directions``, ``loradash.launch_step``)."""
+  spec = get_method(method)
+  common = dict(
+      target_modules=tuple(config.lora.targets),
+      rank=config.lora.rank,
+      alpha=config.lora.alpha,
+      dropout=config.lora.dropout,
+      rngs=nnx.Rngs(params=config.seed, dropout=config.seed + 1),
+  )
+  if spec.layer == "adalora":
+    return inject_adalora(model, **common)
+  if spec.layer == "loradash":
+    try:
+      return inject_loradash(
+          model,
+          num_directions=config.loradash.num_directions,
+          launch_step=config.loradash.launch_step,
+          use_rslora=spec.use_rslora,
+          **common,
+      )
+    except ValueError as err:
+      if "num_directions" not in str(err):
+        raise
+      raise ConfigError(
+          f"loradash.num_directions={config.loradash.num_directions}: {err}"
+      ) from None
+  return inject_lora(model, **common, **spec.lora_kwargs())
+
+
 # ------------------------------------------------------------------ what a method adds to a run
 ADALORA_TOTAL_STEP = "adalora_total_step"
 """Metadata key of an AdaLoRA run's ``lora_final.safetensors``: its number of updates (export)."""
@@ -358,6 +390,7 @@ __all__ = [
     "adalora_target_r",
     "dash_launcher",
     "get_method",
+    "inject_method",
     "method_hooks",
     "method_optimizer",
 ]
