@@ -27,9 +27,9 @@ from safetensors.numpy import save_file
 
 from anlr_jax import rundir
 from anlr_jax.app.config import RunConfig, load_config
-from anlr_jax.app.methods import get_method, inject_method
+from anlr_jax.app.methods import inject_method
 from anlr_jax.app.paths import require_path, resolve_path
-from anlr_jax.fields import DTYPES, ConfigError
+from anlr_jax.fields import DTYPES
 from anlr_jax.models import load_hf_model, load_tokenizer
 from anlr_jax.nn import (
     DashDirections,

@@ -38,15 +38,8 @@ import numpy as np
 from anlr_jax import rundir
 from anlr_jax.app.config import RunConfig, save_config
 from anlr_jax.app.evaluate import evaluate_base, evaluate_tasks, load_eval_sets, accuracy_summary
-from anlr_jax.app.methods import (
-    ADALORA_TOTAL_STEP,
-    adalora_config,
-    get_method,
-    method_hooks,
-    method_optimizer,
-)
+from anlr_jax.app.methods import ADALORA_TOTAL_STEP, build_method, get_method, inject_method
 from anlr_jax.app.model import (
-    inject_method,
     load_base,
     load_lora_params,
     lora_file_identity,
@@ -69,7 +62,6 @@ from anlr_jax.app.report import (
 from anlr_jax.data import make_source
 from anlr_jax.evals import write_accuracy_table
 from anlr_jax.fields import ConfigError
-from anlr_jax.nn import lora_scale
 from anlr_jax.train import Trainer
 from anlr_jax.train.checkpoint import file_sha256
 from anlr_jax.train.lock import DirectoryLock
@@ -149,38 +141,6 @@ def _check_vocab(source, vocab_size: int, config: RunConfig) -> None:
     raise ValueError(
         f"data.train: token id {top} is outside the model's vocabulary of {vocab_size}: the"
         f" tokenizer ({tokenizer}) does not belong to the model ({config.model.path})"
-    )
-
-
-def _check_schedule(config: RunConfig, method: str, total: int, log: Log) -> None:
-  """ConfigError if a method's phase would never start; a note when the LR warmup is cut."""
-  spec = get_method(method)
-  if spec.uses_anlr and spec.signal != "uniform" and config.anlr.warmup_steps >= total:
-    raise ConfigError(
-        f"anlr.warmup_steps={config.anlr.warmup_steps} is not below the run's {total} updates:"
-        f" every multiplier would stay 1 and method={method} would train exactly like lora;"
-        f" lower anlr.warmup_steps (e.g. anlr.warmup_steps={max(1, total // 10)})"
-    )
-  if spec.uses_loradash and config.loradash.launch_step >= total:
-    raise ConfigError(
-        f"loradash.launch_step={config.loradash.launch_step} is not below the run's {total}"
-        f" updates: the dash phase would never start and method={method} would train exactly like"
-        f" {'anlr' if spec.uses_anlr else 'lora'}; lower loradash.launch_step (e.g."
-        f" loradash.launch_step={total // 2})"
-    )
-  if spec.uses_adalora:
-    ada = config.adalora
-    if ada.tinit + ada.tfinal >= total:
-      raise ConfigError(
-          f"adalora.tinit + adalora.tfinal = {ada.tinit} + {ada.tfinal} is not below the run's"
-          f" {total} updates: AdaLoRA's budget would never decrease; lower adalora.tinit or"
-          " adalora.tfinal"
-      )
-  warmup = config.trainer.lr_warmup_steps
-  if warmup > total:
-    log(
-        f"[{method}] trainer.lr_warmup_steps={warmup} is more than the run's {total} updates:"
-        f" the learning rate warms up over all {total} and never decays"
     )
 
 
@@ -280,33 +240,16 @@ def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = say
     log(f"[{method}] data: {_describe_data(source, train_path, config)}")
     _check_vocab(source, model_config.vocab_size, config)
     total = tc.total_steps(len(source))
-    _check_schedule(config, method, total, log)
-    schedule = tc.schedule(total)
-    spec = get_method(method)
-    tx = method_optimizer(
-        method,
-        schedule,
-        b1=tc.b1,
-        b2=tc.b2,
-        eps=tc.eps,
-        weight_decay=tc.weight_decay,
-        clip_norm=tc.clip_norm,
-        anlr_kwargs=config.anlr.as_kwargs(),
-        lr_ratio=config.loraplus.lr_ratio,
-        seed=config.seed,
-        track_rank_stats=tc.diag_every > 0,
-        adalora_config=adalora_config(config, total) if spec.uses_adalora else None,
-        lora_scale=lora_scale(config.lora.rank, config.lora.alpha, spec.use_rslora),
-        lorapro_mode=config.lorapro.mode,
-    )
-    hooks = method_hooks(config, method)
+    built = build_method(config, method, total_steps=total, log=log)
     log(
         f"[{method}] {len(source)} batches/epoch of {tc.global_batch}; {total} updates at lr"
         f" {tc.learning_rate:g} -> {run_dir}"
     )
     model.train()
     start = time.perf_counter()
-    trainer = Trainer(model, source, tc, tx, identity=identity, schedule=schedule, **hooks)
+    trainer = Trainer(
+        model, source, tc, built.tx, identity=identity, schedule=built.schedule, **built.hooks
+    )
     if trainer.step:
       log(f"[{method}] resumed at update {trainer.step} from {tc.ckpt_dir}")
     try:
@@ -317,7 +260,7 @@ def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = say
     model = trainer.updated_model()
     model.eval()
     if is_writer():
-      metadata = {ADALORA_TOTAL_STEP: str(total)} if spec.uses_adalora else None
+      metadata = {ADALORA_TOTAL_STEP: str(total)} if built.spec.uses_adalora else None
       save_lora_params(model, lora_path, identity=identity, metadata=metadata)
     curve = loss_curve(rows)
     plot_losses({method: curve}, os.path.join(run_dir, rundir.LOSS_PLOT))
