@@ -34,7 +34,9 @@ from anlr_jax.app.analysis_cli import analyze_main, sweep_main
 from anlr_jax.app.config import ConfigError, RunConfig, help_text, load_config
 from anlr_jax.app.evaluate import eval_run, generate_text
 from anlr_jax.app.export import export_run
+from anlr_jax.app.launch import distributed_job
 from anlr_jax.app.paths import QUICKSTART, config_summary, find_config, shipped_configs
+from anlr_jax.app.report import is_writer
 from anlr_jax.app.train import train_run
 from anlr_jax.models import convert_gguf
 from anlr_jax.train.lock import DirectoryLockedError
@@ -72,7 +74,11 @@ def use_compile_cache(path: str | None) -> None:
 def cmd_train(args) -> int:
   config = _load_run_config(args.config, args.overrides)
   start = time.perf_counter()
-  summary = train_run(config)
+  with distributed_job(config.distributed, what="anlr train"):
+    summary = train_run(config)
+    writer = is_writer()
+  if not writer:  # process 0 prints the summary
+    return 0
   print(f"\n{summary['table']}\n", flush=True)
   print(f"run directory: {summary['run_dir']} ({time.perf_counter() - start:.0f}s)", flush=True)
   methods = list(config.compare)

@@ -11,8 +11,8 @@ A run of method ``m`` on base weights ``W_0``:
 with ``L`` the response-token cross-entropy, ``\eta_t`` the linear warmup/decay schedule, then
 greedy generation on each eval task (:mod:`anlr_jax.app.evaluate`). The run directory's files are
 listed in :mod:`anlr_jax.rundir`; with ``compare`` each method gets a sub-directory and the top level
-holds the comparison. Every process trains and evaluates; only process 0 writes files (in a
-multi-process run give ``run_dir`` without ``{timestamp}``, so that every process agrees on it).
+holds the comparison. Every process trains and evaluates; only process 0 writes files (a
+``{timestamp}`` in ``run_dir`` is process 0's on every process).
 
 Method-specific parts: AdaLoRA's orthogonal regulariser is added to the loss (``regularizer``
 metric) and its allocator runs over the run's updates; LoRA-Dash chooses its directions after
@@ -64,6 +64,7 @@ from anlr_jax.evals import write_accuracy_table
 from anlr_jax.fields import ConfigError
 from anlr_jax.train import Trainer
 from anlr_jax.train.checkpoint import file_sha256
+from anlr_jax.train.distributed import process0_value
 from anlr_jax.train.lock import DirectoryLock
 from anlr_jax.train.metrics import read_metrics
 from anlr_jax.train.trainer import CheckpointMismatchError, identity_changes, trainer_identity
@@ -288,6 +289,8 @@ def train_run(config: RunConfig, *, log: Log = say, timestamp: str | None = None
   Returns ``{"run_dir", "runs": [results per method], "base": {task: acc} or None, "table"}``.
   """
   methods = config.methods()
+  if "{timestamp}" in config.run_dir:  # every process of a job takes process 0's
+    timestamp = process0_value("timestamp", timestamp or time.strftime("%Y%m%d-%H%M%S"))
   run_dir = format_run_dir(
       config.run_dir, method="-vs-".join(methods), seed=config.seed, timestamp=timestamp
   )

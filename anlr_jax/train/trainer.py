@@ -570,8 +570,10 @@ class Trainer:
     return self.layout.to_model(self.state.lora)
 
   def updated_model(self) -> nnx.Module:
-    """Writes the current LoRA params and model state back into ``model`` and returns it."""
-    nnx.update(self.model, jax.device_get(self.lora_params()), jax.device_get(self.state.extra))
+    """Writes the current LoRA params and model state back into ``model`` and returns it
+    (collective in a multi-process run: every process gets the whole params)."""
+    host = jax.tree.map(_to_host, (self.lora_params(), self.state.extra))
+    nnx.update(self.model, *host)
     return self.model
 
   # -- stepping ---------------------------------------------------------------------------------
@@ -730,6 +732,18 @@ class Trainer:
     for lock in self._locks:
       lock.release()
     self._locks = []
+
+
+def _to_host(x):
+  """A global array's whole value on this host: gathered from every process when it is sharded
+  over devices of other processes too (collective: every process must call it)."""
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    return jax.device_get(x)
+  if x.is_fully_replicated:
+    return jax.device_get(x.addressable_data(0))
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+  return multihost_utils.process_allgather(x, tiled=True)
 
 
 def _looks_stuck(rows: list[dict[str, float]]) -> bool:
