@@ -64,6 +64,7 @@ from anlr_jax.optim import anlr, loraplus
 from anlr_jax.optim.adalora import AdaLoRAConfig, orth_regularization, rank_allocator
 from anlr_jax.optim.lorapro import lorapro
 from anlr_jax.optim.transform import DEFAULTS as ANLR_DEFAULTS
+from anlr_jax.train.distributed import put_global
 
 if TYPE_CHECKING:
   from anlr_jax.app.config import RunConfig
@@ -364,7 +365,7 @@ def dash_launcher(launch_step: int) -> Callable[[Any, int], None]:
     if not dash_launched(model):
       launch_dash(model)
       *_, extra = nnx.split(model, nnx.LoRAParam, nnx.Param, ...)
-      extra = jax.device_put(nnx.to_pure_dict(extra), trainer.state_shardings.extra)
+      extra = put_global(nnx.to_pure_dict(extra), trainer.state_shardings.extra)
       trainer.state = state._replace(extra=extra)
     done.append(step)
 

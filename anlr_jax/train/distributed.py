@@ -71,6 +71,22 @@ def initialize_distributed(
   return True
 
 
+def put_global(tree, shardings):
+  """``jax.device_put(tree, shardings)`` that also works when the shardings span other processes'
+  devices: each leaf (the same value on every process, e.g. a model every process built alike) is
+  copied from this host into the shards this process holds. Typed PRNG keys keep their type."""
+  if jax.process_count() == 1:
+    return jax.device_put(tree, shardings)
+
+  def put(x, sharding):
+    is_key = hasattr(x, 'dtype') and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    data = np.asarray(jax.random.key_data(x) if is_key else x)
+    out = jax.make_array_from_callback(data.shape, sharding, lambda index: data[index])
+    return jax.random.wrap_key_data(out, impl=jax.random.key_impl(x)) if is_key else out
+
+  return jax.tree.map(put, tree, shardings)
+
+
 EXIT_PEER_FAILED = 4
 """Exit status of a process stopped because another process of its job failed or vanished."""
 

@@ -35,7 +35,7 @@ from anlr_jax.train.checkpoint import (
     TrainCheckpointer,
     abstract_for_checkpoint,
 )
-from anlr_jax.train.distributed import global_batch_array
+from anlr_jax.train.distributed import global_batch_array, put_global
 from anlr_jax.train.mesh import (
     BATCH_AXES,
     DEFAULT_LOGICAL_AXIS_RULES,
@@ -334,11 +334,11 @@ class Trainer:
         else x,
         nnx.to_pure_dict(frozen),
     )
-    self.frozen = jax.device_put(frozen, self.frozen_shardings)
+    self.frozen = put_global(frozen, self.frozen_shardings)
     lora = nnx.to_pure_dict(lora)
     self.layout = LoraLayout(stacked=config.lora_layout == 'stacked')
     lora, lora_sh = self.layout.to_state(lora, lora_sh)
-    lora, extra = jax.device_put((lora, nnx.to_pure_dict(extra)), (lora_sh, extra_sh))
+    lora, extra = put_global((lora, nnx.to_pure_dict(extra)), (lora_sh, extra_sh))
 
     init_fn = lambda l, e: init_train_state(l, e, tx)  # noqa: E731
     self.state_shardings = matching_shardings(
