@@ -91,6 +91,8 @@ def distributed_job(section, *, what: str = "anlr train"):
   try:
     yield watchdog
   except BaseException as err:
+    if isinstance(err, jax.errors.JaxRuntimeError):  # e.g. a collective whose peer is gone
+      watchdog.settle()  # a dead peer ends this process here, naming it
     text = str(err).strip().splitlines()[0] if str(err).strip() else ""
     watchdog.report_failure(f"{type(err).__name__}: {text}" if text else type(err).__name__)
     raise
@@ -114,7 +116,16 @@ def run() -> None:
       pass  # cannot re-execute (unusual interpreter setups): run as is
   from anlr_jax.app.cli import main
 
-  code = main()
+  try:
+    code = main()
+  except Exception as err:  # not a one-line error of the CLI: a traceback, then exit at once
+    if not _in_distributed_job():
+      raise
+    import traceback
+
+    traceback.print_exc()
+    print(f"anlr: error: {type(err).__name__} (see above)", file=sys.stderr)
+    code = 1
   if code and _in_distributed_job():  # JAX's exit-time shutdown would wait for the peers
     sys.stdout.flush()
     sys.stderr.flush()

@@ -221,6 +221,12 @@ class PeerWatchdog:
     except Exception:  # noqa: BLE001  (the coordinator may be gone already)
       pass
 
+  def settle(self) -> None:
+    """Gives the watchdog time to find a failed or vanished peer (``timeout`` and a few checks):
+    called after a collective failed, so that a dead peer is named rather than the collective's
+    error. Returns when every peer still looks alive."""
+    self._stop.wait(self.timeout + 3 * self.interval)
+
   def finish(self, barrier_timeout: float = 600.0) -> None:
     """Marks this process done and waits for every peer to be done too, still watching them."""
     self._client.key_value_set(f'{_KEY}/done/{self.process_id}', '1')
