@@ -115,3 +115,32 @@ def test_a_second_non_finite_streak_stops_the_run_naming_both_checkpoints(tmp_pa
   with pytest.raises(NonFiniteError, match="from checkpoint 3, taken as corrupt, to checkpoint 2"):
     trainer.run()
   trainer.close()
+
+
+def test_anlr_train_past_a_corrupt_newest_checkpoint_is_one_line_and_no_traceback(tmp_path, capsys):
+  """The issue's user: a run killed after checkpoint 4 (of 2 and 4), a file of checkpoint 4 cut
+  in half; the same command again names it, restores checkpoint 2 and finishes."""
+  from anlr_jax.app import cli
+  from anlr_jax.rundir import LORA_FILE, RESULTS_FILE
+  from tests.test_cli import _tiny_setup
+
+  config = _tiny_setup(tmp_path)
+  run = tmp_path / "run"
+  args = ["train", "--config", str(config), f"run_dir={run}", "trainer.save_every=2"]
+  assert cli.main(args) == 0
+  for name in (LORA_FILE, RESULTS_FILE):
+    (run / name).unlink()  # as if killed right after its last checkpoint
+  folder = run / "checkpoints" / "4"
+  victim = max(
+      (p for p in folder.rglob("*") if p.is_file() and p.name != CHECKSUM_FILE),
+      key=lambda p: p.stat().st_size,
+  )
+  victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+  capsys.readouterr()
+  assert cli.main(args) == 0
+  captured = capsys.readouterr()
+  assert "Traceback" not in captured.err + captured.out
+  lines = [l for l in captured.err.splitlines() if "checkpoint 4" in l]
+  assert len(lines) == 1 and lines[0].endswith("restored checkpoint 2 instead"), captured.err
+  assert "resumed at update 2" in captured.out
+  assert (run / LORA_FILE).is_file()
