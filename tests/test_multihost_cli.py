@@ -173,3 +173,43 @@ def test_a_killed_process_stops_the_other_and_the_job_resumes(setup):
   resumed = _run(config, overrides[:1] + again, processes=2)
   assert f"resumed at update {saved[-1]}" in resumed[0][1]
   assert len(_losses(run)) == steps and (run / "lora_final.safetensors").is_file()
+
+
+def test_the_distributed_section_reaches_jax_distributed(monkeypatch):
+  """Config keys (or cluster detection) are what jax.distributed.initialize gets; one process
+  without a coordinator does nothing; a partial setting is one ConfigError naming the section."""
+  import jax
+
+  from anlr_jax.app.config import load_config
+  from anlr_jax.app.launch import distributed_job
+  from anlr_jax.fields import ConfigError
+
+  for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    monkeypatch.delenv(var, raising=False)
+  calls = []
+
+  class Stop(Exception):
+    pass
+
+  def initialize(**kwargs):
+    calls.append(kwargs)
+    raise Stop
+
+  monkeypatch.setattr(jax.distributed, "initialize", initialize)
+  monkeypatch.setattr(jax.config, "update", lambda *a: None)  # the CPU collectives switch
+  section = lambda *o: load_config(None, list(o)).distributed  # noqa: E731
+  with distributed_job(section()) as job:
+    assert job is None and not calls
+  keys = ["distributed.coordinator_address=h0:1234", "distributed.num_processes=4"]
+  with pytest.raises(Stop):
+    with distributed_job(section(*keys, "distributed.process_id=3")):
+      pass
+  assert calls[-1]["coordinator_address"] == "h0:1234" and calls[-1]["process_id"] == 3
+  assert calls[-1]["num_processes"] == 4 and calls[-1]["heartbeat_timeout_seconds"] == 130
+  with pytest.raises(Stop):
+    with distributed_job(section("distributed.cluster_detection=true")):
+      pass
+  assert set(calls[-1]) == {"heartbeat_timeout_seconds"}  # JAX reads SLURM / Cloud TPU itself
+  with pytest.raises(ConfigError, match="distributed: .*JAX_PROCESS_ID"):
+    with distributed_job(section(*keys)):
+      pass
