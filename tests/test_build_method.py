@@ -128,7 +128,7 @@ def _run_example(args, devices=8):
 def _example_args(out, method):
   root = assets.quickstart_dir()
   args = ["--model", str(root), "--data", str(root / assets.TRAIN_FILE), "--out", str(out)]
-  args += ["--mesh-data", "2", "--mesh-fsdp", "2", "--dtype", "float32", "--rank", "4"]
+  args += ["--mesh-data", "2", "--mesh-fsdp", "1", "--dtype", "float32", "--rank", "4"]
   args += ["--alpha", "8", "--global-batch", "8", "--max-length", "64", "--save-every", "0"]
   return args + ["--steps", "3", "--method", method, "--remat", "none"]
 
@@ -136,12 +136,14 @@ def _example_args(out, method):
 @pytest.mark.slow
 def test_gpu_mesh_example_trains_the_baselines_with_their_own_layers_and_optimizers(tmp_path):
   """LoRA-Dash launches and trains its directions; AdaLoRA trains SVD-form adapters and exports a
-  PEFT AdaLoRA adapter: each in one process on a 2 x 2 mesh (LoRA-Pro and the rest get their
-  optimizers from the same build_method, tested above)."""
+  PEFT AdaLoRA adapter: each in one process on a 2-device data-parallel mesh (LoRA-Pro and the
+  rest get their optimizers from the same build_method, tested above). Two devices, not more: on
+  a 2-core machine XLA's CPU client runs the fake devices on a pool of 2 threads, and collectives
+  over sub-groups of 4 devices can starve there until XLA's 40 s rendezvous limit aborts them."""
   args = ["--set", "loradash.launch_step=1", "--set", "adalora.target_r=2"]
   for method in ("loradash", "adalora"):
     out = tmp_path / method
-    proc = _run_example(_example_args(out, method) + args, devices=4)
+    proc = _run_example(_example_args(out, method) + args, devices=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with safe_open(str(out / "lora_final.safetensors"), framework="numpy") as f:
       keys = list(f.keys())
