@@ -5,8 +5,8 @@ One step = the trainer's jitted train step (``anlr_jax.train.make_train_step``: 
 ``clip_by_global_norm(1)``, the method's optimizer, train state donated) on the CPU reference config
 of ``benchmarks/common.py`` (LLaMA hidden 512, 8 layers, LoRA r = 16 on q, k, v, up, down, batch
 4 x 256, float32, stacked layout). Each method is built as ``anlr train`` builds it
-(``anlr_jax.app.model.inject_method``, ``anlr_jax.app.methods.method_optimizer``,
-``anlr_jax.app.methods.method_hooks``):
+(``anlr_jax.app.methods.build_method``: adapter layers, optimizer, trainer hooks; a constant
+learning rate):
 
     lora      LoRALinear + optax.adamw
     adalora   AdaLoRALinear + rank_allocator(adamw) in its budget-decrease phase (a global sort and
@@ -72,6 +72,9 @@ def run_config(cfg: BenchConfig):
           f"loradash.num_directions={min(8, cfg.hidden)}",
           "loradash.launch_step=0",
           "anlr.warmup_steps=0",
+          f"trainer.weight_decay={WEIGHT_DECAY}",
+          "trainer.clip_norm=1.0",
+          "trainer.diag_every=0",
       ],
   )
 
@@ -81,32 +84,21 @@ def build_method_step(cfg: BenchConfig, method: str):
   seed 0; adapters seed 1; calling it runs one step) and its compile time and memory."""
   from flax import nnx
 
-  from anlr_jax.app.methods import adalora_config, get_method, method_hooks, method_optimizer
-  from anlr_jax.app.model import inject_method
+  from anlr_jax.app.methods import build_method
   from anlr_jax.models import LlamaForCausalLM
-  from anlr_jax.nn import launch_dash, lora_scale
+  from anlr_jax.nn import launch_dash
   from anlr_jax.train import split_model
 
-  spec = get_method(method)
   config = run_config(cfg)
   model = LlamaForCausalLM(model_config(cfg), rngs=nnx.Rngs(0))
-  inject_method(model, config, method)
-  info = {}
-  if spec.uses_loradash:  # launched at once, so every timed forward has the dash term
-    info["dash_launch_s"] = timed(lambda: launch_dash(model))()
-  tx = method_optimizer(
-      method,
-      LEARNING_RATE,
-      weight_decay=WEIGHT_DECAY,
-      clip_norm=1.0,
-      anlr_kwargs=config.anlr.as_kwargs(),
-      adalora_config=adalora_config(config, ADALORA_TOTAL_STEP) if spec.uses_adalora else None,
-      lora_scale=lora_scale(cfg.rank, cfg.alpha, spec.use_rslora),
-      lorapro_mode=config.lorapro.mode,
-      dash_launch_step=0,  # launched before the first timed step
+  built = build_method(
+      config, method, total_steps=ADALORA_TOTAL_STEP, model=model, learning_rate=LEARNING_RATE
   )
-  regularizer = method_hooks(config, method).get("loss_regularizer")
-  step = JaxStep(cfg, tx, split_model(model), jax_batch(cfg), loss_regularizer=regularizer)
+  info = {}
+  if built.spec.uses_loradash:  # launched at once, so every timed forward has the dash term
+    info["dash_launch_s"] = timed(lambda: launch_dash(model))()
+  regularizer = built.hooks.get("loss_regularizer")
+  step = JaxStep(cfg, built.tx, split_model(model), jax_batch(cfg), loss_regularizer=regularizer)
   info.update(
       compile_s=step.compile_s,
       xla=step.xla,

@@ -25,14 +25,26 @@ Several hosts (run the same command on every host; each reads only its rows of e
 cluster environment instead). Checkpoints (LoRA params + optimizer state, orbax) go to
 ``<out>/ckpt`` every ``--save-every`` updates; re-running the command resumes (with other settings
 it stops and names them; ``--resume-allow trainer.steps`` lets a re-run extend the run, see
-docs/reliability.md). At the end process 0
-writes the adapter in PEFT format to ``<out>/adapter`` (load it with ``peft.PeftModel``).
+docs/reliability.md).
+
+Methods. ``--method`` takes every method of ``anlr train``; the run is assembled by
+``anlr_jax.app.methods.build_method`` exactly as ``anlr train`` assembles it (adapter layers,
+optimizer, trainer hooks such as AdaLoRA's regulariser and LoRA-Dash's launch), and
+``--set KEY=VALUE`` sets any other config key (``--set loradash.launch_step=200``). A bad value
+stops with one line.
+
+At the end process 0 writes ``<out>/lora_final.safetensors`` and ``<out>/config.yaml`` (an
+``anlr`` run directory: ``anlr evaluate --adapter <out>``, ``anlr export --run <out>``) and the
+adapter in PEFT format to ``<out>/adapter`` (load it with ``peft.PeftModel``; AdaLoRA as a PEFT AdaLoRA adapter;
+LoRA-Dash has no PEFT format: ``anlr export --run <out> --format merged``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import sys
 import time
 
 import jax
@@ -42,19 +54,20 @@ from flax import nnx
 from anlr_jax.train import (
     DEFAULT_LOGICAL_AXIS_RULES,
     Trainer,
-    TrainerConfig,
     initialize_distributed,
     make_mesh,
 )
 
 
-def parse_args():
+def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--model", required=True, help="local HF model directory")
   p.add_argument("--data", required=True, help="training file (JSON/JSONL, see anlr_jax.data)")
   p.add_argument("--format", default=None, help="dataset format (default: detect)")
   p.add_argument("--out", required=True, help="run directory")
-  p.add_argument("--method", default="anlr", help="a method of anlr_jax.app.methods")
+  p.add_argument(
+      "--method", default="anlr", help="any method of `anlr train` (anlr_jax.app.methods)"
+  )
   p.add_argument("--rank", type=int, default=32)
   p.add_argument("--alpha", type=float, default=64.0)
   p.add_argument("--dropout", type=float, default=0.05)
@@ -83,88 +96,139 @@ def parse_args():
   p.add_argument("--save-every", type=int, default=1000)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument(
+      "--set",
+      action="append",
+      default=[],
+      metavar="KEY=VALUE",
+      help="any other `anlr train` config key, e.g. --set loradash.launch_step=200 (repeatable)",
+  )
+  p.add_argument(
       "--auto-distributed",
       action="store_true",
       help="call jax.distributed.initialize() with no arguments (cluster auto-detection)",
   )
-  return p.parse_args()
+  return p.parse_args(argv)
 
 
-def main():
-  args = parse_args()
+def run_config(args):
+  """The ``anlr train`` config of these arguments (every value checked, bad ones named)."""
+  from anlr_jax.app.config import load_config
+
+  overrides = {
+      "method": args.method,
+      "seed": args.seed,
+      "run_dir": args.out,
+      "model.path": args.model,
+      "model.dtype": args.dtype,
+      "lora.rank": args.rank,
+      "lora.alpha": args.alpha,
+      "lora.dropout": args.dropout,
+      "data.train": args.data,
+      "data.max_length": args.max_length,
+      "data.pad_multiple": 64,
+      "trainer.steps": "null" if args.steps is None else args.steps,
+      "trainer.epochs": args.epochs,
+      "trainer.global_batch": args.global_batch,
+      "trainer.micro_batches": args.micro_batches,
+      "trainer.learning_rate": args.lr,
+      "trainer.lr_warmup_steps": args.warmup_steps,
+      "trainer.mesh_data": args.mesh_data,
+      "trainer.mesh_fsdp": args.mesh_fsdp,
+      "trainer.mesh_tensor": args.mesh_tensor,
+      "trainer.compute_dtype": args.dtype,
+      "trainer.remat": args.remat,
+      "trainer.ckpt_dir": os.path.join(os.path.abspath(args.out), "ckpt"),
+      "trainer.save_every": args.save_every,
+      "trainer.diag_every": max(args.save_every // 10, 1),
+      "trainer.resume_allow": f"[{args.resume_allow}]",
+  }
+  if args.format:
+    overrides["data.format"] = args.format
+  config = load_config(
+      None, [f"{key}={value}" for key, value in overrides.items()] + list(args.set)
+  )
+  # the trainer's run_dir and seed are the run's (as in anlr train)
+  trainer = dataclasses.replace(config.trainer, run_dir=args.out, seed=args.seed)
+  return dataclasses.replace(config, trainer=trainer)
+
+
+def train(args):
   # Multi-host: must run before any JAX computation.
   if args.auto_distributed:
     jax.distributed.initialize()
   else:
     initialize_distributed()  # no-op for a single process without JAX_COORDINATOR_ADDRESS
+  from anlr_jax import rundir
+  from anlr_jax.app.config import save_config
+  from anlr_jax.app.export import export_adalora_run
+  from anlr_jax.app.methods import ADALORA_TOTAL_STEP, build_method
+  from anlr_jax.app.model import save_lora_params
   from anlr_jax.data import make_source
-  from anlr_jax.app.methods import get_method, method_optimizer
   from anlr_jax.models import load_hf_model, load_tokenizer
-  from anlr_jax.nn import export_peft_adapter, inject_lora
+  from anlr_jax.nn import export_peft_adapter
 
-  mesh = make_mesh(args.mesh_data, args.mesh_fsdp, args.mesh_tensor)
+  config = run_config(args)
+  tc = config.trainer
+  mesh = make_mesh(tc.mesh_data, tc.mesh_fsdp, tc.mesh_tensor)
   if jax.process_index() == 0:
     print(f"{jax.process_count()} processes, {jax.device_count()} devices, mesh {dict(mesh.shape)}")
-  dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-  # Loading under the mesh and the logical-axis rules puts every tensor straight onto its shards.
-  with jax.set_mesh(mesh), nnx.logical_axis_rules(DEFAULT_LOGICAL_AXIS_RULES):
-    model, model_config = load_hf_model(args.model, dtype=dtype)
-    method = get_method(args.method)
-    inject_lora(
-        model,
-        rank=args.rank,
-        alpha=args.alpha,
-        dropout=args.dropout,
-        rngs=nnx.Rngs(params=args.seed, dropout=args.seed + 1),
-        **method.lora_kwargs(),
-    )
   tokenizer = load_tokenizer(args.model)
   data = make_source(
       args.data,
       tokenizer,
-      format=args.format,
-      max_length=args.max_length,
-      global_batch=args.global_batch,
-      seed=args.seed,
-      pad_multiple=64,
+      format=config.data.format,
+      max_length=config.data.max_length,
+      global_batch=tc.global_batch,
+      seed=config.seed,
+      pad_multiple=config.data.pad_multiple,
   )
-  config = TrainerConfig(
-      steps=args.steps,
-      epochs=args.epochs,
-      global_batch=args.global_batch,
-      micro_batches=args.micro_batches,
-      learning_rate=args.lr,
-      lr_warmup_steps=args.warmup_steps,
-      mesh_data=args.mesh_data,
-      mesh_fsdp=args.mesh_fsdp,
-      mesh_tensor=args.mesh_tensor,
-      compute_dtype=args.dtype,
-      remat=args.remat,
-      run_dir=args.out,
-      ckpt_dir=os.path.join(os.path.abspath(args.out), "ckpt"),
-      save_every=args.save_every,
-      resume_allow=[k for k in args.resume_allow.split(",") if k],
-      diag_every=max(args.save_every // 10, 1),
-      seed=args.seed,
-  )
-  total = config.total_steps(len(data))
-  schedule = config.schedule(total)
-  tx = method_optimizer(method, schedule, weight_decay=0.0, clip_norm=1.0, seed=args.seed)
+  total = tc.total_steps(len(data))
+  dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+  # Loading under the mesh and the logical-axis rules puts every tensor straight onto its shards;
+  # build_method wraps the targeted layers with the method's adapter layer there too.
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(DEFAULT_LOGICAL_AXIS_RULES):
+    model, model_config = load_hf_model(args.model, dtype=dtype)
+    built = build_method(config, total_steps=total, model=model)
   model.train()
-  trainer = Trainer(model, data, config, tx, schedule=schedule, mesh=mesh)
+  trainer = Trainer(model, data, tc, built.tx, schedule=built.schedule, mesh=mesh, **built.hooks)
   start = time.perf_counter()
   rows = trainer.run()
+  trainer.close()
   if jax.process_index() == 0:
     print(
         f"{total} updates in {time.perf_counter() - start:.0f}s; final loss {rows[-1]['loss']:.4f}"
     )
   model = trainer.updated_model()  # LoRA params gathered to the host
-  if jax.process_index() == 0:
-    export_peft_adapter(
-        model, os.path.join(args.out, "adapter"), base_model_name_or_path=args.model
-    )
-    print(f"PEFT adapter -> {os.path.join(args.out, 'adapter')} ({model_config.model_type})")
+  if jax.process_index() != 0:
+    return
+  # an anlr run directory: `anlr evaluate` / `anlr export` read it
+  lora_path = os.path.join(args.out, rundir.LORA_FILE)
+  metadata = {ADALORA_TOTAL_STEP: str(total)} if built.spec.uses_adalora else None
+  save_lora_params(model, lora_path, metadata=metadata)
+  save_config(config, os.path.join(args.out, rundir.CONFIG_FILE))
+  adapter = os.path.join(args.out, "adapter")
+  if built.spec.uses_loradash:  # PEFT cannot hold LoRA-Dash's directions
+    print(f"adapter -> {lora_path}; merged model: anlr export --run {args.out} --format merged")
+  elif built.spec.uses_adalora:
+    export_adalora_run(model, config, lora_path, adapter)
+    print(f"PEFT AdaLoRA adapter -> {adapter} ({model_config.model_type})")
+  else:
+    export_peft_adapter(model, adapter, base_model_name_or_path=args.model)
+    print(f"PEFT adapter -> {adapter} ({model_config.model_type})")
+
+
+def main(argv=None) -> int:
+  """Trains; a bad argument or file ends with one line on stderr and exit status 2."""
+  from anlr_jax.fields import ConfigError
+
+  args = parse_args(argv)
+  try:
+    train(args)
+  except (ConfigError, FileNotFoundError, ValueError) as err:
+    print(f"{os.path.basename(__file__)}: error: {err}", file=sys.stderr)
+    return 2
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

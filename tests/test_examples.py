@@ -49,6 +49,7 @@ def test_gpu_mesh_example_runs_on_a_cpu_mesh_resumes_and_exports_a_peft_adapter(
   args += ["--data", str(root / assets.TRAIN_FILE), "--out", str(out_dir)]
   args += ["--mesh-data", "2", "--mesh-fsdp", "2", "--dtype", "float32", "--rank", "4"]
   args += ["--alpha", "8", "--global-batch", "8", "--max-length", "64", "--save-every", "2"]
+  args += ["--set", "anlr.warmup_steps=1"]  # as in anlr train, AnLR must switch on within the run
   first = _run(args + ["--steps", "2"], devices=4)
   assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 1}" in first, first
   # re-run with more steps: resumes from step 2 (a longer schedule has to be allowed by name)

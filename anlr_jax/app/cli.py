@@ -32,9 +32,12 @@ import jax
 
 from anlr_jax.app.analysis_cli import analyze_main, sweep_main
 from anlr_jax.app.config import ConfigError, RunConfig, help_text, load_config
+from anlr_jax.app.dryrun import PRESETS, dry_run
 from anlr_jax.app.evaluate import eval_run, generate_text
 from anlr_jax.app.export import export_run
+from anlr_jax.app.launch import distributed_job
 from anlr_jax.app.paths import QUICKSTART, config_summary, find_config, shipped_configs
+from anlr_jax.app.report import is_writer
 from anlr_jax.app.train import train_run
 from anlr_jax.models import convert_gguf
 from anlr_jax.train.lock import DirectoryLockedError
@@ -71,8 +74,19 @@ def use_compile_cache(path: str | None) -> None:
 # ------------------------------------------------------------------------------- subcommands
 def cmd_train(args) -> int:
   config = _load_run_config(args.config, args.overrides)
+  if args.dry_run:
+    if args.devices is not None and args.devices < 1:
+      raise ValueError(f"--devices {args.devices} must be >= 1")
+    print(dry_run(config, devices=args.devices, preset=args.preset), flush=True)
+    return 0
+  if args.devices is not None or args.preset is not None:
+    raise ValueError("--devices and --preset belong to --dry_run")
   start = time.perf_counter()
-  summary = train_run(config)
+  with distributed_job(config.distributed, what="anlr train"):
+    summary = train_run(config)
+    writer = is_writer()
+  if not writer:  # process 0 prints the summary
+    return 0
   print(f"\n{summary['table']}\n", flush=True)
   print(f"run directory: {summary['run_dir']} ({time.perf_counter() - start:.0f}s)", flush=True)
   methods = list(config.compare)
@@ -165,6 +179,21 @@ def build_parser() -> argparse.ArgumentParser:
       "--config", help="run config: a YAML file or a shipped config's name (default: quickstart)"
   )
   train.add_argument("overrides", nargs="*", metavar="key=value", help=overrides_help)
+  train.add_argument(
+      "--dry_run",
+      "--dry-run",
+      action="store_true",
+      help="print the parameter, optimizer-state and activation bytes per device of this config"
+      " and mesh, then stop (reads the model's config.json only; docs/scaling.md)",
+  )
+  train.add_argument(
+      "--devices", type=int, help="--dry_run: devices in the job (default: this machine's)"
+  )
+  train.add_argument(
+      "--preset",
+      choices=PRESETS,
+      help="--dry_run: a model preset instead of model.path's config.json",
+  )
   train.set_defaults(func=cmd_train)
 
   ev = sub.add_parser(

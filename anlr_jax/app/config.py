@@ -223,6 +223,32 @@ class LoraDashSection:
 
 
 @dataclasses.dataclass
+class DistributedSection:
+  """Several processes (hosts) training one run with ``jax.distributed`` (docs/scaling.md); none of
+  these keys is part of the run's identity. Without a coordinator it is one process."""
+
+  coordinator_address: str | None = setting(
+      None, "host:port of process 0's coordination service (default: $JAX_COORDINATOR_ADDRESS)"
+  )
+  num_processes: int | None = setting(
+      None, "processes in the job (default: $JAX_NUM_PROCESSES, else 1)", Range(1)
+  )
+  process_id: int | None = setting(
+      None, "this process's index in [0, num_processes) (default: $JAX_PROCESS_ID)", Range(0)
+  )
+  cluster_detection: bool = setting(
+      False,
+      "let jax.distributed.initialize() read the cluster's environment (SLURM, Cloud TPU, ...)"
+      " instead of the three keys above",
+  )
+  peer_timeout_s: float = setting(
+      60.0,
+      "a process whose peer sent no heartbeat for this long stops with one line (exit 4)",
+      Range(2, lo_open=True),
+  )
+
+
+@dataclasses.dataclass
 class DataSection:
   """The fine-tuning data (formats: docs/data.md)."""
 
@@ -299,6 +325,7 @@ class RunConfig:
   lorapro: LoraProSection = dataclasses.field(default_factory=LoraProSection)
   loradash: LoraDashSection = dataclasses.field(default_factory=LoraDashSection)
   data: DataSection = dataclasses.field(default_factory=DataSection)
+  distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
   trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
   eval: EvalSection = dataclasses.field(default_factory=EvalSection)
 
@@ -316,6 +343,7 @@ SECTIONS: dict[str, type] = {
     "lorapro": LoraProSection,
     "loradash": LoraDashSection,
     "data": DataSection,
+    "distributed": DistributedSection,
     "trainer": TrainerConfig,
     "eval": EvalSection,
 }

@@ -50,16 +50,24 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-import jax
 import optax
 from flax import nnx
 
 from anlr_jax.fields import ConfigError
-from anlr_jax.nn import dash_launched, dash_optimizer, launch_dash
+from anlr_jax.nn import (
+    dash_launched,
+    dash_optimizer,
+    inject_adalora,
+    inject_lora,
+    inject_loradash,
+    launch_dash,
+    lora_scale,
+)
 from anlr_jax.optim import anlr, loraplus
 from anlr_jax.optim.adalora import AdaLoRAConfig, orth_regularization, rank_allocator
 from anlr_jax.optim.lorapro import lorapro
 from anlr_jax.optim.transform import DEFAULTS as ANLR_DEFAULTS
+from anlr_jax.train.distributed import put_global
 
 if TYPE_CHECKING:
   from anlr_jax.app.config import RunConfig
@@ -282,6 +290,38 @@ def method_optimizer(
   return optax.chain(optax.clip_by_global_norm(clip_norm), inner)
 
 
+def inject_method(model: nnx.Module, config: RunConfig, method: str) -> nnx.Module:
+  """Wraps the targeted layers with the adapter layer of ``method`` (seeded by ``config.seed``):
+  ``LoRALinear`` (its init/rsLoRA/DoRA), ``AdaLoRALinear`` (initial rank ``lora.rank``) or
+  ``LoRADashLinear`` (``loradash.num_directions``, ``loradash.launch_step``)."""
+  spec = get_method(method)
+  common = dict(
+      target_modules=tuple(config.lora.targets),
+      rank=config.lora.rank,
+      alpha=config.lora.alpha,
+      dropout=config.lora.dropout,
+      rngs=nnx.Rngs(params=config.seed, dropout=config.seed + 1),
+  )
+  if spec.layer == "adalora":
+    return inject_adalora(model, **common)
+  if spec.layer == "loradash":
+    try:
+      return inject_loradash(
+          model,
+          num_directions=config.loradash.num_directions,
+          launch_step=config.loradash.launch_step,
+          use_rslora=spec.use_rslora,
+          **common,
+      )
+    except ValueError as err:
+      if "num_directions" not in str(err):
+        raise
+      raise ConfigError(
+          f"loradash.num_directions={config.loradash.num_directions}: {err}"
+      ) from None
+  return inject_lora(model, **common, **spec.lora_kwargs())
+
+
 # ------------------------------------------------------------------ what a method adds to a run
 ADALORA_TOTAL_STEP = "adalora_total_step"
 """Metadata key of an AdaLoRA run's ``lora_final.safetensors``: its number of updates (export)."""
@@ -338,7 +378,7 @@ def dash_launcher(launch_step: int) -> Callable[[Any, int], None]:
     if not dash_launched(model):
       launch_dash(model)
       *_, extra = nnx.split(model, nnx.LoRAParam, nnx.Param, ...)
-      extra = jax.device_put(nnx.to_pure_dict(extra), trainer.state_shardings.extra)
+      extra = put_global(nnx.to_pure_dict(extra), trainer.state_shardings.extra)
       trainer.state = state._replace(extra=extra)
     done.append(step)
 
@@ -360,6 +400,116 @@ def method_hooks(config: RunConfig, method: str) -> dict[str, Any]:
   return hooks
 
 
+def check_schedule(
+    config: RunConfig, method: str, total: int, log: Callable[[str], None] | None = None
+) -> None:
+  """ConfigError if a method's phase would never start; a note when the LR warmup is cut."""
+  spec = get_method(method)
+  if spec.uses_anlr and spec.signal != "uniform" and config.anlr.warmup_steps >= total:
+    raise ConfigError(
+        f"anlr.warmup_steps={config.anlr.warmup_steps} is not below the run's {total} updates:"
+        f" every multiplier would stay 1 and method={method} would train exactly like lora;"
+        f" lower anlr.warmup_steps (e.g. anlr.warmup_steps={max(1, total // 10)})"
+    )
+  if spec.uses_loradash and config.loradash.launch_step >= total:
+    raise ConfigError(
+        f"loradash.launch_step={config.loradash.launch_step} is not below the run's {total}"
+        f" updates: the dash phase would never start and method={method} would train exactly like"
+        f" {'anlr' if spec.uses_anlr else 'lora'}; lower loradash.launch_step (e.g."
+        f" loradash.launch_step={total // 2})"
+    )
+  if spec.uses_adalora:
+    ada = config.adalora
+    if ada.tinit + ada.tfinal >= total:
+      raise ConfigError(
+          f"adalora.tinit + adalora.tfinal = {ada.tinit} + {ada.tfinal} is not below the run's"
+          f" {total} updates: AdaLoRA's budget would never decrease; lower adalora.tinit or"
+          " adalora.tfinal"
+      )
+  warmup = config.trainer.lr_warmup_steps
+  if warmup > total and log is not None:
+    log(
+        f"[{method}] trainer.lr_warmup_steps={warmup} is more than the run's {total} updates:"
+        f" the learning rate warms up over all {total} and never decays"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodRun:
+  """What :func:`build_method` assembles for a run of ``spec`` over ``total_steps`` updates:
+  ``Trainer(model, batches, config.trainer, tx, schedule=schedule, **hooks)``."""
+
+  spec: Method
+  tx: optax.GradientTransformation
+  schedule: optax.ScalarOrSchedule
+  hooks: dict[str, Any]
+  total_steps: int
+
+
+def build_method(
+    config: RunConfig,
+    method: str | None = None,
+    *,
+    total_steps: int,
+    model: nnx.Module | None = None,
+    learning_rate: optax.ScalarOrSchedule | None = None,
+    check: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> MethodRun:
+  r"""The one assembly of a method's run from a config: every entry point (``anlr train``, the
+  examples, the benchmarks) calls it, so a method cannot work in one and not in another.
+
+  With ``model`` given, its targeted layers are first wrapped with the method's adapter layer
+  (:func:`inject_method`); the optimizer is :func:`method_optimizer` with every constant from
+  ``config`` (``trainer`` AdamW constants and clipping, ``anlr``, ``loraplus``, ``adalora`` with
+  ``total_step = total_steps``, ``lorapro`` with ``c`` from ``lora``), on the trainer's schedule
+  ``config.trainer.schedule(total_steps)`` unless ``learning_rate`` replaces it; ``hooks`` are the
+  :class:`~anlr_jax.train.Trainer` keyword arguments of :func:`method_hooks`.
+
+  Args:
+    config: the run's config (``method`` is used when ``method`` is None).
+    method: a name from :data:`METHODS`.
+    total_steps: the run's number of updates.
+    model: a base model to inject the adapter layers into (in place), or None when the caller
+      built the adapted model itself.
+    learning_rate: a float or schedule instead of the trainer's schedule.
+    check: refuse (``ConfigError``) a method whose phase would never start within
+      ``total_steps`` (:func:`check_schedule`).
+    log: where :func:`check_schedule`'s notes go (None: nowhere).
+
+  Returns:
+    A :class:`MethodRun`.
+  """
+  name = config.method if method is None else method
+  spec = get_method(name)
+  tc = config.trainer
+  if total_steps < 1:
+    raise ValueError(f"total_steps={total_steps} must be >= 1")
+  if check:
+    check_schedule(config, name, total_steps, log)
+  if model is not None:
+    inject_method(model, config, name)
+  schedule = tc.schedule(total_steps) if learning_rate is None else learning_rate
+  tx = method_optimizer(
+      spec,
+      schedule,
+      b1=tc.b1,
+      b2=tc.b2,
+      eps=tc.eps,
+      weight_decay=tc.weight_decay,
+      clip_norm=tc.clip_norm,
+      anlr_kwargs=config.anlr.as_kwargs(),
+      lr_ratio=config.loraplus.lr_ratio,
+      seed=config.seed,
+      track_rank_stats=tc.diag_every > 0,
+      adalora_config=adalora_config(config, total_steps) if spec.uses_adalora else None,
+      lora_scale=lora_scale(config.lora.rank, config.lora.alpha, spec.use_rslora),
+      lorapro_mode=config.lorapro.mode,
+      dash_launch_step=config.loradash.launch_step,
+  )
+  return MethodRun(spec, tx, schedule, method_hooks(config, name), total_steps)
+
+
 __all__ = [
     "ADALORA_TOTAL_STEP",
     "LAYERS",
@@ -367,10 +517,14 @@ __all__ = [
     "METHOD_NAMES",
     "OPTIMIZERS",
     "Method",
+    "MethodRun",
     "adalora_config",
     "adalora_target_r",
+    "build_method",
+    "check_schedule",
     "dash_launcher",
     "get_method",
+    "inject_method",
     "method_hooks",
     "method_optimizer",
 ]

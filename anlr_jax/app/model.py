@@ -27,17 +27,14 @@ from safetensors.numpy import save_file
 
 from anlr_jax import rundir
 from anlr_jax.app.config import RunConfig, load_config
-from anlr_jax.app.methods import get_method
+from anlr_jax.app.methods import inject_method
 from anlr_jax.app.paths import require_path, resolve_path
-from anlr_jax.fields import DTYPES, ConfigError
+from anlr_jax.fields import DTYPES
 from anlr_jax.models import load_hf_model, load_tokenizer
 from anlr_jax.nn import (
     DashDirections,
     import_adalora_adapter,
     import_peft_adapter,
-    inject_adalora,
-    inject_lora,
-    inject_loradash,
     iter_adalora_layers,
     iter_lora_layers,
 )
@@ -56,38 +53,6 @@ def load_base(config: RunConfig, model_path: str | None = None):
   tokenizer_path = resolve_path(config.model.tokenizer) or path
   tokenizer = load_tokenizer(tokenizer_path)
   return model, model_config, tokenizer
-
-
-def inject_method(model: nnx.Module, config: RunConfig, method: str) -> nnx.Module:
-  """Wraps the targeted layers with the adapter layer of ``method`` (seeded by ``config.seed``):
-  ``LoRALinear`` (its init/rsLoRA/DoRA), ``AdaLoRALinear`` (initial rank ``lora.rank``) or
-  ``LoRADashLinear`` (``loradash.num_directions``, ``loradash.launch_step``)."""
-  spec = get_method(method)
-  common = dict(
-      target_modules=tuple(config.lora.targets),
-      rank=config.lora.rank,
-      alpha=config.lora.alpha,
-      dropout=config.lora.dropout,
-      rngs=nnx.Rngs(params=config.seed, dropout=config.seed + 1),
-  )
-  if spec.layer == "adalora":
-    return inject_adalora(model, **common)
-  if spec.layer == "loradash":
-    try:
-      return inject_loradash(
-          model,
-          num_directions=config.loradash.num_directions,
-          launch_step=config.loradash.launch_step,
-          use_rslora=spec.use_rslora,
-          **common,
-      )
-    except ValueError as err:
-      if "num_directions" not in str(err):
-        raise
-      raise ConfigError(
-          f"loradash.num_directions={config.loradash.num_directions}: {err}"
-      ) from None
-  return inject_lora(model, **common, **spec.lora_kwargs())
 
 
 def _adapter_layers(model: nnx.Module) -> list[tuple[str, nnx.Module]]:

@@ -11,8 +11,8 @@ A run of method ``m`` on base weights ``W_0``:
 with ``L`` the response-token cross-entropy, ``\eta_t`` the linear warmup/decay schedule, then
 greedy generation on each eval task (:mod:`anlr_jax.app.evaluate`). The run directory's files are
 listed in :mod:`anlr_jax.rundir`; with ``compare`` each method gets a sub-directory and the top level
-holds the comparison. Every process trains and evaluates; only process 0 writes files (in a
-multi-process run give ``run_dir`` without ``{timestamp}``, so that every process agrees on it).
+holds the comparison. Every process trains and evaluates; only process 0 writes files (a
+``{timestamp}`` in ``run_dir`` is process 0's on every process).
 
 Method-specific parts: AdaLoRA's orthogonal regulariser is added to the loss (``regularizer``
 metric) and its allocator runs over the run's updates; LoRA-Dash chooses its directions after
@@ -38,15 +38,8 @@ import numpy as np
 from anlr_jax import rundir
 from anlr_jax.app.config import RunConfig, save_config
 from anlr_jax.app.evaluate import evaluate_base, evaluate_tasks, load_eval_sets, accuracy_summary
-from anlr_jax.app.methods import (
-    ADALORA_TOTAL_STEP,
-    adalora_config,
-    get_method,
-    method_hooks,
-    method_optimizer,
-)
+from anlr_jax.app.methods import ADALORA_TOTAL_STEP, build_method, get_method, inject_method
 from anlr_jax.app.model import (
-    inject_method,
     load_base,
     load_lora_params,
     lora_file_identity,
@@ -68,10 +61,9 @@ from anlr_jax.app.report import (
 )
 from anlr_jax.data import make_source
 from anlr_jax.evals import write_accuracy_table
-from anlr_jax.fields import ConfigError
-from anlr_jax.nn import lora_scale
 from anlr_jax.train import Trainer
 from anlr_jax.train.checkpoint import file_sha256
+from anlr_jax.train.distributed import process0_value
 from anlr_jax.train.lock import DirectoryLock
 from anlr_jax.train.metrics import read_metrics
 from anlr_jax.train.trainer import CheckpointMismatchError, identity_changes, trainer_identity
@@ -162,38 +154,6 @@ def _check_inputs(config: RunConfig) -> str:
   train_path = require_path(config.data.train, "data.train", kind="training file")
   load_eval_sets(config)
   return train_path
-
-
-def _check_schedule(config: RunConfig, method: str, total: int, log: Log) -> None:
-  """ConfigError if a method's phase would never start; a note when the LR warmup is cut."""
-  spec = get_method(method)
-  if spec.uses_anlr and spec.signal != "uniform" and config.anlr.warmup_steps >= total:
-    raise ConfigError(
-        f"anlr.warmup_steps={config.anlr.warmup_steps} is not below the run's {total} updates:"
-        f" every multiplier would stay 1 and method={method} would train exactly like lora;"
-        f" lower anlr.warmup_steps (e.g. anlr.warmup_steps={max(1, total // 10)})"
-    )
-  if spec.uses_loradash and config.loradash.launch_step >= total:
-    raise ConfigError(
-        f"loradash.launch_step={config.loradash.launch_step} is not below the run's {total}"
-        f" updates: the dash phase would never start and method={method} would train exactly like"
-        f" {'anlr' if spec.uses_anlr else 'lora'}; lower loradash.launch_step (e.g."
-        f" loradash.launch_step={total // 2})"
-    )
-  if spec.uses_adalora:
-    ada = config.adalora
-    if ada.tinit + ada.tfinal >= total:
-      raise ConfigError(
-          f"adalora.tinit + adalora.tfinal = {ada.tinit} + {ada.tfinal} is not below the run's"
-          f" {total} updates: AdaLoRA's budget would never decrease; lower adalora.tinit or"
-          " adalora.tfinal"
-      )
-  warmup = config.trainer.lr_warmup_steps
-  if warmup > total:
-    log(
-        f"[{method}] trainer.lr_warmup_steps={warmup} is more than the run's {total} updates:"
-        f" the learning rate warms up over all {total} and never decays"
-    )
 
 
 def _finish(
@@ -296,34 +256,16 @@ def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = say
     log(f"[{method}] data: {_describe_data(source, train_path, config)}")
     _check_vocab(source, model_config.vocab_size, config)
     total = tc.total_steps(len(source))
-    _check_schedule(config, method, total, log)
-    schedule = tc.schedule(total)
-    spec = get_method(method)
-    tx = method_optimizer(
-        method,
-        schedule,
-        b1=tc.b1,
-        b2=tc.b2,
-        eps=tc.eps,
-        weight_decay=tc.weight_decay,
-        clip_norm=tc.clip_norm,
-        anlr_kwargs=config.anlr.as_kwargs(),
-        lr_ratio=config.loraplus.lr_ratio,
-        seed=config.seed,
-        track_rank_stats=tc.diag_every > 0,
-        adalora_config=adalora_config(config, total) if spec.uses_adalora else None,
-        lora_scale=lora_scale(config.lora.rank, config.lora.alpha, spec.use_rslora),
-        lorapro_mode=config.lorapro.mode,
-        dash_launch_step=config.loradash.launch_step,
-    )
-    hooks = method_hooks(config, method)
+    built = build_method(config, method, total_steps=total, log=log)
     log(
         f"[{method}] {len(source)} batches/epoch of {tc.global_batch}; {total} updates at lr"
         f" {tc.learning_rate:g} -> {run_dir}"
     )
     model.train()
     start = time.perf_counter()
-    trainer = Trainer(model, source, tc, tx, identity=identity, schedule=schedule, **hooks)
+    trainer = Trainer(
+        model, source, tc, built.tx, identity=identity, schedule=built.schedule, **built.hooks
+    )
     _save_config(config, run_dir)  # the Trainer has checked the checkpoint's identity
     if trainer.step:
       log(f"[{method}] resumed at update {trainer.step} from {tc.ckpt_dir}")
@@ -335,7 +277,7 @@ def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = say
     model = trainer.updated_model()
     model.eval()
     if is_writer():
-      metadata = {ADALORA_TOTAL_STEP: str(total)} if spec.uses_adalora else None
+      metadata = {ADALORA_TOTAL_STEP: str(total)} if built.spec.uses_adalora else None
       save_lora_params(model, lora_path, identity=identity, metadata=metadata)
     curve = loss_curve(rows)
     plot_losses({method: curve}, os.path.join(run_dir, rundir.LOSS_PLOT))
@@ -363,6 +305,8 @@ def train_run(config: RunConfig, *, log: Log = say, timestamp: str | None = None
   Returns ``{"run_dir", "runs": [results per method], "base": {task: acc} or None, "table"}``.
   """
   methods = config.methods()
+  if "{timestamp}" in config.run_dir:  # every process of a job takes process 0's
+    timestamp = process0_value("timestamp", timestamp or time.strftime("%Y%m%d-%H%M%S"))
   run_dir = format_run_dir(
       config.run_dir, method="-vs-".join(methods), seed=config.seed, timestamp=timestamp
   )

@@ -8,11 +8,13 @@ batch sources are deterministic in the step. Saving is collective (every process
 and renames it when complete, so a process killed mid-save leaves the previous checkpoint intact and
 the partial one is ignored (and cleaned) on the next start.
 
-Integrity: once a checkpoint is complete, process 0 writes the SHA-256 of every file in its
-directory to ``anlr_checksums.json`` inside it (host-side, when the next save starts or on
-:meth:`TrainCheckpointer.wait`, so the step never waits for it). :meth:`TrainCheckpointer.verify`
-recomputes them; the trainer restores the newest checkpoint that verifies, restores and holds only
-finite values, and reports each one it skips in one line.
+Integrity: as soon as orbax has committed a checkpoint (renamed its temporary directory into
+place), a background thread of process 0 writes the SHA-256 of every file in it to
+``anlr_checksums.json`` inside it, so the training loop never waits for the hashing and a process
+killed a few seconds after a save leaves its newest checkpoint sealed. :meth:`TrainCheckpointer.wait`
+joins those threads. :meth:`TrainCheckpointer.verify` recomputes the sums; the trainer restores the
+newest checkpoint that verifies, restores and holds only finite values, and names each one it
+skips in one line.
 
 Trees are stored as flat ``{"a.b.0.c": array}`` dicts (integer layer keys and NamedTuple optimizer
 states survive unchanged), typed PRNG keys as their raw ``uint32`` data. Restore always goes into
@@ -23,12 +25,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import threading
+import time
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+logger = logging.getLogger('anlr_jax.train')
+
+SEAL_POLL_SECONDS = 0.05
+"""How often a sealing thread looks for the committed step directory."""
 
 
 def _key_name(entry) -> str:
@@ -162,7 +172,9 @@ class TrainCheckpointer:
         cleanup_tmp_directories=True,
     )
     self.manager = ocp.CheckpointManager(self.directory, options=options)
-    self._unsealed: list[int] = []  # saved by this process, checksums not yet written
+    self._sealers: list[tuple[threading.Thread, threading.Event]] = []  # process 0's, one a save
+    self.seal_seconds: dict[int, float] = {}
+    """Step -> seconds its checksums took (this process's seals), for the benchmarks."""
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -174,22 +186,41 @@ class TrainCheckpointer:
   def step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(int(step)))
 
-  def _seal(self) -> None:
-    """Writes the checksum file of every finished save of this process (process 0 only)."""
-    pending, self._unsealed = self._unsealed, []
-    if jax.process_index() != 0:
-      return
-    for step in pending:
-      folder = self.step_dir(step)
-      if not os.path.isdir(folder) or os.path.exists(os.path.join(folder, CHECKSUM_FILE)):
-        continue
-      sums = directory_checksums(folder)
-      tmp = os.path.join(folder, f'.{CHECKSUM_FILE}.tmp')
-      with open(tmp, 'w') as f:
-        json.dump(sums, f, indent=0)
-        f.flush()
-        os.fsync(f.fileno())
-      os.replace(tmp, os.path.join(folder, CHECKSUM_FILE))
+  def _write_checksums(self, step: int) -> None:
+    """Writes ``anlr_checksums.json`` of committed checkpoint ``step`` (atomically)."""
+    start = time.perf_counter()
+    folder = self.step_dir(step)
+    sums = directory_checksums(folder)
+    tmp = os.path.join(folder, f'.{CHECKSUM_FILE}.tmp')
+    with open(tmp, 'w') as f:
+      json.dump(sums, f, indent=0)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(folder, CHECKSUM_FILE))
+    self.seal_seconds[int(step)] = time.perf_counter() - start
+
+  def _seal_when_committed(self, step: int, finished: threading.Event) -> None:
+    """Sealing thread of one save: waits until orbax has renamed the step directory into place
+    (its commit on a local or network file system), then writes the checksums. ``finished`` is
+    set once orbax's save is over: a directory still absent then means the save failed."""
+    folder = self.step_dir(step)
+    while not os.path.isdir(folder):
+      if finished.is_set():
+        if not os.path.isdir(folder):
+          return
+        break
+      finished.wait(SEAL_POLL_SECONDS)
+    try:
+      if not os.path.exists(os.path.join(folder, CHECKSUM_FILE)):
+        self._write_checksums(step)
+    except OSError as err:  # e.g. removed by keep-last-K meanwhile: the next save is sealed
+      logger.warning('checkpoint %d in %s: checksums not written (%s)', step, self.directory, err)
+
+  def _join_sealers(self) -> None:
+    sealers, self._sealers = self._sealers, []
+    for thread, finished in sealers:
+      finished.set()
+      thread.join()
 
   def verify(self, step: int) -> str | None:
     """None if checkpoint ``step``'s files match their checksums (or it has none yet), else what
@@ -197,7 +228,7 @@ class TrainCheckpointer:
     folder = self.step_dir(step)
     listed = os.path.join(folder, CHECKSUM_FILE)
     if not os.path.isfile(listed):
-      return None  # finished but not sealed (killed in between): the restore checks its values
+      return None  # committed but not sealed (killed at once): the restore checks it
     try:
       with open(listed) as f:
         expected = json.load(f)
@@ -227,10 +258,17 @@ class TrainCheckpointer:
     if frozen is not None:
       items['frozen'] = ocp.args.StandardSave(flatten_for_checkpoint(frozen))
     self.manager.wait_until_finished()  # orbax joins the previous save here anyway
-    self._seal()
     started = self.manager.save(step, args=ocp.args.Composite(**items), force=True)
-    if started:
-      self._unsealed.append(int(step))
+    if started and jax.process_index() == 0:
+      finished = threading.Event()
+      thread = threading.Thread(
+          target=self._seal_when_committed,
+          args=(int(step), finished),
+          name=f'anlr-seal-{step}',
+          daemon=True,
+      )
+      thread.start()
+      self._sealers.append((thread, finished))
     return started
 
   def restore(self, step: int | None, state_template, frozen_template=None, *, key_source=None):
@@ -277,9 +315,9 @@ class TrainCheckpointer:
     return dict(restored['meta'])
 
   def wait(self) -> None:
-    """Waits for the save in flight, then writes its checksums."""
+    """Waits for the save in flight and for its checksums."""
     self.manager.wait_until_finished()
-    self._seal()
+    self._join_sealers()
 
   def close(self) -> None:
     self.wait()

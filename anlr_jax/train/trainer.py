@@ -35,7 +35,7 @@ from anlr_jax.train.checkpoint import (
     TrainCheckpointer,
     abstract_for_checkpoint,
 )
-from anlr_jax.train.distributed import global_batch_array
+from anlr_jax.train.distributed import global_batch_array, put_global
 from anlr_jax.train.mesh import (
     BATCH_AXES,
     DEFAULT_LOGICAL_AXIS_RULES,
@@ -118,6 +118,21 @@ IDENTITY_KEYS = (
 def trainer_identity(config: 'TrainerConfig') -> dict[str, Any]:
   """``{"trainer.<field>": value}`` of :data:`IDENTITY_KEYS`, plus ``seed``."""
   return {**{f'trainer.{k}': getattr(config, k) for k in IDENTITY_KEYS}, 'seed': config.seed}
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+  """Silences orbax's own error logging (tracebacks through absl) while a checkpoint is read:
+  the trainer names a checkpoint it cannot read in one line of its own."""
+  loggers = [logging.getLogger(name) for name in ('absl', 'orbax')]
+  levels = [log.level for log in loggers]
+  for log in loggers:
+    log.setLevel(logging.CRITICAL)
+  try:
+    yield
+  finally:
+    for log, level in zip(loggers, levels):
+      log.setLevel(level)
 
 
 @contextlib.contextmanager
@@ -319,11 +334,11 @@ class Trainer:
         else x,
         nnx.to_pure_dict(frozen),
     )
-    self.frozen = jax.device_put(frozen, self.frozen_shardings)
+    self.frozen = put_global(frozen, self.frozen_shardings)
     lora = nnx.to_pure_dict(lora)
     self.layout = LoraLayout(stacked=config.lora_layout == 'stacked')
     lora, lora_sh = self.layout.to_state(lora, lora_sh)
-    lora, extra = jax.device_put((lora, nnx.to_pure_dict(extra)), (lora_sh, extra_sh))
+    lora, extra = put_global((lora, nnx.to_pure_dict(extra)), (lora_sh, extra_sh))
 
     init_fn = lambda l, e: init_train_state(l, e, tx)  # noqa: E731
     self.state_shardings = matching_shardings(
@@ -362,6 +377,8 @@ class Trainer:
     )
 
     self.checkpointer = None
+    self.restored_step: int | None = None  # the checkpoint this run continued from
+    self._rolled_back: tuple[int, int] | None = None  # (suspect checkpoint, the one restored)
     self._locks = []
     if jax.process_index() == 0:
       for directory, what in ((config.ckpt_dir, 'checkpoint directory'), (config.run_dir, 'run')):
@@ -452,12 +469,14 @@ class Trainer:
             f' optimizer?): {"; ".join(differ[:3])}{more}'
         )
 
-  def restore(self, step: int | None = None) -> int:
-    """Loads checkpoint ``step`` (default: the newest valid one); returns its step.
+  def restore(self, step: int | None = None, *, below: int | None = None) -> int:
+    """Loads checkpoint ``step`` (default: the newest valid one, older than ``below`` if given);
+    returns its step.
 
-    With ``step=None`` a newest checkpoint that is corrupt (checksum mismatch, unreadable bytes,
-    non-finite values) is reported in one warning and the one before it is tried. A checkpoint of
-    another run raises :class:`CheckpointMismatchError`.
+    With ``step=None`` a checkpoint that is corrupt (checksum mismatch, unreadable or truncated
+    files, non-finite values) is skipped for the one before it, and once one restores, each
+    skipped one is named in one warning with the one restored instead. A checkpoint of another run
+    raises :class:`CheckpointMismatchError`.
     """
     if self.checkpointer is None:
       raise ValueError('TrainerConfig.ckpt_dir is not set: nothing to restore from')
@@ -466,16 +485,21 @@ class Trainer:
       frozen_target = jax.tree.map(
           lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.frozen
       )
-    candidates = [step] if step is not None else self.checkpointer.all_steps()[::-1]
+    if step is not None:
+      candidates = [step]
+    else:
+      candidates = [s for s in self.checkpointer.all_steps()[::-1] if below is None or s < below]
     if not candidates:
-      raise FileNotFoundError(f'no complete checkpoint under {self.checkpointer.directory}')
-    for i, candidate in enumerate(candidates):
-      last = i == len(candidates) - 1
+      older = '' if below is None else f' older than checkpoint {below}'
+      raise FileNotFoundError(f'no complete checkpoint{older} under {self.checkpointer.directory}')
+    skipped = []
+    for candidate in candidates:
       try:
-        self._check_meta(candidate, self.checkpointer.read_meta(candidate))
-        state, meta, frozen = self.checkpointer.restore(
-            candidate, self.abstract_state(), frozen_target, key_source=self.state
-        )
+        with _quiet_orbax():
+          self._check_meta(candidate, self.checkpointer.read_meta(candidate))
+          state, meta, frozen = self.checkpointer.restore(
+              candidate, self.abstract_state(), frozen_target, key_source=self.state
+          )
         bad = _first_nonfinite(state if frozen is None else (state, frozen), self.mesh)
         if bad is not None:
           raise CorruptCheckpointError(
@@ -483,16 +507,45 @@ class Trainer:
               f' ({bad})'
           )
       except CorruptCheckpointError as err:
-        if last:
-          raise
-        logger.warning('%s; using the previous checkpoint', err)
+        skipped.append(str(err))
         continue
+      for problem in skipped:
+        logger.warning('%s: restored checkpoint %d instead', problem, candidate)
       self.state = state
       self._host_step = None
+      self.restored_step = int(meta['step'])
       if frozen is not None:
         self.frozen = frozen
       return int(meta['step'])
-    raise AssertionError('unreachable')
+    raise CorruptCheckpointError(
+        '; '.join(skipped) + ': no older checkpoint to restore instead (start afresh with another'
+        ' trainer.ckpt_dir)'
+    )
+
+  def _roll_back(self, step: int, skipped: int) -> bool:
+    """After ``skipped`` non-finite updates in a row up to ``step``, all of them since the
+    restore of checkpoint ``C``: deletes ``C`` (its values train to NaN: corrupt without a
+    checksum to say so) and restores the newest valid checkpoint before it, once a run. Returns
+    whether it rolled back."""
+    restored = self.restored_step
+    if self._rolled_back is not None or restored is None or step - skipped != restored:
+      return False
+    if not any(s < restored for s in self.checkpointer.all_steps()):
+      return False
+    self.checkpointer.wait()
+    self.checkpointer.manager.delete(restored)
+    previous = self.restore(below=restored)
+    self._rolled_back = (restored, previous)
+    logger.warning(
+        'updates %d-%d after restoring checkpoint %d in %s were all non-finite: that checkpoint'
+        ' is taken as corrupt and deleted; rolled back to checkpoint %d',
+        restored + 1,
+        step,
+        restored,
+        self.config.ckpt_dir,
+        previous,
+    )
+    return True
 
   def _diagnostics_fn(self):
     """``(opt_state, lora) -> anlr_jax.diagnostics(opt_state)`` plus the per-rank contribution
@@ -517,8 +570,10 @@ class Trainer:
     return self.layout.to_model(self.state.lora)
 
   def updated_model(self) -> nnx.Module:
-    """Writes the current LoRA params and model state back into ``model`` and returns it."""
-    nnx.update(self.model, jax.device_get(self.lora_params()), jax.device_get(self.state.extra))
+    """Writes the current LoRA params and model state back into ``model`` and returns it
+    (collective in a multi-process run: every process gets the whole params)."""
+    host = jax.tree.map(_to_host, (self.lora_params(), self.state.extra))
+    nnx.update(self.model, *host)
     return self.model
 
   # -- stepping ---------------------------------------------------------------------------------
@@ -563,14 +618,7 @@ class Trainer:
     end = self.total_steps if steps is None else min(steps, self.total_steps)
     diagnostics = self._diagnostics_fn()
     step = self.step
-    writer = MetricsWriter(
-        self.config.run_dir,
-        total_steps=self.total_steps,
-        log_every=self.config.log_every,
-        progress=self.config.progress,
-        start_step=step,
-    )
-    writer.start(step)
+    writer = self._metrics_writer(step)
     stuck = 0
     if self.on_step is not None:
       self.on_step(self, step)
@@ -591,6 +639,15 @@ class Trainer:
               writer.write_diagnostics(step, diag)
           row = writer.record(step, metrics, extra, flush=log_now)
           if row is not None:
+            n = writer.consecutive_skipped
+            if n >= self.config.max_nonfinite and self._roll_back(step, n):
+              writer.close()  # its rows after the restored step are dropped by the new one
+              step = self.step
+              writer = self._metrics_writer(step)
+              stuck = 0
+              if self.on_step is not None:
+                self.on_step(self, step)
+              continue
             self._check_health(writer, step)
             stuck = stuck + 1 if _looks_stuck(writer.rows) else 0
             if stuck == STUCK_ROWS:
@@ -616,6 +673,18 @@ class Trainer:
       writer.close()
     return writer.rows
 
+  def _metrics_writer(self, step: int) -> MetricsWriter:
+    """The metrics writer of a loop starting after ``step`` updates (later rows dropped)."""
+    writer = MetricsWriter(
+        self.config.run_dir,
+        total_steps=self.total_steps,
+        log_every=self.config.log_every,
+        progress=self.config.progress,
+        start_step=step,
+    )
+    writer.start(step)
+    return writer
+
   def _check_health(self, writer: MetricsWriter, step: int) -> None:
     n = writer.consecutive_skipped
     if n < self.config.max_nonfinite:
@@ -626,11 +695,17 @@ class Trainer:
         if saved
         else 'no checkpoint was written'
     )
+    rolled = ''
+    if self._rolled_back is not None:
+      rolled = (
+          f' (already rolled back once: from checkpoint {self._rolled_back[0]}, taken as corrupt,'
+          f' to checkpoint {self._rolled_back[1]})'
+      )
     raise NonFiniteError(
         f'the loss or gradient was not finite for {n} consecutive updates (steps'
         f' {step - n + 1}-{step}, {writer.skipped_total} skipped in all): stopping (limit:'
-        f' trainer.max_nonfinite={self.config.max_nonfinite}); the parameters are those before'
-        f' step {step - n + 1} and {kept}; lower trainer.learning_rate or check the data'
+        f' trainer.max_nonfinite={self.config.max_nonfinite}){rolled}; the parameters are those'
+        f' before step {step - n + 1} and {kept}; lower trainer.learning_rate or check the data'
     )
 
   def _interrupted(self, signum: int, step: int) -> TrainingInterrupted:
@@ -657,6 +732,18 @@ class Trainer:
     for lock in self._locks:
       lock.release()
     self._locks = []
+
+
+def _to_host(x):
+  """A global array's whole value on this host: gathered from every process when it is sharded
+  over devices of other processes too (collective: every process must call it)."""
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    return jax.device_get(x)
+  if x.is_fully_replicated:
+    return jax.device_get(x.addressable_data(0))
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+  return multihost_utils.process_allgather(x, tiled=True)
 
 
 def _looks_stuck(rows: list[dict[str, float]]) -> bool:

@@ -125,17 +125,11 @@ def make_toy_model(seed=0, **kwargs) -> ToyCausalLM:
 
 def method_tx(config, method: str = 'anlr'):
   """``(tx, schedule)`` of ``method`` on the trainer config's schedule over ``config.steps``
-  updates, with its AdamW constants and clipping: what ``anlr train`` gives the trainer."""
-  from anlr_jax.app.methods import method_optimizer
+  updates, with its AdamW constants and clipping: ``anlr_jax.app.methods.build_method`` on a run
+  config whose ``trainer`` section is ``config`` (the toy LM has its own LoRA layers)."""
+  from anlr_jax.app.config import RunConfig
+  from anlr_jax.app.methods import build_method
 
-  schedule = config.schedule(config.steps)
-  tx = method_optimizer(
-      method,
-      schedule,
-      b1=config.b1,
-      b2=config.b2,
-      eps=config.eps,
-      weight_decay=config.weight_decay,
-      clip_norm=config.clip_norm,
-  )
-  return tx, schedule
+  config = RunConfig(trainer=config)
+  built = build_method(config, method, total_steps=config.trainer.steps, check=False)
+  return built.tx, built.schedule

@@ -1,0 +1,184 @@
+r"""``anlr train --dry_run``: the memory a run needs per device, computed without weights or data.
+
+The model is built abstractly (``nnx.eval_shape``: shapes and dtypes only) from the base model's
+``config.json`` (``model.path``) or a named preset (``--preset llama2_7b``), the method's adapter
+layers are injected and its optimizer initialised abstractly (:func:`anlr_jax.app.methods.
+build_method`), and every array is placed on the run's ``('data', 'fsdp', 'tensor')`` mesh by the
+trainer's own rules (:func:`anlr_jax.train.mesh.state_shardings`, on an abstract mesh of the
+given device count), so the parameter and optimizer-state bytes per device are exact. Activations
+are an estimate for one micro-batch of ``b = global_batch / (micro_batches * data * fsdp)`` rows of
+``T = data.max_length`` tokens with hidden size ``h``, ``L`` layers, MLP width ``f``, ``a`` heads,
+vocabulary ``V`` and ``t`` tensor shards, in the compute dtype (``c`` bytes):
+
+.. math::
+
+   \text{layer} = c\,b\,T\,(6h + 4f/t + 2hk/t) + c\,b\,a T^2 / t, \qquad
+   \text{remat=none: } L \cdot \text{layer}, \qquad
+   \text{remat=full: } L\,c\,b\,T\,h + \text{layer},
+
+(``k = 1 + 2 n_{kv}/a``: the query, key and value projections) plus the float32 logits and their
+gradient, :math:`2 \cdot 4\,b\,T\,V/t`. XLA may fuse or reorder, so treat the activation figure as
+the order of magnitude to plan a mesh with, not a guarantee.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from anlr_jax.app.config import RunConfig
+from anlr_jax.app.methods import build_method
+from anlr_jax.app.paths import resolve_path
+from anlr_jax.fields import DTYPES, ConfigError
+from anlr_jax.models import LlamaForCausalLM
+from anlr_jax.models.config import ModelConfig
+from anlr_jax.train.mesh import MESH_AXES, matching_shardings, state_shardings
+
+PRESETS = ("llama2_7b", "llama3_8b", "qwen2_5_7b", "qwen2_5_14b")
+"""Model presets of :class:`anlr_jax.models.config.ModelConfig` a dry run can use."""
+
+GIB = 2**30
+
+
+def mesh_sizes(config: RunConfig, devices: int) -> dict[str, int]:
+  """The run's mesh axis sizes over ``devices`` devices (one ``-1`` takes the rest)."""
+  tc = config.trainer
+  sizes = {"data": tc.mesh_data, "fsdp": tc.mesh_fsdp, "tensor": tc.mesh_tensor}
+  fixed = math.prod(s for s in sizes.values() if s != -1)
+  free = [name for name, size in sizes.items() if size == -1]
+  if free:
+    sizes[free[0]] = devices // fixed if devices % fixed == 0 else 0
+  if math.prod(sizes.values()) != devices or min(sizes.values()) < 1:
+    raise ConfigError(
+        f"trainer.mesh_data/mesh_fsdp/mesh_tensor = {tc.mesh_data}/{tc.mesh_fsdp}/"
+        f"{tc.mesh_tensor} do not fit {devices} devices"
+    )
+  return sizes
+
+
+def _model_config(config: RunConfig, preset: str | None) -> ModelConfig:
+  dtypes = dict(dtype=DTYPES[config.model.dtype], param_dtype=DTYPES[config.model.dtype])
+  if preset is not None:
+    if preset not in PRESETS:
+      raise ConfigError(f"--preset {preset!r}: allowed {', '.join(PRESETS)}")
+    return getattr(ModelConfig, preset)(**dtypes)
+  path = resolve_path(config.model.path)
+  if path is None or not os.path.exists(path):
+    raise FileNotFoundError(
+        f"model.path {config.model.path}: no such directory (a dry run reads its config.json"
+        f" only; or name a preset: --preset {PRESETS[0]})"
+    )
+  return ModelConfig.from_pretrained(path, **dtypes)
+
+
+def _per_device_bytes(tree, shardings) -> int:
+  total = 0
+  for leaf, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+    shape = sharding.shard_shape(tuple(leaf.shape))
+    total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+  return total
+
+
+def activation_bytes(config: RunConfig, model: ModelConfig, sizes: dict[str, int]) -> int:
+  """The module docstring's estimate of one micro-batch's activation bytes per device."""
+  tc = config.trainer
+  rows = tc.global_batch / (tc.micro_batches * sizes["data"] * sizes["fsdp"])
+  b, t_len, t = max(rows, 1.0), config.data.max_length, sizes["tensor"]
+  h, f, a = model.hidden_size, model.intermediate_size, model.num_attention_heads
+  c = np.dtype(DTYPES[tc.compute_dtype]).itemsize
+  k = 1 + 2 * model.num_key_value_heads / a
+  layer = c * b * t_len * (6 * h + 4 * f / t + 2 * h * k / t) + c * b * a * t_len**2 / t
+  if tc.remat == "none":
+    stored = model.num_hidden_layers * layer
+  else:  # 'full' (and 'dots', which keeps the matmul outputs: counted as full here)
+    stored = model.num_hidden_layers * c * b * t_len * h + layer
+  logits = 2 * 4 * b * t_len * model.vocab_size / t
+  return int(stored + logits)
+
+
+def estimate(config: RunConfig, *, devices: int, preset: str | None = None) -> dict[str, Any]:
+  """Bytes per device of the base params, LoRA params, optimizer state and (estimated)
+  activations of ``config``'s run on ``devices`` devices; see the module docstring."""
+  model_config = _model_config(config, preset)
+  sizes = mesh_sizes(config, devices)
+  mesh = jax.sharding.AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
+  total = config.trainer.steps or 1000
+  method = config.method
+
+  def build():
+    model = LlamaForCausalLM(model_config, rngs=nnx.Rngs(0))
+    build_method(config, method, total_steps=total, model=model, check=False)
+    return model
+
+  with nnx.use_eager_sharding(False):
+    abstract = nnx.eval_shape(build)
+  _, lora, frozen, _ = nnx.split(abstract, nnx.LoRAParam, nnx.Param, ...)
+  lora_sh = state_shardings(lora, mesh)
+  frozen_sh = state_shardings(frozen, mesh)
+  lora_tree, frozen_tree = nnx.to_pure_dict(lora), nnx.to_pure_dict(frozen)
+  if config.trainer.base_dtype:
+    base = DTYPES[config.trainer.base_dtype]
+    frozen_tree = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, base) if np.issubdtype(x.dtype, np.floating) else x,
+        frozen_tree,
+    )
+  tx = build_method(config, method, total_steps=total, check=False).tx
+  opt = jax.eval_shape(tx.init, lora_tree)
+  opt_sh = matching_shardings(opt, lora_tree, lora_sh, mesh)
+  out = {
+      "model": preset or config.model.path,
+      "method": method,
+      "devices": devices,
+      "mesh": sizes,
+      "base_params": int(sum(math.prod(x.shape) for x in jax.tree.leaves(frozen_tree))),
+      "lora_params": int(sum(math.prod(x.shape) for x in jax.tree.leaves(lora_tree))),
+      "base_bytes": _per_device_bytes(frozen_tree, frozen_sh),
+      "lora_bytes": _per_device_bytes(lora_tree, lora_sh),
+      "optimizer_bytes": _per_device_bytes(opt, opt_sh),
+      "activation_bytes": activation_bytes(config, model_config, sizes),
+  }
+  out["total_bytes"] = sum(out[k] for k in ("base_bytes", "lora_bytes", "optimizer_bytes"))
+  out["total_bytes"] += 2 * out["lora_bytes"] + out["activation_bytes"]  # + gradients, update
+  return out
+
+
+def describe(result: dict[str, Any], config: RunConfig) -> str:
+  """The dry run's report: a few lines, figures per device."""
+  tc = config.trainer
+  mesh = " x ".join(f"{a} {n}" for a, n in result["mesh"].items())
+  mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+  gib = lambda n: f"{n / GIB:,.2f} GiB"  # noqa: E731
+  return "\n".join(
+      [
+          f"dry run: {result['model']} ({result['base_params'] / 1e9:.2f} B base params),"
+          f" method {result['method']}, LoRA r={config.lora.rank} on"
+          f" {','.join(config.lora.targets)} ({result['lora_params'] / 1e6:.2f} M params)",
+          f"mesh {mesh} = {result['devices']} devices; batch {tc.global_batch} x"
+          f" {config.data.max_length} tokens in {tc.micro_batches} micro-batch(es); compute"
+          f" {tc.compute_dtype}, remat {tc.remat}",
+          "per device:",
+          f"  base params      {gib(result['base_bytes'])}"
+          f" ({config.trainer.base_dtype or config.model.dtype})",
+          f"  LoRA params      {mib(result['lora_bytes'])} (their gradient and update: as much"
+          " again each)",
+          f"  optimizer state  {mib(result['optimizer_bytes'])}",
+          f"  activations      ~{gib(result['activation_bytes'])} (estimate, one micro-batch)",
+          f"  total            ~{gib(result['total_bytes'])}",
+      ]
+  )
+
+
+def dry_run(config: RunConfig, *, devices: int | None = None, preset: str | None = None) -> str:
+  """``anlr train --dry_run``: the report of :func:`describe` (of the first method compared)."""
+  config = dataclasses.replace(config, method=config.methods()[0])
+  result = estimate(config, devices=devices or jax.device_count(), preset=preset)
+  return describe(result, config)
+
+
+__all__ = ["PRESETS", "activation_bytes", "dry_run", "estimate", "mesh_sizes"]

@@ -1,0 +1,169 @@
+"""``build_method``: the one assembly of a method's run (adapter layers, optimizer, schedule, hooks)
+that ``anlr train``, the examples, the benchmarks and the test helpers share; the GPU-mesh example
+trains the baselines it used to get wrong (LoRA-Dash, AdaLoRA, LoRA-Pro) on a CPU mesh."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from safetensors import safe_open
+
+from anlr_jax import assets
+from anlr_jax.app.config import load_config
+from anlr_jax.app.methods import METHOD_NAMES, build_method, get_method
+from anlr_jax.fields import ConfigError
+from anlr_jax.models import LlamaForCausalLM, ModelConfig
+from anlr_jax.nn import iter_adalora_layers, iter_lora_layers
+from anlr_jax.nn.loradash import LoRADashLinear
+from anlr_jax.optim.adalora import RankAllocatorState
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tiny_model():
+  config = ModelConfig.tiny(
+      vocab_size=32,
+      hidden_size=16,
+      intermediate_size=32,
+      num_hidden_layers=1,
+      num_attention_heads=2,
+      num_key_value_heads=2,
+      dtype=jnp.float32,
+      param_dtype=jnp.float32,
+  )
+  return LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+
+
+def _config(*overrides):
+  return load_config(None, ["lora.rank=4", "lora.targets=[q_proj,v_proj]", *overrides])
+
+
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_build_method_injects_the_layer_and_builds_an_optimizer_for_every_method(method):
+  model = _tiny_model()
+  built = build_method(
+      _config("anlr.warmup_steps=1", "loradash.launch_step=1"), method, total_steps=5, model=model
+  )
+  spec = get_method(method)
+  assert built.spec == spec and built.total_steps == 5
+  adapters = dict(iter_adalora_layers(model) if spec.uses_adalora else iter_lora_layers(model))
+  assert len(adapters) == 2  # q_proj and v_proj of the one layer
+  dash = [isinstance(layer, LoRADashLinear) for layer in adapters.values()]
+  assert all(dash) if spec.uses_loradash else not any(dash)
+  state = built.tx.init(nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam)))
+  leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, RankAllocatorState))
+  assert any(isinstance(x, RankAllocatorState) for x in leaves) == spec.uses_adalora
+  assert ("loss_regularizer" in built.hooks) == spec.uses_adalora
+  assert ("on_step" in built.hooks) == spec.uses_loradash
+
+
+def test_build_method_takes_every_constant_from_the_config():
+  config = _config(
+      "trainer.learning_rate=0.01",
+      "trainer.lr_warmup_steps=2",
+      "trainer.weight_decay=0.1",
+      "trainer.clip_norm=0.5",
+      "adalora.target_r=2",
+  )
+  built = build_method(config, "lora", total_steps=10)
+  # the trainer's linear warmup/decay over the run's updates
+  np.testing.assert_allclose([built.schedule(t) for t in (0, 1, 2, 6)], [0.0, 0.005, 0.01, 0.005])
+  params = {"a": {"lora_a": np.ones((3, 2), np.float32), "lora_b": np.ones((2, 3), np.float32)}}
+  grads = jax.tree.map(lambda x: 4.0 * x, params)
+  reference = optax.chain(
+      optax.clip_by_global_norm(0.5), optax.adamw(built.schedule, weight_decay=0.1)
+  )
+  updates = {}
+  for name, tx in (("built", built.tx), ("reference", reference)):
+    state = tx.init(params)
+    for _ in range(3):
+      updates[name], state = tx.update(grads, state, params)
+  jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+      updates["built"],
+      updates["reference"],
+  )
+  assert np.any(np.asarray(updates["built"]["a"]["lora_a"]) != 0)
+  fixed = build_method(config, "lora", total_steps=10, learning_rate=0.25)
+  assert fixed.schedule == 0.25
+
+
+def test_build_method_refuses_a_phase_that_never_starts():
+  with pytest.raises(ConfigError, match="loradash.launch_step=100"):
+    build_method(_config(), "loradash", total_steps=50)
+  with pytest.raises(ConfigError, match="anlr.warmup_steps=100"):
+    build_method(_config(), "anlr", total_steps=50)
+  notes = []
+  build_method(_config("trainer.lr_warmup_steps=80"), "lora", total_steps=50, log=notes.append)
+  assert notes and "trainer.lr_warmup_steps=80" in notes[0]
+  assert build_method(_config(), "anlr", total_steps=50, check=False).total_steps == 50
+
+
+def _run_example(args, devices=8):
+  env = dict(
+      os.environ,
+      PYTHONPATH=REPO,
+      JAX_PLATFORMS="cpu",
+      XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  )
+  for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    env.pop(var, None)
+  return subprocess.run(
+      [sys.executable, "examples/finetune_llama_gpu_mesh.py", *args],
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
+
+
+def _example_args(out, method):
+  root = assets.quickstart_dir()
+  args = ["--model", str(root), "--data", str(root / assets.TRAIN_FILE), "--out", str(out)]
+  args += ["--mesh-data", "2", "--mesh-fsdp", "1", "--dtype", "float32", "--rank", "4"]
+  args += ["--alpha", "8", "--global-batch", "8", "--max-length", "64", "--save-every", "0"]
+  return args + ["--steps", "3", "--method", method, "--remat", "none"]
+
+
+@pytest.mark.slow
+def test_gpu_mesh_example_trains_the_baselines_with_their_own_layers_and_optimizers(tmp_path):
+  """LoRA-Dash launches and trains its directions; AdaLoRA trains SVD-form adapters and exports a
+  PEFT AdaLoRA adapter: each in one process on a 2-device data-parallel mesh (LoRA-Pro and the
+  rest get their optimizers from the same build_method, tested above). Two devices, not more: on
+  a 2-core machine XLA's CPU client runs the fake devices on a pool of 2 threads, and collectives
+  over sub-groups of 4 devices can starve there until XLA's 40 s rendezvous limit aborts them."""
+  args = ["--set", "loradash.launch_step=1", "--set", "adalora.target_r=2"]
+  for method in ("loradash", "adalora"):
+    out = tmp_path / method
+    proc = _run_example(_example_args(out, method) + args, devices=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with safe_open(str(out / "lora_final.safetensors"), framework="numpy") as f:
+      keys = list(f.keys())
+      tensors = {k: f.get_tensor(k) for k in keys}
+    if method == "loradash":
+      scales = [v for k, v in tensors.items() if k.endswith("dash_scale")]
+      directions = [v for k, v in tensors.items() if k.endswith("dash_u")]
+      assert scales and directions and all(np.any(d != 0) for d in directions)
+      assert any(np.any(s != 0) for s in scales)  # trained after the launch at update 1
+      assert "anlr export" in proc.stdout
+    elif method == "adalora":
+      assert any(k.endswith("lora_e") for k in keys)
+      config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+      assert config["peft_type"] == "ADALORA"
+    assert load_config(str(out / "config.yaml")).method == method
+
+
+def test_gpu_mesh_example_refuses_a_bad_method_in_one_line(tmp_path):
+  proc = _run_example(_example_args(tmp_path / "run", "qlora"), devices=1)
+  assert proc.returncode == 2
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and "method" in lines[0] and "qlora" in lines[0], proc.stderr
+  assert "Traceback" not in proc.stderr

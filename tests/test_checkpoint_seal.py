@@ -1,0 +1,146 @@
+"""Checkpoints sealed as soon as orbax commits them (not at the next save), corrupt checkpoints
+skipped with one line naming the one restored instead, and a roll-back past a checkpoint whose
+values train to NaN (corrupt without a checksum to say so)."""
+
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from anlr_jax.train.checkpoint import CHECKSUM_FILE, TrainCheckpointer
+from anlr_jax.train.metrics import read_metrics
+from anlr_jax.train.trainer import NonFiniteError, Trainer, TrainerConfig
+from tests.helpers.toy_lm import ToyBatches, make_toy_model
+
+ONE_DEVICE = dict(mesh_data=1, mesh_fsdp=1, mesh_tensor=1)
+
+
+@pytest.fixture(autouse=True)
+def _library_warnings_reach_caplog(monkeypatch):
+  monkeypatch.setattr(logging.getLogger("anlr_jax"), "propagate", True)
+
+
+def _trainer(tmp_path, steps=6, **kw):
+  cfg = TrainerConfig(
+      steps=steps,
+      global_batch=8,
+      compute_dtype="float32",
+      progress=False,
+      ckpt_dir=str(tmp_path / "ckpt"),
+      run_dir=str(tmp_path / "run"),
+      save_every=2,
+      keep=3,
+      **ONE_DEVICE,
+      **kw,
+  )
+  return Trainer(make_toy_model(), ToyBatches(), cfg, optax.adamw(1e-2), devices=jax.devices()[:1])
+
+
+def _wait_for(path, seconds=20.0):
+  deadline = time.monotonic() + seconds
+  while not path.exists() and time.monotonic() < deadline:
+    time.sleep(0.02)
+  return path.exists()
+
+
+def test_a_checkpoint_is_sealed_once_committed_without_a_next_save_or_wait(tmp_path):
+  trainer = _trainer(tmp_path)
+  trainer.run(steps=4)  # saves 2 and 4; nothing joins the save of 4 (no next save, no wait)
+  sums = tmp_path / "ckpt" / "4" / CHECKSUM_FILE
+  assert _wait_for(sums), "checkpoint 4 was not sealed in the background"
+  assert trainer.checkpointer.verify(4) is None and trainer.checkpointer.verify(2) is None
+  assert set(trainer.checkpointer.seal_seconds) == {2, 4}
+  trainer.close()
+
+
+def _poisoned_checkpoint(tmp_path, step, value):
+  """A checkpoint ``step`` holding LoRA params ``value`` everywhere, committed but unsealed (as
+  after kill -9 right after its commit): finite, readable, and training from it gives NaN."""
+  trainer = _trainer(tmp_path, steps=step - 1)
+  trainer.run()
+  trainer.close()
+  bad = jax.tree.map(lambda x: jnp.full_like(x, value), trainer.state.lora)
+  trainer.state = trainer.state._replace(lora=bad, step=jnp.asarray(step, jnp.int32))
+  trainer._host_step = None
+  checkpointer = TrainCheckpointer(tmp_path / "ckpt", keep=3)
+  trainer.checkpointer = checkpointer
+  trainer.save(force=True)
+  checkpointer.wait()
+  (tmp_path / "ckpt" / str(step) / CHECKSUM_FILE).unlink()
+  checkpointer.close()
+
+
+def test_non_finite_updates_right_after_a_restore_roll_back_once_to_the_previous(tmp_path, caplog):
+  _poisoned_checkpoint(tmp_path, 3, 1e30)
+  with caplog.at_level(logging.WARNING, logger="anlr_jax.train"):
+    trainer = _trainer(tmp_path, steps=8, max_nonfinite=2, resume_allow=["trainer.steps"])
+    assert trainer.step == 3  # finite values: restored
+    rows = trainer.run()
+  trainer.close()
+  (message,) = [r.getMessage() for r in caplog.records if "rolled back" in r.getMessage()]
+  assert "updates 4-5 after restoring checkpoint 3" in message
+  assert "rolled back to checkpoint 2" in message
+  assert [int(r["step"]) for r in rows] == list(range(1, 9))  # one row per step, from 2 on anew
+  assert [int(r["step"]) for r in read_metrics(str(tmp_path / "run"))] == list(range(1, 9))
+  assert all(np.isfinite(r["loss"]) for r in rows[2:])
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(trainer.state.lora))
+  assert sorted(TrainCheckpointer(tmp_path / "ckpt").all_steps()) == [4, 6, 8]
+
+
+def test_a_second_non_finite_streak_stops_the_run_naming_both_checkpoints(tmp_path):
+  class Poisoned(ToyBatches):
+
+    def get_batch(self, step, **kw):
+      batch = super().get_batch(step, **kw)
+      return dict(batch, loss_mask=np.full_like(batch["loss_mask"], np.inf))
+
+  _poisoned_checkpoint(tmp_path, 3, 1e30)
+  cfg = TrainerConfig(
+      steps=8,
+      global_batch=8,
+      compute_dtype="float32",
+      progress=False,
+      ckpt_dir=str(tmp_path / "ckpt"),
+      save_every=2,
+      keep=3,
+      max_nonfinite=2,
+      resume_allow=["trainer.steps"],
+      **ONE_DEVICE,
+  )
+  trainer = Trainer(make_toy_model(), Poisoned(), cfg, optax.adamw(1e-2), devices=jax.devices()[:1])
+  with pytest.raises(NonFiniteError, match="from checkpoint 3, taken as corrupt, to checkpoint 2"):
+    trainer.run()
+  trainer.close()
+
+
+def test_anlr_train_past_a_corrupt_newest_checkpoint_is_one_line_and_no_traceback(tmp_path, capsys):
+  """The issue's user: a run killed after checkpoint 4 (of 2 and 4), a file of checkpoint 4 cut
+  in half; the same command again names it, restores checkpoint 2 and finishes."""
+  from anlr_jax.app import cli
+  from anlr_jax.rundir import LORA_FILE, RESULTS_FILE
+  from tests.test_cli import _tiny_setup
+
+  config = _tiny_setup(tmp_path)
+  run = tmp_path / "run"
+  args = ["train", "--config", str(config), f"run_dir={run}", "trainer.save_every=2"]
+  assert cli.main(args) == 0
+  for name in (LORA_FILE, RESULTS_FILE):
+    (run / name).unlink()  # as if killed right after its last checkpoint
+  folder = run / "checkpoints" / "4"
+  victim = max(
+      (p for p in folder.rglob("*") if p.is_file() and p.name != CHECKSUM_FILE),
+      key=lambda p: p.stat().st_size,
+  )
+  victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+  capsys.readouterr()
+  assert cli.main(args) == 0
+  captured = capsys.readouterr()
+  assert "Traceback" not in captured.err + captured.out
+  lines = [l for l in captured.err.splitlines() if "checkpoint 4" in l]
+  assert len(lines) == 1 and lines[0].endswith("restored checkpoint 2 instead"), captured.err
+  assert "resumed at update 2" in captured.out
+  assert (run / LORA_FILE).is_file()

@@ -1,0 +1,117 @@
+"""``anlr train --dry_run``: bytes per device of the base params, LoRA params and optimizer state
+(exact, against sums from the model's own files and the LoRA equations) and the activation
+estimate's behaviour; the CLI prints it without training or writing anything."""
+
+import json
+import math
+
+import pytest
+from safetensors import safe_open
+
+from anlr_jax import assets
+from anlr_jax.app import cli
+from anlr_jax.app.config import load_config
+from anlr_jax.app.dryrun import activation_bytes, estimate, mesh_sizes
+from anlr_jax.fields import ConfigError
+from anlr_jax.models.config import ModelConfig
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
+
+
+def _config(*overrides):
+  return load_config(
+      None,
+      [
+          "model.path=asset://quickstart",
+          "model.dtype=float32",
+          "lora.rank=8",
+          f"lora.targets=[{','.join(TARGETS)}]",
+          "trainer.steps=10",
+          *overrides,
+      ],
+  )
+
+
+def _lora_params(hf: dict, rank: int) -> int:
+  """r (d_in + d_out) per targeted projection per layer, from config.json."""
+  h, f = hf["hidden_size"], hf["intermediate_size"]
+  hd = hf["head_dim"]
+  q, kv = hf["num_attention_heads"] * hd, hf["num_key_value_heads"] * hd
+  shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "up_proj": (h, f)}
+  shapes["down_proj"] = (f, h)
+  return hf["num_hidden_layers"] * sum(rank * (i + o) for i, o in shapes.values())
+
+
+def test_one_device_bytes_are_the_files_and_the_lora_equations():
+  root = assets.quickstart_dir()
+  hf = json.loads((root / "config.json").read_text())
+  with safe_open(str(root / "model.safetensors"), framework="numpy") as f:
+    base = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+  for method, moments in (("lora", 2), ("loraplus", 2)):
+    out = estimate(_config(f"method={method}", "trainer.diag_every=0"), devices=1)
+    assert out["base_params"] == base and out["base_bytes"] == 4 * base
+    assert out["lora_params"] == _lora_params(hf, 8) and out["lora_bytes"] == 4 * out["lora_params"]
+    # Adam's two moments per LoRA param, plus a few scalar counts
+    assert 0 <= out["optimizer_bytes"] - moments * out["lora_bytes"] < 64
+
+
+def test_a_mesh_divides_the_bytes_per_device():
+  one = estimate(_config("method=lora"), devices=1)
+  four = estimate(_config("method=lora", "trainer.mesh_fsdp=4"), devices=4)
+  assert four["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+  # every base weight has an 'embed' (-> fsdp) axis of 128 rows except the norms (replicated)
+  assert one["base_bytes"] / 4 <= four["base_bytes"] < one["base_bytes"] / 3.5
+  assert four["lora_bytes"] < one["lora_bytes"]
+  tensor = estimate(
+      _config("method=lora", "trainer.mesh_tensor=2", "trainer.mesh_fsdp=2"), devices=4
+  )
+  assert tensor["base_bytes"] < one["base_bytes"] / 3.5
+
+
+def test_the_activation_estimate_follows_batch_remat_and_tensor_shards():
+  model = ModelConfig.llama2_7b()
+  sizes = {"data": 1, "fsdp": 8, "tensor": 1}
+  none = activation_bytes(_config("trainer.remat=none", "trainer.global_batch=16"), model, sizes)
+  full = activation_bytes(_config("trainer.remat=full", "trainer.global_batch=16"), model, sizes)
+  double = activation_bytes(_config("trainer.remat=full", "trainer.global_batch=32"), model, sizes)
+  micro = activation_bytes(
+      _config("trainer.remat=full", "trainer.global_batch=32", "trainer.micro_batches=2"),
+      model,
+      sizes,
+  )
+  assert full < none / 4
+  assert double == pytest.approx(2 * full, rel=1e-6) and micro == full
+  split = activation_bytes(_config("trainer.remat=none"), model, {**sizes, "tensor": 2})
+  assert split < activation_bytes(_config("trainer.remat=none"), model, sizes)
+
+
+def test_mesh_sizes_take_the_rest_or_name_the_keys():
+  assert mesh_sizes(_config("trainer.mesh_data=2"), 16) == {"data": 2, "fsdp": 8, "tensor": 1}
+  with pytest.raises(ConfigError, match="trainer.mesh_data/mesh_fsdp/mesh_tensor"):
+    mesh_sizes(_config("trainer.mesh_data=3"), 8)
+
+
+def test_cli_dry_run_prints_per_device_bytes_and_writes_nothing(tmp_path, capsys):
+  run_dir = tmp_path / "run"
+  args = ["train", "--config", "quickstart", "--dry_run", "--devices", "8", f"run_dir={run_dir}"]
+  assert cli.main(args + ["trainer.mesh_data=2"]) == 0
+  out = capsys.readouterr().out
+  assert "mesh data 2 x fsdp 4 x tensor 1 = 8 devices" in out
+  for part in ("base params", "LoRA params", "optimizer state", "activations", "total"):
+    assert part in out
+  assert not run_dir.exists()
+  preset = ["train", "--config", "commonsense_llama2_7b", "--dry_run", "--preset", "llama2_7b"]
+  assert cli.main(preset + ["--devices", "8", "trainer.mesh_fsdp=8"]) == 0
+  out = capsys.readouterr().out
+  base = float(out.split("  base params")[1].split("GiB")[0])
+  assert base == pytest.approx(ModelConfig.llama2_7b().num_params() * 2 / 8 / 2**30, rel=0.01)
+
+
+def test_cli_dry_run_errors_are_one_line(capsys):
+  assert (
+      cli.main(["train", "--config", "commonsense_llama2_7b", "--dry_run", "--devices", "8"]) == 2
+  )
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "model.path" in err[0] and "--preset" in err[0]
+  assert cli.main(["train", "--config", "quickstart", "--devices", "8"]) == 2
+  assert "--dry_run" in capsys.readouterr().err
