@@ -299,7 +299,9 @@ def load_benchmark(name: str, split: str, *, shots: int = 0) -> list:
   """
   bench = get_benchmark(name, split)
   if shots not in bench.shots:
-    raise ValueError(f"benchmark {bench.name}: shots must be one of {list(bench.shots)}, got {shots}")
+    raise ValueError(
+        f"benchmark {bench.name}: shots must be one of {list(bench.shots)}, got {shots}"
+    )
   if bench.kind == "number":
     return _gsm8k_examples(bench)
   if bench.kind == "code":
