@@ -143,3 +143,31 @@ def test_anlr_benchmarks_lists_every_set_with_split_and_size():
     for split, size in bench.splits.items():
       line = next(x for x in out.splitlines() if f"benchmark://{bench.name}/{split} " in x)
       assert f" {size} " in line
+
+
+@needs_package
+@pytest.mark.parametrize("name", ["arc_challenge", "winogrande"])
+def test_tune_and_heldout_never_share_a_question(name):
+  bench = benchmarks.get_benchmark(name)
+  tune = benchmarks.load_benchmark(name, "tune")
+  heldout = benchmarks.load_benchmark(name, "heldout")
+  assert (len(tune), len(heldout)) == (bench.splits["tune"], bench.splits["heldout"])
+  contexts = lambda qs: {(q.contexts, q.continuations) for q in qs}  # noqa: E731
+  assert not contexts(tune) & contexts(heldout)
+  if "test" not in bench.splits:  # the two halves of validation
+    assert len(tune) + len(heldout) == bench.splits["validation"]
+
+
+@needs_package
+def test_tuning_set_is_a_completion_training_file(tmp_path):
+  from anlr_jax.data import read_examples
+
+  path = tmp_path / "tune.jsonl"
+  count = benchmarks.write_tuning_set(path, ["arc_challenge", "winogrande"])
+  assert count == 299 + 634
+  read = read_examples(path)
+  assert read.format == "completion" and len(read.examples) == count
+  first = benchmarks.load_benchmark("arc_challenge", "tune")[0]
+  assert read.examples[0].turns == ((first.contexts[first.gold], first.continuations[first.gold]),)
+  with pytest.raises(ValueError, match="gsm8k is not a multiple-choice set"):
+    benchmarks.write_tuning_set(tmp_path / "x.jsonl", ["gsm8k"])

@@ -17,6 +17,11 @@ Multiple-choice sets are read from their cloze-form (``rc``) few-shot variant, d
   context ends with, checked), or for WinoGrande (whose contexts differ per choice: the option fills
   the blank) the package's zero-shot variant.
 
+Every choice set also has two derived splits that never share a question, for fine-tuning on real
+data: ``tune`` (the validation split where the set has a test split, else the even ``doc_id``\ s of
+validation) and ``heldout`` (test, else the odd ``doc_id``\ s); :func:`write_tuning_set` writes the
+``tune`` questions as a training file.
+
 The unconditioned requests some variants carry (context ``"Answer:"``, for OLMES' ``acc_uncond``;
 ``doc_id`` at or above the variant's ``uncond_docid_offset``) are dropped.
 
@@ -36,7 +41,7 @@ import importlib.util
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from anlr_jax.data.formats import DataFormatError
@@ -75,7 +80,12 @@ class Benchmark:
 
 
 def _choice(name: str, folder: str, task: str, **splits: int) -> Benchmark:
-  return Benchmark(name, folder, "choice", splits, (0, 5), task)
+  if "test" in splits:  # tune on validation, hold out test
+    derived = {"tune": splits["validation"], "heldout": splits["test"]}
+  else:  # tune on the even doc ids of validation, hold out the odd ones
+    n = splits["validation"]
+    derived = {"tune": (n + 1) // 2, "heldout": n // 2}
+  return Benchmark(name, folder, "choice", splits | derived, (0, 5), task)
 
 
 BENCHMARKS: dict[str, Benchmark] = {
@@ -313,8 +323,40 @@ def load_benchmark(name: str, split: str, *, shots: int = 0) -> list:
     return _gsm8k_examples(bench)
   if bench.kind == "code":
     return _mbpp_problems(bench, shots)
+  if split in _DERIVED_SPLITS:
+    return _derived_split(bench, split, shots)
   few = read_choice_requests(_variant_path(bench, f"{_FOLDER_SPLIT[split]}_rc_5shot"))
   return few if shots else _zero_shot(bench, split, few)
+
+
+_DERIVED_SPLITS = ("tune", "heldout")
+
+
+def _derived_split(bench: Benchmark, split: str, shots: int) -> list[ChoiceQuestion]:
+  """``tune`` / ``heldout``: validation / test where the set has a test split, else the even /
+  odd doc ids of validation; never a question in both."""
+  if "test" in bench.splits:
+    return load_benchmark(bench.name, "validation" if split == "tune" else "test", shots=shots)
+  parity = 0 if split == "tune" else 1
+  questions = load_benchmark(bench.name, "validation", shots=shots)
+  return [q for q in questions if int(q.id) % 2 == parity]
+
+
+def write_tuning_set(path: str | os.PathLike[str], names: Sequence[str] | None = None) -> int:
+  """Writes the ``tune`` split of the choice sets ``names`` (default: all) as a JSONL training
+  file in the ``completion`` format: per question, ``prompt`` the gold choice's zero-shot context,
+  ``completion`` its continuation (the text the log-likelihood scorer ranks). Returns the count."""
+  names = [b.name for b in BENCHMARKS.values() if b.kind == "choice"] if names is None else names
+  count = 0
+  with open(path, "w", encoding="utf-8") as f:
+    for name in names:
+      if get_benchmark(name).kind != "choice":
+        raise ValueError(f"benchmark {name} is not a multiple-choice set")
+      for q in load_benchmark(name, "tune", shots=0):
+        record = {"prompt": q.contexts[q.gold], "completion": q.continuations[q.gold]}
+        f.write(json.dumps(record | {"benchmark": name, "id": q.id}) + "\n")
+        count += 1
+  return count
 
 
 def load_uri(uri: str) -> list:
@@ -338,4 +380,5 @@ __all__ = [
     "package_root",
     "parse_uri",
     "read_choice_requests",
+    "write_tuning_set",
 ]
