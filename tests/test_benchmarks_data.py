@@ -62,7 +62,9 @@ def test_gold_out_of_range_names_file_and_doc(tmp_path):
 def test_unknown_name_split_or_shots_lists_the_known():
   with pytest.raises(ValueError, match=r"unknown benchmark 'arc'; known: arc_challenge \(test/"):
     benchmarks.parse_uri("benchmark://arc/test")
-  with pytest.raises(ValueError, match=r"no split 'train'; known: \['validation'\]"):
+  with pytest.raises(
+      ValueError, match=r"no split 'train'; known: \['validation', 'tune', 'heldout'\]"
+  ):
     benchmarks.parse_uri("benchmark://boolq/train")
   with pytest.raises(ValueError, match=r"must be one of 0shot, 5shot"):
     benchmarks.parse_uri("benchmark://boolq/validation/3shot")

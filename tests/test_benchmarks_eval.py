@@ -78,7 +78,7 @@ def test_eval_task_and_benchmark_must_agree(model_dir, capsys):
       ]
   )
   err = capsys.readouterr().err.strip()
-  assert code == 2 and "no split 'test'; known: ['validation']" in err
+  assert code == 2 and "no split 'test'; known: ['validation', 'tune', 'heldout']" in err
 
 
 def test_mbpp_prompts_are_the_package_context_and_references_pass():
