@@ -110,7 +110,8 @@ def test_the_library_never_imports_the_application():
 
 def _module_imports() -> dict[str, set[str]]:
   """``{module: the anlr_jax modules it imports}`` over every import statement, function-local
-  ones included; a name imported from a package resolves to its submodule when there is one."""
+  ones included and ``if TYPE_CHECKING:`` ones left out; a name imported from a package resolves
+  to its submodule when there is one."""
   files = {}
   for path in (ROOT / "anlr_jax").rglob("*.py"):
     parts = path.relative_to(ROOT).with_suffix("").parts
@@ -124,7 +125,16 @@ def _module_imports() -> dict[str, set[str]]:
   graph = {}
   for module, path in files.items():
     targets = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    typing_only = {  # imports under `if TYPE_CHECKING:` run only for type checkers
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for n in ast.walk(block)
+    }
+    for node in ast.walk(tree):
+      if id(node) in typing_only:
+        continue
       if isinstance(node, ast.Import):
         targets.update(a.name for a in node.names)
       elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -136,12 +146,12 @@ def _module_imports() -> dict[str, set[str]]:
   return graph
 
 
-def test_no_import_cycle_between_library_modules():
+def test_no_import_cycle_between_modules():
   """Module A imports B and B (perhaps through others) imports A: a cycle hidden in function-level
   imports is still a cycle. Packages' ``__init__`` files only re-export and are left out."""
   graph = _module_imports()
   packages = {m for m in graph if (ROOT / m.replace(".", "/") / "__init__.py").is_file()}
-  library = {m for m in graph if m not in packages and not m.startswith("anlr_jax.app")}
+  library = {m for m in graph if m not in packages}
   edges = {m: graph[m] & library for m in library}
   state = dict.fromkeys(library, 0)  # 0 unvisited, 1 on the current path, 2 done
 
@@ -156,3 +166,16 @@ def test_no_import_cycle_between_library_modules():
   for module in sorted(library):
     if state[module] == 0:
       visit(module, [])
+
+
+def test_the_app_modules_import_in_the_order_their_package_docstring_lists_them():
+  """``anlr_jax/app/__init__.py`` lists every module of the application, each importing only the
+  modules listed before it."""
+  doc = ast.get_docstring(ast.parse((ROOT / "anlr_jax" / "app" / "__init__.py").read_text()))
+  listed = re.findall(r":mod:`~(anlr_jax\.app\.\w+)`", doc)
+  modules = {f"anlr_jax.app.{p.stem}" for p in (ROOT / "anlr_jax" / "app").glob("*.py")}
+  assert sorted(listed) == sorted(modules - {"anlr_jax.app.__init__"}), "each listed once"
+  graph = _module_imports()
+  for i, module in enumerate(listed):
+    later = {m for m in graph[module] if m in listed[i + 1 :]}
+    assert not later, f"{module} imports {sorted(later)}, listed after it"

@@ -1,19 +1,23 @@
 """The ``anlr`` application: the command line and the run it drives, above the library packages.
 
-One concern per module, each importing only the library and the modules listed before it:
+One concern per module, each importing only the library and the modules listed before it (imports
+for type annotations alone excepted):
 
-- :mod:`~anlr_jax.app.methods`: the method table (layer + optimizer of each ``method:``), the one
-  builder of a method's optax transformation, and what a method adds to a run (AdaLoRA's
-  regulariser, LoRA-Dash's launch);
+- :mod:`~anlr_jax.app.methods`: the method table (layer + optimizer of each ``method:``) and the one
+  assembly of a method's run from a config (``build_method``: layers, optimizer, schedule, and what
+  a method adds to a run, AdaLoRA's regulariser, LoRA-Dash's launch);
 - :mod:`~anlr_jax.app.config`: the typed run config (YAML + ``key=value`` overrides, checked);
 - :mod:`~anlr_jax.app.paths`: ``asset://`` / ``package://`` paths, placeholders, shipped configs;
+- :mod:`~anlr_jax.app.dryrun`: ``anlr train --dry_run`` (memory per device of a config and mesh);
 - :mod:`~anlr_jax.app.report`: log lines, loss plots, tables, JSON files (process 0 writes);
 - :mod:`~anlr_jax.app.model`: base model, adapter layers, adapter files;
 - :mod:`~anlr_jax.app.evaluate`: eval tasks, ``anlr eval``, ``anlr generate``;
 - :mod:`~anlr_jax.app.train`: ``anlr train`` (one method or several compared);
 - :mod:`~anlr_jax.app.export`: ``anlr export`` (PEFT adapter or merged model);
 - :mod:`~anlr_jax.app.analysis_cli`: ``anlr analyze`` and ``anlr sweep``;
-- :mod:`~anlr_jax.app.cli`: the ``anlr`` command.
+- :mod:`~anlr_jax.app.distributed`: ``anlr train`` as a ``jax.distributed`` job;
+- :mod:`~anlr_jax.app.cli`: the ``anlr`` command;
+- :mod:`~anlr_jax.app.launch`: the process entry (huge-page ``malloc``, then the command).
 
 The file names inside a run directory are those of :mod:`anlr_jax.rundir`.
 """

@@ -14,16 +14,12 @@ Nothing happens when ``ANLR_HUGE_PAGES=0``, when ``GLIBC_TUNABLES`` already name
 off Linux or glibc, or when transparent huge pages are ``always`` (already on) or ``never``.
 This module imports nothing heavy, so the re-execution costs little more than starting Python.
 
-Several processes: :func:`distributed_job` joins this process to a ``jax.distributed`` job (the
-``distributed`` config section, else ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` /
-``JAX_PROCESS_ID``, or the cluster's own environment with ``distributed.cluster_detection``) and
-watches its peers (:class:`anlr_jax.train.distributed.PeerWatchdog`); a process of a job that
-fails tells the others, and exits without JAX's shutdown barrier (which would wait for them).
+Several processes (:func:`anlr_jax.app.distributed.distributed_job`): a process of a job that
+fails exits at once, without JAX's shutdown barrier (which would wait for the others).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import platform
 import sys
@@ -57,47 +53,6 @@ def huge_pages_env(environ=None) -> dict | None:
   if _thp_mode() != "madvise":
     return None
   return {**environ, "GLIBC_TUNABLES": ":".join(t for t in (tunables, TUNABLE) if t)}
-
-
-@contextlib.contextmanager
-def distributed_job(section, *, what: str = "anlr train"):
-  """Joins the ``jax.distributed`` job that ``section`` (a ``DistributedSection``) or the
-  environment describes, before any JAX computation, and watches the peers while the body runs;
-  a no-op yielding None for one process. An error in the body is reported to the peers (they
-  stop with one line naming this process and the error) and re-raised; at the end every process
-  waits for the others, then the job shuts down."""
-  import jax
-
-  from anlr_jax.fields import ConfigError
-  from anlr_jax.train.distributed import PeerWatchdog, initialize_distributed
-
-  heartbeat = int(2 * section.peer_timeout_s) + 10  # JAX's own abort comes after ours
-  if section.cluster_detection:
-    jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat)
-  else:
-    try:
-      started = initialize_distributed(
-          section.coordinator_address,
-          section.num_processes,
-          section.process_id,
-          heartbeat_timeout_seconds=heartbeat,
-      )
-    except ValueError as err:
-      raise ConfigError(f"distributed: {err}") from None
-    if not started:
-      yield None
-      return
-  watchdog = PeerWatchdog(section.peer_timeout_s, what=what).start()
-  try:
-    yield watchdog
-  except BaseException as err:
-    if isinstance(err, jax.errors.JaxRuntimeError):  # e.g. a collective whose peer is gone
-      watchdog.settle()  # a dead peer ends this process here, naming it
-    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    watchdog.report_failure(f"{type(err).__name__}: {text}" if text else type(err).__name__)
-    raise
-  watchdog.finish()
-  jax.distributed.shutdown()
 
 
 def _in_distributed_job() -> bool:
