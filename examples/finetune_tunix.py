@@ -1,7 +1,7 @@
 """AnLR-LoRA as the optimizer of Tunix's ``PeftTrainer``: Qwix LoRA on a Gemma's attention and MLP.
 
   pip install "anlr-jax[tunix]"
-  python examples/finetune_tunix.py [--steps 60] [--checkpoint_dir /tmp/tunix_anlr]
+  python examples/finetune_tunix.py [--steps 60] [--checkpoint_dir runs/tunix_anlr]
 
 Builds a small Gemma (Tunix's own model code with random weights, so that it runs anywhere; load
 real weights with ``tunix.models.gemma.params`` instead), puts Qwix LoRA (rank 4) on every attention
