@@ -280,9 +280,13 @@ def test_the_compile_cache_setting(monkeypatch, tmp_path):
   assert RunConfig().compile_cache is None
 
 
+TRAIN_STEP = "jit_counted_step-"  # the cache's name for the Trainer's jitted step
+
+
 def test_a_second_process_loads_the_compiled_step_from_the_cache(trained, tmp_path):
   root, config, _ = trained
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  env["JAX_DEBUG_LOG_MODULES"] = "jax._src.compiler"  # logs each persistent-cache hit
   argv = [sys.executable, "-m", "anlr_jax", "train", "--config", str(config), "method=lora"]
   cache = tmp_path / "xla"
   for run in ("a", "b"):
