@@ -318,7 +318,10 @@ class DataSection:
 
 @dataclasses.dataclass
 class TrainerSection(TrainerConfig):
-  """The trainer (:class:`anlr_jax.train.TrainerConfig`) and where the run's checkpoints go."""
+  """Trainer settings; defaults follow the paper's App. B (lr 3e-4, batch 16, 3 epochs, linear).
+
+  :class:`anlr_jax.train.TrainerConfig` plus where the run's checkpoints go (``ckpt_dir``).
+  """
 
   ckpt_dir: str | None = setting(
       None,

@@ -187,12 +187,8 @@ def train_method(
       load_lora_params(model, lora_path)
       rows = read_metrics(run_dir)
       curve = loss_curve(rows)
-      result = stored or RunResult(
-          method=method,
-          learning_rate=config.trainer.learning_rate,
-          seed=config.seed,
-          steps=int(rows[-1]["step"]) if rows else None,
-          final_loss=final_loss(curve),
+      result = stored or _trained_result(
+          config, int(rows[-1]["step"]) if rows else None, curve, train_seconds=None
       )
     else:
       model, result, curve = _train(
@@ -265,20 +261,28 @@ def _train(
     )
   curve = loss_curve(rows)
   plot_losses({method: curve}, os.path.join(run_dir, rundir.LOSS_PLOT))
-  final = final_loss(curve)
+  result = _trained_result(config, total, curve, train_seconds=round(train_seconds, 2))
+  final = result.final_loss
   log(
       f"[{method}] trained {total} updates in {train_seconds:.1f}s; final loss "
       + ("n/a" if final is None else f"{final:.4f}")
   )
-  result = RunResult(
-      method=method,
-      learning_rate=tc.learning_rate,
-      seed=config.seed,
-      steps=total,
-      final_loss=final,
-      train_seconds=round(train_seconds, 2),
-  )
   return model, result, curve
+
+
+def _trained_result(
+    config: RunConfig, steps: int | None, curve: LossCurve, *, train_seconds: float | None
+) -> RunResult:
+  """The result of ``config.method``'s trained run before evaluation (``train_seconds`` None:
+  trained by an earlier process)."""
+  return RunResult(
+      method=config.method,
+      learning_rate=config.trainer.learning_rate,
+      seed=config.seed,
+      steps=steps,
+      final_loss=final_loss(curve),
+      train_seconds=train_seconds,
+  )
 
 
 def train_run(config: RunConfig, *, log: Log = say, timestamp: str | None = None) -> dict:
