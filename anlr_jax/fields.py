@@ -15,31 +15,33 @@ A settings class (:class:`anlr_jax.train.TrainerConfig`, the sections of the run
 :class:`ConfigError` naming the field (``LoraSection.rank: 0 is not allowed; must be >= 1``, or with
 the run config's dotted prefix ``lora.rank: 0 is not allowed; must be >= 1``); the command line
 reports the same rule and help text (:func:`field_help`, :func:`rule_of`).
+
+A field declared with ``identity=True`` determines a run's trajectory (:func:`identity_of` lists
+them); ``identity="unless-default"`` marks a key added after runs existed: it counts only when it
+differs from its default, so runs that never stored it keep their identity.
+
+:func:`coerce` reads a value given as text (a command-line override) or as parsed YAML into a
+field's type; :func:`build_settings` builds a settings class from a mapping with it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+import types
+import typing
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import jax.numpy as jnp
+import yaml
 
 HELP = "help"
 RULE = "rule"
+IDENTITY = "identity"
 
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 """The dtype names a setting may use, and their JAX dtypes."""
-
-
-RENAMED_KEYS = {
-    "trainer.warmup_steps": "trainer.lr_warmup_steps",
-    "anlr.alpha": "anlr.velocity_weight",
-    "anlr.beta": "anlr.snr_weight",
-}
-"""Run-config keys that were renamed (old dotted key -> new): still read, with a warning, and a
-run identity stored under an old key matches the new one."""
 
 
 class ConfigError(ValueError):
@@ -109,12 +111,16 @@ def setting(
     rule: Rule | None = None,
     *,
     factory: Callable[[], Any] | None = None,
+    identity: bool | Literal["unless-default"] = False,
 ) -> Any:
   """A dataclass field with its one-line ``help`` and its allowed values ``rule``.
 
   ``factory`` builds mutable defaults (lists, dicts), as ``dataclasses.field(default_factory=)``.
+  ``identity``: the field determines a run's trajectory (see the module docstring).
   """
-  metadata = {HELP: help, RULE: rule}
+  if identity not in (False, True, "unless-default"):
+    raise ValueError(f"identity={identity!r}: expected True, False or 'unless-default'")
+  metadata = {HELP: help, RULE: rule, IDENTITY: identity}
   if factory is not None:
     return dataclasses.field(default_factory=factory, metadata=metadata)
   return dataclasses.field(default=default, metadata=metadata)
@@ -128,6 +134,29 @@ def field_help(field: dataclasses.Field) -> str:
 def rule_of(field: dataclasses.Field) -> Rule | None:
   """The field's allowed-values rule, or None."""
   return field.metadata.get(RULE)
+
+
+def identity_fields(cls: type) -> list[dataclasses.Field]:
+  """The fields of the settings class ``cls`` declared with ``identity``."""
+  return [f for f in dataclasses.fields(cls) if f.metadata.get(IDENTITY)]
+
+
+def identity_of(obj: Any, prefix: str) -> dict[str, Any]:
+  """``{<prefix><field>: value}`` of ``obj``'s identity fields (lists copied; a field marked
+  ``"unless-default"`` only when it differs from its default)."""
+  out = {}
+  for f in identity_fields(type(obj)):
+    value = getattr(obj, f.name)
+    if f.metadata[IDENTITY] == "unless-default" and value == _default(f):
+      continue
+    out[f"{prefix}{f.name}"] = list(value) if isinstance(value, (list, tuple)) else value
+  return out
+
+
+def _default(field: dataclasses.Field) -> Any:
+  if field.default_factory is not dataclasses.MISSING:
+    return field.default_factory()
+  return field.default
 
 
 def check_fields(obj: Any, prefix: str | None = None) -> None:
@@ -150,15 +179,144 @@ def check_fields(obj: Any, prefix: str | None = None) -> None:
     raise ConfigError(f"{prefix}{field.name}: {bad!r} is not allowed; must be {rule}")
 
 
+# ------------------------------------------------------------------------------------- coercion
+_NULLS = ("null", "none", "~", "")
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def type_name(tp: Any) -> str:
+  """``tp`` as the help text and errors write it (``int``, ``str | None``, ``list[str]``)."""
+  if tp is type(None):
+    return "null"
+  if isinstance(tp, type) and not typing.get_args(tp):
+    return tp.__name__
+  return str(tp).replace("typing.", "")
+
+
+def coerce(value: Any, tp: Any, key: str) -> Any:
+  """``value`` as type ``tp`` (strings from the command line are parsed); ConfigError if impossible."""
+  origin, args = typing.get_origin(tp), typing.get_args(tp)
+  bad = ConfigError(f"{key}: expected {type_name(tp)}, got {value!r} ({type(value).__name__})")
+  if origin in (typing.Union, types.UnionType):
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NULLS):
+      if type(None) in args:
+        return None
+      raise bad
+    for a in args:
+      if a is type(None):
+        continue
+      try:
+        return coerce(value, a, key)
+      except ConfigError:
+        pass
+    raise bad
+  if origin is list or origin is tuple:
+    if isinstance(value, str):
+      value = _parse_text(value)
+      if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)):
+      raise bad
+    return [coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+  if origin is dict:
+    if isinstance(value, str):
+      value = _parse_text(value)
+    if value is None:
+      return {}
+    if not isinstance(value, Mapping):
+      raise bad
+    return {
+        coerce(k, args[0], f"{key} key"): coerce(v, args[1], f"{key}.{k}") for k, v in value.items()
+    }
+  if tp is bool:
+    if isinstance(value, bool):
+      return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+      return value.strip().lower() in _TRUE
+    raise bad
+  if tp is int:
+    if isinstance(value, bool):
+      raise bad
+    if isinstance(value, int):
+      return value
+    if isinstance(value, float) and value.is_integer():
+      return int(value)
+    if isinstance(value, str):
+      try:
+        number = float(value)
+      except ValueError:
+        raise bad from None
+      if number.is_integer():
+        return int(number)
+    raise bad
+  if tp is float:
+    if isinstance(value, bool):
+      raise bad
+    if isinstance(value, (int, float)):
+      return float(value)
+    if isinstance(value, str):
+      try:
+        return float(value)
+      except ValueError:
+        raise bad from None
+    raise bad
+  if tp is str:
+    if isinstance(value, str):
+      return value
+    raise bad
+  raise bad
+
+
+def _parse_text(text: str) -> Any:
+  try:
+    return yaml.safe_load(text)
+  except yaml.YAMLError:
+    return text
+
+
+def build_settings(
+    cls: type, raw: Mapping[str, Any], prefix: str, *, names: Sequence[str] | None = None
+) -> Any:
+  """An instance of the settings class ``cls`` from ``raw``, every key coerced and checked.
+
+  ``names``: the keys ``raw`` may hold (default: every field of ``cls``); an unknown key raises
+  :class:`ConfigError` listing them, as does a value of the wrong type or one its rule rejects,
+  each error naming ``<prefix><key>``.
+  """
+  types_ = typing.get_type_hints(cls)
+  allowed = [f.name for f in dataclasses.fields(cls)] if names is None else list(names)
+  kwargs = {}
+  for name, value in raw.items():
+    if name not in allowed:
+      raise ConfigError(
+          f"unknown key {prefix + name!r}; allowed keys in "
+          f"{prefix[:-1] or 'the top level'!r}: {', '.join(allowed)}"
+      )
+    kwargs[name] = coerce(value, types_[name], f"{prefix}{name}")
+  try:
+    obj = cls(**kwargs)
+  except ConfigError as err:  # a class that checks itself names its fields by its class name
+    message = str(err)
+    for klass in cls.__mro__:
+      message = message.replace(f"{klass.__name__}.", prefix)
+    raise ConfigError(message) from None
+  check_fields(obj, prefix)
+  return obj
+
+
 __all__ = [
     "ConfigError",
     "DTYPES",
     "Each",
     "OneOf",
-    "RENAMED_KEYS",
     "Range",
+    "build_settings",
     "check_fields",
+    "coerce",
     "field_help",
+    "identity_fields",
+    "identity_of",
     "rule_of",
     "setting",
+    "type_name",
 ]

@@ -93,6 +93,8 @@ __all__ = [
     "sweep_cell_dir",
     # results
     "write_json_atomic",
+    "EvalResult",
+    "RunResult",
     "write_results",
     "read_results",
     # diagnostics
@@ -166,8 +168,9 @@ LORA_FILE = "lora_final.safetensors"
 """The trained adapter variables, keys :func:`adapter_key` (Flax layout: ``lora_a (d_in, r)``,
 ``lora_b (r, d_out)``), the run identity in the metadata."""
 RESULTS_FILE = "results.json"
-"""One run's outcome: ``method``, ``learning_rate``, ``seed``, ``accuracy`` ``{task: fraction}``,
-``avg``, ``identity`` ... (:func:`write_results`); a sweep cell is finished when it exists."""
+"""One run's outcome, a :class:`RunResult` (``method``, ``learning_rate``, ``seed``, ``accuracy``
+``{task: fraction}``, ``avg``, ``identity`` ...; :func:`write_results`); a sweep cell is finished
+when it exists."""
 SUMMARY_FILE = "summary.json"
 """The comparison of several methods trained by one ``anlr train`` (``compare``)."""
 LOSS_PLOT = "loss.png"
@@ -280,13 +283,71 @@ def write_json_atomic(path: str, payload: Any) -> str:
   return path
 
 
-def write_results(run_dir: str, results: Mapping[str, Any]) -> str:
+@dataclasses.dataclass
+class RunResult:
+  """One trained run's outcome, ``results.json`` of ``anlr train`` (one JSON key per field).
+
+  Attributes:
+    method: the method's name.
+    learning_rate: the peak learning rate.
+    seed: the run's seed.
+    steps: updates trained (None: unknown).
+    final_loss: mean training loss of the last tenth of the logged rows (None: no rows).
+    train_seconds: training time (None: trained by an earlier process).
+    accuracy: ``{task: fraction correct}``.
+    avg: the mean of ``accuracy`` (None: no task).
+    eval_seconds: evaluation time, summed over the processes that evaluated.
+    identity: the run's identity (what determines its trajectory).
+  """
+
+  method: str | None = None
+  learning_rate: float | None = None
+  seed: int | None = None
+  steps: int | None = None
+  final_loss: float | None = None
+  train_seconds: float | None = None
+  accuracy: dict[str, float] = dataclasses.field(default_factory=dict)
+  avg: float | None = None
+  eval_seconds: float = 0.0
+  identity: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def to_json(self) -> dict[str, Any]:
+    """The JSON object of ``results.json``."""
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, payload: Mapping[str, Any]) -> "RunResult":
+    """Reads a ``results.json`` object; keys it lacks take their defaults, others are ignored."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in payload.items() if k in names})
+
+
+@dataclasses.dataclass
+class EvalResult:
+  """``anlr eval``'s outcome, ``results.json`` of its output directory.
+
+  Attributes:
+    adapter: the adapter scored (a run directory or an adapter file; None: the base model).
+    accuracy: ``{task: fraction correct}``.
+    avg: the mean of ``accuracy`` (None: no task).
+  """
+
+  adapter: str | None
+  accuracy: dict[str, float]
+  avg: float | None
+
+  def to_json(self) -> dict[str, Any]:
+    """The JSON object of ``results.json``."""
+    return dataclasses.asdict(self)
+
+
+def write_results(run_dir: str, result: RunResult | EvalResult) -> str:
   """Writes ``<run_dir>/results.json`` atomically; returns its path."""
-  return write_json_atomic(os.path.join(run_dir, RESULTS_FILE), dict(results))
+  return write_json_atomic(os.path.join(run_dir, RESULTS_FILE), result.to_json())
 
 
-def read_results(run_dir: str) -> dict[str, Any] | None:
-  """The contents of ``<run_dir>/results.json``, or None when there is none.
+def read_results(run_dir: str) -> RunResult | None:
+  """The :class:`RunResult` in ``<run_dir>/results.json``, or None when there is none.
 
   Raises:
     ValueError: the file is not a JSON object (the message names the file).
@@ -301,7 +362,7 @@ def read_results(run_dir: str) -> dict[str, Any] | None:
       raise ValueError(f"{path}: not valid JSON ({e})") from e
   if not isinstance(results, dict):
     raise ValueError(f"{path}: expected a JSON object, got {type(results).__name__}")
-  return results
+  return RunResult.from_json(results)
 
 
 # --------------------------------------------------------------------------------- diagnostics

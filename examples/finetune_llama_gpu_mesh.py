@@ -42,7 +42,6 @@ LoRA-Dash has no PEFT format: ``anlr export --run <out> --format merged``).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -144,12 +143,7 @@ def run_config(args):
   }
   if args.format:
     overrides["data.format"] = args.format
-  config = load_config(
-      None, [f"{key}={value}" for key, value in overrides.items()] + list(args.set)
-  )
-  # the trainer's run_dir and seed are the run's (as in anlr train)
-  trainer = dataclasses.replace(config.trainer, run_dir=args.out, seed=args.seed)
-  return dataclasses.replace(config, trainer=trainer)
+  return load_config(None, [f"{key}={value}" for key, value in overrides.items()] + list(args.set))
 
 
 def train(args):
@@ -190,7 +184,17 @@ def train(args):
     model, model_config = load_hf_model(args.model, dtype=dtype)
     built = build_method(config, total_steps=total, model=model)
   model.train()
-  trainer = Trainer(model, data, tc, built.tx, schedule=built.schedule, mesh=mesh, **built.hooks)
+  trainer = Trainer(
+      model,
+      data,
+      tc.trainer_config(),
+      built.tx,
+      checkpoint_dir=tc.ckpt_dir,
+      log_dir=args.out,
+      schedule=built.schedule,
+      mesh=mesh,
+      **built.hooks,
+  )
   start = time.perf_counter()
   rows = trainer.run()
   trainer.close()

@@ -240,7 +240,7 @@ def _write_run(run_dir, *, method='lora', diag=True, lora=True, magnitudes=True,
     save_file(tensors, os.path.join(run_dir, rundir.LORA_FILE))
   rundir.write_results(
       str(run_dir),
-      {'method': method, 'learning_rate': 1e-4, 'seed': seed, 'accuracy': {'t': 0.5}, 'avg': 0.5},
+      rundir.RunResult(method=method, learning_rate=1e-4, seed=seed, accuracy={'t': 0.5}, avg=0.5),
   )
   return nu
 

@@ -39,15 +39,15 @@ def test_eval_scores_benchmark_choice_sets_by_loglik(model_dir, tmp_path):
           "eval.normalization=raw",
       ],
   )
-  out = eval_run(config, out_dir=str(tmp_path / "eval"), log=lambda *_: None)
+  out, out_dir = eval_run(config, out_dir=str(tmp_path / "eval"), log=lambda *_: None)
   model, _, tokenizer = load_base(config)
   for task, name, shots in (("ARC-Easy", "arc_easy", 5), ("winogrande", "winogrande", 0)):
     questions = benchmarks.load_benchmark(name, "validation", shots=shots)[:3]
     direct = loglik.evaluate_choices(
         model, tokenizer, questions, task, batch_size=3, normalization="raw", add_bos=True
     )
-    assert out["accuracy"][task] == direct.accuracy
-    with open(rundir.eval_records_path(out["out_dir"], task)) as f:
+    assert out.accuracy[task] == direct.accuracy
+    with open(rundir.eval_records_path(out_dir, task)) as f:
       saved = [json.loads(line) for line in f]
     assert [r["id"] for r in saved] == [q.id for q in questions]
     assert [r["shots"] for r in saved] == [shots] * 3

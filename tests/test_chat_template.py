@@ -200,7 +200,7 @@ def test_train_run_with_the_chat_template(tmp_path):
   # `anlr eval` of the run directory with a config that says alpaca: the run's chat template wins
   config["data"]["template"] = "alpaca"
   lines = []
-  evaluated = eval_run(
+  evaluated, _ = eval_run(
       load_config(None, base=config),
       str(tmp_path / "run"),
       out_dir=str(tmp_path / "ev"),
@@ -209,7 +209,7 @@ def test_train_run_with_the_chat_template(tmp_path):
   assert "data.template: chat (the run's), not alpaca (--config)" in lines
   again = [json.loads(l) for l in (tmp_path / "ev" / "eval_gsm8k.jsonl").read_text().splitlines()]
   assert [r["prompt"] for r in again] == [r["prompt"] for r in records]
-  assert evaluated["accuracy"] == results["accuracy"]
+  assert evaluated.accuracy == results["accuracy"]
 
 
 @pytest.mark.parametrize(

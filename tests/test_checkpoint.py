@@ -30,12 +30,17 @@ def _trainer(ckpt_dir, steps=4, **overrides):
       mesh_data=2,
       mesh_fsdp=2,
       mesh_tensor=2,
-      ckpt_dir=str(ckpt_dir),
       save_every=0,
       keep=2,
   )
   cfg.update(overrides)
-  return Trainer(make_toy_model(dropout=0.1), ToyBatches(), TrainerConfig(**cfg), tx)
+  return Trainer(
+      make_toy_model(dropout=0.1),
+      ToyBatches(),
+      TrainerConfig(**cfg),
+      tx,
+      checkpoint_dir=str(ckpt_dir),
+  )
 
 
 def _host(tree):
@@ -82,11 +87,16 @@ def _toy_trainer(ckpt_dir, steps, **overrides):
       mesh_data=2,
       mesh_fsdp=2,
       mesh_tensor=2,
-      ckpt_dir=str(ckpt_dir),
       keep=2,
   )
   cfg.update(overrides)
-  return Trainer(make_toy_model(dropout=0.1), ToyBatches(), TrainerConfig(**cfg), optax.adamw(1e-2))
+  return Trainer(
+      make_toy_model(dropout=0.1),
+      ToyBatches(),
+      TrainerConfig(**cfg),
+      optax.adamw(1e-2),
+      checkpoint_dir=str(ckpt_dir),
+  )
 
 
 def test_keep_last_k_and_full_model(tmp_path):

@@ -30,14 +30,20 @@ def _trainer(tmp_path, steps=6, **kw):
       global_batch=8,
       compute_dtype="float32",
       progress=False,
-      ckpt_dir=str(tmp_path / "ckpt"),
-      run_dir=str(tmp_path / "run"),
       save_every=2,
       keep=3,
       **ONE_DEVICE,
       **kw,
   )
-  return Trainer(make_toy_model(), ToyBatches(), cfg, optax.adamw(1e-2), devices=jax.devices()[:1])
+  return Trainer(
+      make_toy_model(),
+      ToyBatches(),
+      cfg,
+      optax.adamw(1e-2),
+      checkpoint_dir=str(tmp_path / "ckpt"),
+      log_dir=str(tmp_path / "run"),
+      devices=jax.devices()[:1],
+  )
 
 
 def _wait_for(path, seconds=20.0):
@@ -64,8 +70,7 @@ def _poisoned_checkpoint(tmp_path, step, value):
   trainer.run()
   trainer.close()
   bad = jax.tree.map(lambda x: jnp.full_like(x, value), trainer.state.lora)
-  trainer.state = trainer.state._replace(lora=bad, step=jnp.asarray(step, jnp.int32))
-  trainer._host_step = None
+  trainer.replace_state(trainer.state._replace(lora=bad, step=jnp.asarray(step, jnp.int32)))
   checkpointer = TrainCheckpointer(tmp_path / "ckpt", keep=3)
   trainer.checkpointer = checkpointer
   trainer.save(force=True)
@@ -104,14 +109,20 @@ def test_a_second_non_finite_streak_stops_the_run_naming_both_checkpoints(tmp_pa
       global_batch=8,
       compute_dtype="float32",
       progress=False,
-      ckpt_dir=str(tmp_path / "ckpt"),
       save_every=2,
       keep=3,
       max_nonfinite=2,
       resume_allow=["trainer.steps"],
       **ONE_DEVICE,
   )
-  trainer = Trainer(make_toy_model(), Poisoned(), cfg, optax.adamw(1e-2), devices=jax.devices()[:1])
+  trainer = Trainer(
+      make_toy_model(),
+      Poisoned(),
+      cfg,
+      optax.adamw(1e-2),
+      checkpoint_dir=str(tmp_path / "ckpt"),
+      devices=jax.devices()[:1],
+  )
   with pytest.raises(NonFiniteError, match="from checkpoint 3, taken as corrupt, to checkpoint 2"):
     trainer.run()
   trainer.close()

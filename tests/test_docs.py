@@ -29,3 +29,14 @@ def test_the_readme_optimizer_example_runs(capsys):
   exec(compile(blocks[0], "README.md", "exec"), {})
   printed = capsys.readouterr().out
   assert all(key in printed for key in ("velocity_cv", "velocity_max_min", "multiplier_max_min"))
+
+
+def test_the_identity_keys_in_docs_reliability_are_the_codes():
+  from anlr_jax.app.identity import identity_keys
+
+  text = (ROOT / "docs" / "reliability.md").read_text()
+  start = text.index("A run's *identity*")
+  bullets = text[start : text.index("\n\n", text.index("\n- ", start))]
+  documented = set(re.findall(r"`([a-z_0-9]+(?:\.[a-z_0-9]+)?)`", bullets))
+  documented.discard("identity")  # the word, as the code names the metadata
+  assert documented == identity_keys()

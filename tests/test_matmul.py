@@ -14,7 +14,7 @@ from flax import nnx
 
 from anlr_jax.app.config import ConfigError, load_config
 from anlr_jax.app.model import load_base
-from anlr_jax.app.train import run_identity
+from anlr_jax.app.identity import run_identity
 from anlr_jax.models import ModelConfig
 from anlr_jax.models.llama import LlamaForCausalLM
 from anlr_jax.models.matmul import lowp_dot_general, lowp_matmul

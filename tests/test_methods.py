@@ -57,6 +57,18 @@ def test_table_holds_exactly_the_documented_methods():
   )
 
 
+def test_layer_optimizer_and_signal_are_enums_that_keep_their_names():
+  from anlr_jax.app.methods import Layer, Method, Optimizer
+  from anlr_jax.optim import Signal
+
+  spec = get_method("anlr+loradash")
+  assert spec.layer is Layer.LORADASH and spec.optimizer is Optimizer.ANLR
+  assert spec.signal is Signal.ANLR and (spec.layer, spec.optimizer) == ("loradash", "anlr")
+  assert Method("m", "by name", optimizer="loraplus").optimizer is Optimizer.LORAPLUS
+  with pytest.raises(ValueError, match="bogus"):
+    Method("m", "a bad optimizer", optimizer="bogus")
+
+
 def test_unknown_method_lists_the_allowed_ones():
   with pytest.raises(ValueError, match="unknown method 'qlora'.*anlr\\+dora.*sensitivity"):
     get_method("qlora")

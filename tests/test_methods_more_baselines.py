@@ -25,7 +25,7 @@ from anlr_jax.nn import DashDirections, inject_adalora, inject_loradash
 from anlr_jax.optim.adalora import AdaLoRAConfig, AdaLoRAState, orth_regularization
 from anlr_jax.optim.lorapro import LoraProState
 from anlr_jax.app.model import inject_method, load_lora_params, save_lora_params
-from anlr_jax.app.train import run_identity
+from anlr_jax.app.identity import run_identity
 from anlr_jax.train.trainer import Trainer, TrainerConfig
 from tests.helpers.toy_lm import ToyBatches
 
@@ -312,7 +312,6 @@ def _dash_trainer(launch_step, ckpt_dir=None, steps=4):
       global_batch=4,
       compute_dtype="float32",
       progress=False,
-      ckpt_dir=ckpt_dir,
       async_save=False,
       save_every=1,
       learning_rate=1e-2,
@@ -324,6 +323,7 @@ def _dash_trainer(launch_step, ckpt_dir=None, steps=4):
       _LlamaBatches(global_batch=4, seq_len=8, vocab=32),
       cfg,
       tx,
+      checkpoint_dir=ckpt_dir,
       on_step=dash_launcher(launch_step),
       devices=jax.devices()[:1],
   )

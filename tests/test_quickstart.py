@@ -21,7 +21,7 @@ def test_the_quickstart_is_the_shipped_config_read_from_the_package(capsys):
   shipped = paths.shipped_configs()["quickstart"]
   assert shipped.parent == pathlib.Path(anlr_jax.__file__).parent / "configs"
   assert (REPO / "configs" / "quickstart.yaml").resolve() == shipped.resolve()
-  built_in = cli._load_run_config(None, ["trainer.steps=3"])
+  built_in = cli.load_run_config(None, ["trainer.steps=3"])
   assert f"running the quickstart ({shipped})" in capsys.readouterr().out
   from_file = load_config(shipped, ["trainer.steps=3"])
   assert dataclasses.asdict(built_in) == dataclasses.asdict(from_file)

@@ -159,10 +159,14 @@ def test_resume_allow_permits_a_longer_schedule(finished, tmp_path, capsys):
 
 def test_trainer_refuses_a_checkpoint_of_another_structure(tmp_path):
   def trainer(rank):
-    cfg = TrainerConfig(
-        steps=2, global_batch=8, compute_dtype="float32", progress=False, ckpt_dir=str(tmp_path)
+    cfg = TrainerConfig(steps=2, global_batch=8, compute_dtype="float32", progress=False)
+    return Trainer(
+        make_toy_model(rank=rank),
+        ToyBatches(),
+        cfg,
+        optax.adamw(1e-2),
+        checkpoint_dir=str(tmp_path),
     )
-    return Trainer(make_toy_model(rank=rank), ToyBatches(), cfg, optax.adamw(1e-2))
 
   first = trainer(4)
   first.run()
@@ -220,12 +224,11 @@ def _ckpt_trainer(ckpt, steps=4, **kw):
       global_batch=8,
       compute_dtype="float32",
       progress=False,
-      ckpt_dir=str(ckpt),
       save_every=2,
       keep=2,
       **kw,
   )
-  return Trainer(make_toy_model(), ToyBatches(), cfg, optax.adamw(1e-2))
+  return Trainer(make_toy_model(), ToyBatches(), cfg, optax.adamw(1e-2), checkpoint_dir=str(ckpt))
 
 
 def _largest_file(folder: pathlib.Path) -> pathlib.Path:
@@ -264,8 +267,7 @@ def test_an_unsealed_checkpoint_with_nan_values_is_not_restored(tmp_path, caplog
   first.run()
   first.close()
   nan = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), first.state.lora)
-  first.state = first.state._replace(lora=nan)
-  first._host_step = 3
+  first.replace_state(first.state._replace(lora=nan, step=jnp.asarray(3, jnp.int32)))
   checkpointer = TrainCheckpointer(tmp_path, keep=3)
   meta = {"identity": first.identity, "config": {"lora_layout": first.config.lora_layout}}
   checkpointer.save(3, first.state, meta, force=True)
@@ -333,10 +335,10 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
       global_batch=8,
       compute_dtype="float32",
       progress=False,
-      run_dir=str(tmp_path),
       max_nonfinite=3,
   )
-  trainer = Trainer(make_toy_model(), _PoisonedBatches(2), cfg, anlr_jax.anlr(1e-2, warmup_steps=1))
+  tx = anlr_jax.anlr(1e-2, warmup_steps=1)
+  trainer = Trainer(make_toy_model(), _PoisonedBatches(2), cfg, tx, log_dir=str(tmp_path))
   trainer.train_step()
   trainer.train_step()
   good = jax.device_get(trainer.state)
@@ -364,11 +366,17 @@ def test_a_non_finite_gradient_with_a_finite_loss_is_skipped(tmp_path):
       global_batch=8,
       compute_dtype="float32",
       progress=False,
-      run_dir=str(tmp_path),
       max_nonfinite=3,
   )
   tx = anlr_jax.anlr(1e-2, warmup_steps=1)
-  trainer = Trainer(make_toy_model(), ToyBatches(), cfg, tx, loss_regularizer=_nan_gradient_entry)
+  trainer = Trainer(
+      make_toy_model(),
+      ToyBatches(),
+      cfg,
+      tx,
+      log_dir=str(tmp_path),
+      loss_regularizer=_nan_gradient_entry,
+  )
   before = jax.device_get(trainer.state)
   with pytest.raises(NonFiniteError, match=r"3 consecutive updates \(steps 1-3"):
     trainer.run()

@@ -2,6 +2,7 @@
 the adapter file, the diagnostics and the analysis; results.json and diagnostics round trips; atomic
 writes that never leave a partial file."""
 
+import dataclasses
 import json
 import os
 
@@ -146,18 +147,24 @@ def test_names_agree_across_optimizer_injection_adapter_diagnostics_and_analysis
 def test_results_round_trip(tmp_path):
   run_dir = str(tmp_path / 'run')
   assert rundir.read_results(run_dir) is None
-  results = {
-      'method': 'anlr',
-      'learning_rate': 2e-4,
-      'seed': 1,
-      'accuracy': {'boolq': 0.5, 'piqa': 0.75},
-      'avg': 0.625,
-      'identity': {'model': 'x', 'rank': 16},
-  }
+  results = rundir.RunResult(
+      method='anlr',
+      learning_rate=2e-4,
+      seed=1,
+      steps=10,
+      final_loss=1.5,
+      train_seconds=3.0,
+      accuracy={'boolq': 0.5, 'piqa': 0.75},
+      avg=0.625,
+      eval_seconds=1.0,
+      identity={'model': 'x', 'rank': 16},
+  )
   path = rundir.write_results(run_dir, results)
   assert path == os.path.join(run_dir, rundir.RESULTS_FILE)
   assert rundir.read_results(run_dir) == results
-  results['avg'] = None
+  with open(path) as f:  # one JSON key per field, in the field order
+    assert list(json.load(f)) == [f.name for f in dataclasses.fields(rundir.RunResult)]
+  results.avg = None
   rundir.write_results(run_dir, results)
   assert rundir.read_results(run_dir) == results
   assert os.listdir(run_dir) == [rundir.RESULTS_FILE]
@@ -171,13 +178,20 @@ def test_results_round_trip(tmp_path):
     rundir.read_results(run_dir)
 
 
+def test_a_results_file_with_fewer_or_other_keys_reads(tmp_path):
+  path = tmp_path / rundir.RESULTS_FILE
+  path.write_text(json.dumps({'method': 'lora', 'avg': 0.5, 'accuracy': {'t': 0.5}, 'note': 'x'}))
+  result = rundir.read_results(str(tmp_path))
+  assert result == rundir.RunResult(method='lora', avg=0.5, accuracy={'t': 0.5})
+
+
 def test_atomic_write_leaves_no_partial_file(tmp_path, monkeypatch):
   run_dir = str(tmp_path)
-  old = {'method': 'lora', 'avg': 0.5}
+  old = rundir.RunResult(method='lora', avg=0.5)
   rundir.write_results(run_dir, old)
   # A payload that cannot be serialised: nothing written, the old file intact.
   with pytest.raises(TypeError):
-    rundir.write_results(run_dir, {'method': 'anlr', 'avg': object()})
+    rundir.write_results(run_dir, rundir.RunResult(method='anlr', avg=object()))
   assert rundir.read_results(run_dir) == old
   assert os.listdir(run_dir) == [rundir.RESULTS_FILE]
 
@@ -189,7 +203,7 @@ def test_atomic_write_leaves_no_partial_file(tmp_path, monkeypatch):
 
   monkeypatch.setattr(os, 'replace', crash)
   with pytest.raises(OSError, match='simulated crash'):
-    rundir.write_results(run_dir, {'method': 'anlr', 'avg': 0.9})
+    rundir.write_results(run_dir, rundir.RunResult(method='anlr', avg=0.9))
   with pytest.raises(OSError, match='simulated crash'):
     rundir.write_diagnostics(run_dir, 3, {'m': {'nu_bar': np.ones(2)}})
   monkeypatch.setattr(os, 'replace', real_replace)

@@ -108,7 +108,7 @@ def test_trainer_layouts_give_the_same_run_and_per_layer_diagnostics():
         make_toy_model(), ToyBatches(), config, tx, schedule=schedule, devices=jax.devices()[:1]
     )
     trainer.run()
-    diag = jax.device_get(trainer._diagnostics_fn()(trainer.state.opt_state, trainer.state.lora))
+    diag = jax.device_get(trainer.diagnostics_fn()(trainer.state.opt_state, trainer.state.lora))
     runs[layout] = (jax.device_get(trainer.lora_params()), diag)
   (lora_s, diag_s), (lora_p, diag_p) = runs['stacked'], runs['per-layer']
   chex.assert_trees_all_close(lora_s, lora_p, rtol=1e-5, atol=1e-7)

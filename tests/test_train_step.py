@@ -17,7 +17,7 @@ from tests.helpers.toy_lm import ToyBatches, make_toy_model, method_tx
 ONE_DEVICE = dict(mesh_data=1, mesh_fsdp=1, mesh_tensor=1)
 
 
-def _trainer(tx=None, batches=None, **overrides):
+def _trainer(tx=None, batches=None, log_dir=None, **overrides):
   cfg = dict(steps=4, global_batch=8, compute_dtype='float32', progress=False, **ONE_DEVICE)
   cfg.update(overrides)
   config = TrainerConfig(**cfg)
@@ -29,6 +29,7 @@ def _trainer(tx=None, batches=None, **overrides):
       batches or ToyBatches(),
       config,
       tx,
+      log_dir=log_dir,
       schedule=schedule,
       devices=jax.devices()[:1],
   )
@@ -200,7 +201,7 @@ def test_run_writes_metrics_tensorboard_and_anlr_diagnostics(tmp_path):
   trainer = _trainer(
       steps=4,
       lr_warmup_steps=1,
-      run_dir=str(run_dir),
+      log_dir=str(run_dir),
       diag_every=2,
       log_every=2,
       learning_rate=1e-3,

@@ -51,7 +51,7 @@ class RunLogs:
     nu_bar, snr, multipliers: ``{module: (T, r)}`` per-rank trajectories.
     magnitudes: ``{module: (T, r)}`` per-rank contribution magnitudes, if the trainer logged them.
     lora: ``{module: (A (d_in, r), B (r, d_out))}`` from ``lora_final.safetensors``.
-    results: ``results.json`` contents, if any.
+    results: ``results.json``, if any.
     missing: messages naming the missing inputs and how to produce them.
   """
 
@@ -63,7 +63,7 @@ class RunLogs:
   multipliers: dict[str, np.ndarray]
   magnitudes: dict[str, np.ndarray]
   lora: dict[str, tuple[np.ndarray, np.ndarray]]
-  results: dict | None
+  results: rundir.RunResult | None
   missing: list[str]
 
   @property
@@ -165,9 +165,9 @@ def load_lora(path: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
   return out
 
 
-def _label(run_dir: str, results: Mapping | None) -> str:
-  if results and results.get('method'):
-    return str(results['method'])
+def _label(run_dir: str, results: rundir.RunResult | None) -> str:
+  if results is not None and results.method:
+    return str(results.method)
   config = os.path.join(run_dir, rundir.CONFIG_FILE)
   if os.path.exists(config):
     import yaml

@@ -188,10 +188,10 @@ def collect_results(cells: Sequence[SweepCell], out: str) -> list[dict]:
     result = rundir.read_results(cell_dir(out, cell))
     if result is None:
       continue
-    if not isinstance(result.get('avg'), (int, float)):
-      raise ValueError(f'{path}: needs a numeric "avg" (got {result.get("avg")!r})')
-    row = dict(dataclasses.asdict(cell), avg=float(result['avg']))
-    row.update({f'acc/{task}': float(v) for task, v in (result.get('accuracy') or {}).items()})
+    if isinstance(result.avg, bool) or not isinstance(result.avg, (int, float)):
+      raise ValueError(f'{path}: needs a numeric "avg" (got {result.avg!r})')
+    row = dict(dataclasses.asdict(cell), avg=float(result.avg))
+    row.update({f'acc/{task}': float(v) for task, v in (result.accuracy or {}).items()})
     rows.append(row)
   return rows
 

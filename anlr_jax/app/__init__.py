@@ -7,6 +7,7 @@ for type annotations alone excepted):
   assembly of a method's run from a config (``build_method``: layers, optimizer, schedule, and what
   a method adds to a run, AdaLoRA's regulariser, LoRA-Dash's launch);
 - :mod:`~anlr_jax.app.config`: the typed run config (YAML + ``key=value`` overrides, checked);
+- :mod:`~anlr_jax.app.identity`: a run's identity (the settings that determine its trajectory);
 - :mod:`~anlr_jax.app.paths`: ``asset://`` / ``package://`` paths, placeholders, shipped configs;
 - :mod:`~anlr_jax.app.dryrun`: ``anlr train --dry_run`` (memory per device of a config and mesh);
 - :mod:`~anlr_jax.app.report`: log lines, loss plots, tables, JSON files (process 0 writes);

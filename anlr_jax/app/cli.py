@@ -46,7 +46,9 @@ from anlr_jax.train.lock import DirectoryLockedError
 from anlr_jax.train.trainer import NonFiniteError, TrainingInterrupted
 
 
-def _load_run_config(path: str | None, overrides: Sequence[str]) -> RunConfig:
+def load_run_config(path: str | None, overrides: Sequence[str]) -> RunConfig:
+  """The run config of ``anlr train`` / ``anlr eval``: ``path`` (a file or a shipped config's
+  name; None: the quickstart) with ``overrides``; turns on its compile cache."""
   if path is None:
     path = str(shipped_configs()[QUICKSTART])
     print(f"anlr: no --config given: running the quickstart ({path})", flush=True)
@@ -75,7 +77,7 @@ def use_compile_cache(path: str | None) -> None:
 
 # ------------------------------------------------------------------------------- subcommands
 def cmd_train(args) -> int:
-  config = _load_run_config(args.config, args.overrides)
+  config = load_run_config(args.config, args.overrides)
   if args.dry_run:
     if args.devices is not None and args.devices < 1:
       raise ValueError(f"--devices {args.devices} must be >= 1")
@@ -99,14 +101,14 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-  config = _load_run_config(args.config, args.overrides)
-  result = eval_run(config, args.adapter, out_dir=args.out)
-  avg = "" if result["avg"] is None else f"; avg {100 * result['avg']:.1f}%"
+  config = load_run_config(args.config, args.overrides)
+  result, out_dir = eval_run(config, args.adapter, out_dir=args.out)
+  avg = "" if result.avg is None else f"; avg {100 * result.avg:.1f}%"
   print(
-      "accuracy: " + ", ".join(f"{t} {100 * a:.1f}%" for t, a in result["accuracy"].items()) + avg,
+      "accuracy: " + ", ".join(f"{t} {100 * a:.1f}%" for t, a in result.accuracy.items()) + avg,
       flush=True,
   )
-  print(f"results: {result['out_dir']}", flush=True)
+  print(f"results: {out_dir}", flush=True)
   return 0
 
 
@@ -188,7 +190,22 @@ def build_parser() -> argparse.ArgumentParser:
       formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   sub = parser.add_subparsers(dest="command", metavar="command")
+  _add_run_commands(sub)
+  _add_file_commands(sub)
+  cfgs = sub.add_parser("configs", help="list the run configs shipped with the package")
+  cfgs.set_defaults(func=cmd_configs)
+  bench = sub.add_parser(
+      "benchmarks", help="list the benchmarks eval.tasks can name (benchmark://)"
+  )
+  bench.set_defaults(func=cmd_benchmarks)
+  for name in _ANALYSIS:
+    p = sub.add_parser(name, help=f"the paper's analyses ('anlr {name} --help')", add_help=False)
+    p.set_defaults(func=None)
+  return parser
 
+
+def _add_run_commands(sub) -> None:
+  """``anlr train`` and ``anlr eval``: a run config and its overrides."""
   overrides_help = "config overrides with dotted keys, e.g. lora.rank=16 method=anlr"
   train = sub.add_parser(
       "train",
@@ -234,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
   ev.add_argument("overrides", nargs="*", metavar="key=value", help=overrides_help)
   ev.set_defaults(func=cmd_eval)
 
+
+def _add_file_commands(sub) -> None:
+  """``anlr export``, ``anlr convert`` and ``anlr generate``: model and adapter files."""
   ex = sub.add_parser("export", help="export a run's adapter (PEFT) or merged model (HF)")
   ex.add_argument("--run", required=True, help="run directory with lora_final.safetensors")
   ex.add_argument("--format", required=True, choices=("peft", "merged"))
@@ -268,19 +288,6 @@ def build_parser() -> argparse.ArgumentParser:
       " run's data.template for a run directory --adapter, else alpaca)",
   )
   gen.set_defaults(func=cmd_generate)
-
-  cfgs = sub.add_parser("configs", help="list the run configs shipped with the package")
-  cfgs.set_defaults(func=cmd_configs)
-
-  bench = sub.add_parser(
-      "benchmarks", help="list the benchmarks eval.tasks can name (benchmark://)"
-  )
-  bench.set_defaults(func=cmd_benchmarks)
-
-  for name in _ANALYSIS:
-    p = sub.add_parser(name, help=f"the paper's analyses ('anlr {name} --help')", add_help=False)
-    p.set_defaults(func=None)
-  return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

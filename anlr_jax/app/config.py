@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import types
 import typing
 from typing import Any, Mapping, Sequence
 
@@ -44,15 +43,16 @@ from anlr_jax.data.formats import FORMATS
 from anlr_jax.evals.extract import TASKS, get_task
 from anlr_jax.fields import (
     DTYPES,
-    RENAMED_KEYS,
     ConfigError,
     Each,
     OneOf,
     Range,
-    check_fields,
+    build_settings,
     field_help,
+    identity_fields,
     rule_of,
     setting,
+    type_name,
 )
 from anlr_jax.models.config import ATTENTION_IMPLS
 from anlr_jax.nn.inject import PAPER_TARGET_MODULES
@@ -67,6 +67,14 @@ logger = logging.getLogger("anlr_jax.app")
 
 _DTYPE_NAMES = tuple(DTYPES)
 
+RENAMED_KEYS = {
+    "trainer.warmup_steps": "trainer.lr_warmup_steps",
+    "anlr.alpha": "anlr.velocity_weight",
+    "anlr.beta": "anlr.snr_weight",
+}
+"""Run-config keys that were renamed (old dotted key -> new): still read, with a warning, and a
+run identity stored under an old key matches the new one."""
+
 COMPILE_CACHE = "~/.cache/anlr-jax/xla"
 """The default ``compile_cache`` directory (``$ANLR_COMPILE_CACHE`` overrides it; empty: off)."""
 
@@ -77,10 +85,14 @@ class ModelSection:
   """The base model: a local Hugging Face LLaMA / Qwen2 directory or a .gguf file."""
 
   path: str = setting(
-      "", "local HF model directory (config.json + *.safetensors) or a LLaMA/Qwen2 .gguf file"
+      "",
+      "local HF model directory (config.json + *.safetensors) or a LLaMA/Qwen2 .gguf file",
+      identity=True,
   )
   tokenizer: str | None = setting(None, "tokenizer directory; None: the model's")
-  dtype: str = setting("float32", "dtype the base weights are loaded in", OneOf(_DTYPE_NAMES))
+  dtype: str = setting(
+      "float32", "dtype the base weights are loaded in", OneOf(_DTYPE_NAMES), identity=True
+  )
   attention: str = setting(
       "einsum",
       "attention kernel: einsum, xla, cudnn (NVIDIA flash) or auto",
@@ -91,6 +103,7 @@ class ModelSection:
       "bfloat16: projection/head GEMMs on bfloat16 operands with float32 sums, the rest in"
       " model.dtype (about 2x faster GEMMs on CPUs with AVX512-BF16/AMX); None: model.dtype",
       OneOf(("bfloat16", None)),
+      identity="unless-default",
   )
 
 
@@ -98,15 +111,20 @@ class ModelSection:
 class LoraSection:
   """LoRA adapter shape; init/rsLoRA/DoRA follow from `method`."""
 
-  rank: int = setting(32, "LoRA rank r", Range(1))
+  rank: int = setting(32, "LoRA rank r", Range(1), identity=True)
   alpha: float = setting(
       64.0,
       "LoRA alpha (scale c = alpha / r, or alpha / sqrt(r) for rslora)",
       Range(0, lo_open=True),
+      identity=True,
   )
-  dropout: float = setting(0.05, "dropout on the adapter input", Range(0, 1, hi_open=True))
+  dropout: float = setting(
+      0.05, "dropout on the adapter input", Range(0, 1, hi_open=True), identity=True
+  )
   targets: list[str] = setting(
-      help="nnx.Linear attribute names to adapt", factory=lambda: list(PAPER_TARGET_MODULES)
+      help="nnx.Linear attribute names to adapt",
+      factory=lambda: list(PAPER_TARGET_MODULES),
+      identity=True,
   )
 
 
@@ -118,22 +136,28 @@ class AnLRSection:
       ANLR_DEFAULTS["alpha"],
       "exponent of the velocity signal (the paper's alpha: 2)",
       ANLR_RULES["alpha"],
+      identity=True,
   )
   snr_weight: float = setting(
       ANLR_DEFAULTS["beta"],
       "exponent of the Adam-SNR signal (the paper's beta: 1)",
       ANLR_RULES["beta"],
+      identity=True,
   )
   kappa: float = setting(
       ANLR_DEFAULTS["kappa"],
       "multipliers clamped to [1/kappa, kappa] (paper: 3)",
       ANLR_RULES["kappa"],
+      identity=True,
   )
   rho: float = setting(
-      ANLR_DEFAULTS["rho"], "EMA decay of the per-rank velocity", ANLR_RULES["rho"]
+      ANLR_DEFAULTS["rho"], "EMA decay of the per-rank velocity", ANLR_RULES["rho"], identity=True
   )
   warmup_steps: int = setting(
-      ANLR_DEFAULTS["warmup_steps"], "updates with every multiplier = 1", ANLR_RULES["warmup_steps"]
+      ANLR_DEFAULTS["warmup_steps"],
+      "updates with every multiplier = 1",
+      ANLR_RULES["warmup_steps"],
+      identity=True,
   )
 
   def as_kwargs(self) -> dict[str, Any]:
@@ -151,7 +175,9 @@ class AnLRSection:
 class LoraPlusSection:
   """LoRA+ setting (method loraplus)."""
 
-  lr_ratio: float = setting(16.0, "learning rate of B over that of A", Range(0, lo_open=True))
+  lr_ratio: float = setting(
+      16.0, "learning rate of B over that of A", Range(0, lo_open=True), identity=True
+  )
 
 
 ADALORA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AdaLoRAConfig)}
@@ -163,35 +189,46 @@ class AdaLoRASection:
   """AdaLoRA settings (method adalora; PEFT's AdaLoraConfig defaults; init_r is lora.rank)."""
 
   target_r: int | None = setting(
-      None, "final average rank per module; None: lora.rank / 1.5 (paper, PEFT)", Range(1)
+      None,
+      "final average rank per module; None: lora.rank / 1.5 (paper, PEFT)",
+      Range(1),
+      identity=True,
   )
   tinit: int = setting(
-      ADALORA_DEFAULTS["tinit"], "warm-up updates before any triplet is pruned", Range(0)
+      ADALORA_DEFAULTS["tinit"],
+      "warm-up updates before any triplet is pruned",
+      Range(0),
+      identity=True,
   )
   tfinal: int = setting(
       ADALORA_DEFAULTS["tfinal"],
       "final updates with the final mask fixed (tinit + tfinal < the run's updates)",
       Range(0),
+      identity=True,
   )
   delta_t: int = setting(
       ADALORA_DEFAULTS["deltaT"],
       "updates between two maskings while the budget decreases (PEFT's deltaT)",
       Range(1),
+      identity=True,
   )
   beta1: float = setting(
       ADALORA_DEFAULTS["beta1"],
       "EMA decay of the sensitivity |theta * grad|",
       Range(0, 1, lo_open=True, hi_open=True),
+      identity=True,
   )
   beta2: float = setting(
       ADALORA_DEFAULTS["beta2"],
       "EMA decay of the sensitivity's uncertainty",
       Range(0, 1, lo_open=True, hi_open=True),
+      identity=True,
   )
   orth_reg_weight: float = setting(
       ADALORA_DEFAULTS["orth_reg_weight"],
       "weight of the orthogonal regulariser added to the loss",
       Range(0),
+      identity=True,
   )
 
 
@@ -203,6 +240,7 @@ class LoraProSection:
       "full",
       "'full': the paper's Algorithm 1; 'efficient': low-memory (official code)",
       OneOf(LORAPRO_MODES),
+      identity=True,
   )
 
 
@@ -214,11 +252,13 @@ class LoraDashSection:
       LORADASH_DEFAULTS["num_directions"],
       "task-specific directions s per module (paper: 8)",
       Range(1),
+      identity=True,
   )
   launch_step: int = setting(
       LORADASH_DEFAULTS["launch_step"],
       "plain-LoRA updates before choosing them (paper: 100)",
       Range(0),
+      identity=True,
   )
 
 
@@ -252,20 +292,46 @@ class DistributedSection:
 class DataSection:
   """The fine-tuning data (formats: docs/data.md)."""
 
-  train: str = setting("", "training file (JSON list or JSONL)")
+  train: str = setting("", "training file (JSON list or JSONL)", identity=True)
   format: str | None = setting(
-      None, "dataset format; None: detect from the first record", OneOf((*FORMATS, None))
+      None,
+      "dataset format; None: detect from the first record",
+      OneOf((*FORMATS, None)),
+      identity=True,
   )
   max_length: int = setting(
-      512, "tokens per sequence at most (longer ones are cut at the end)", Range(2)
+      512, "tokens per sequence at most (longer ones are cut at the end)", Range(2), identity=True
   )
-  on_error: str = setting("raise", "malformed record: 'raise' or 'skip'", OneOf(("raise", "skip")))
-  pad_multiple: int = setting(64, "sequence length rounded up to a multiple of this", Range(1))
+  on_error: str = setting(
+      "raise", "malformed record: 'raise' or 'skip'", OneOf(("raise", "skip")), identity=True
+  )
+  pad_multiple: int = setting(
+      64, "sequence length rounded up to a multiple of this", Range(1), identity=True
+  )
   template: str = setting(
       "alpaca",
       "prompt format (train and eval): 'alpaca' or 'chat' (the tokenizer's chat template)",
       OneOf(TEMPLATES),
+      identity="unless-default",
   )
+
+
+@dataclasses.dataclass
+class TrainerSection(TrainerConfig):
+  """Trainer settings; defaults follow the paper's App. B (lr 3e-4, batch 16, 3 epochs, linear).
+
+  :class:`anlr_jax.train.TrainerConfig` plus where the run's checkpoints go (``ckpt_dir``).
+  """
+
+  ckpt_dir: str | None = setting(
+      None,
+      "orbax checkpoint directory ({method}, {seed}, {run_dir} expand); None: <run dir>/checkpoints",
+  )
+
+  def trainer_config(self) -> TrainerConfig:
+    """The library's :class:`TrainerConfig` of these settings."""
+    names = [f.name for f in dataclasses.fields(TrainerConfig)]
+    return TrainerConfig(**{n: getattr(self, n) for n in names})
 
 
 @dataclasses.dataclass
@@ -307,7 +373,7 @@ class RunConfig:
   """One fine-tuning run (or, with `compare`, several runs differing only in the method)."""
 
   method: str = setting(
-      "anlr", "fine-tuning method (see anlr_jax.app.methods)", OneOf(METHOD_NAMES)
+      "anlr", "fine-tuning method (see anlr_jax.app.methods)", OneOf(METHOD_NAMES), identity=True
   )
   compare: list[str] = setting(
       help="train these methods one after another (same seed/data/steps) instead of `method`",
@@ -317,7 +383,9 @@ class RunConfig:
   run_dir: str = setting(
       "runs/{method}-{timestamp}", "output directory; {method}, {seed}, {timestamp} are filled in"
   )
-  seed: int = setting(0, "seed of the adapter init, data order and dropout", Range(0))
+  seed: int = setting(
+      0, "seed of the adapter init, data order and dropout", Range(0), identity=True
+  )
   compile_cache: str | None = setting(
       help="persistent XLA compilation cache: a re-run, a resumed run, an eval or the next cell of"
       " a sweep loads its compiled steps instead of compiling them again; null: off (default:"
@@ -333,7 +401,7 @@ class RunConfig:
   loradash: LoraDashSection = dataclasses.field(default_factory=LoraDashSection)
   data: DataSection = dataclasses.field(default_factory=DataSection)
   distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
-  trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+  trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)
   eval: EvalSection = dataclasses.field(default_factory=EvalSection)
 
   def methods(self) -> list[str]:
@@ -351,110 +419,12 @@ SECTIONS: dict[str, type] = {
     "loradash": LoraDashSection,
     "data": DataSection,
     "distributed": DistributedSection,
-    "trainer": TrainerConfig,
+    "trainer": TrainerSection,
     "eval": EvalSection,
 }
-"""Section name -> its dataclass (``trainer`` is :class:`anlr_jax.train.TrainerConfig`)."""
+"""Section name -> its dataclass."""
 
 TOP_LEVEL = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name not in SECTIONS)
-
-SET_ELSEWHERE = {"trainer.run_dir": "run_dir", "trainer.seed": "seed"}
-"""TrainerConfig fields a run config sets from another key (so one fact has one key)."""
-
-
-# ------------------------------------------------------------------------------- coercion
-_NULLS = ("null", "none", "~", "")
-_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
-
-
-def _type_name(tp: Any) -> str:
-  if tp is type(None):
-    return "null"
-  if isinstance(tp, type) and not typing.get_args(tp):
-    return tp.__name__
-  return str(tp).replace("typing.", "")
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-  """``value`` as type ``tp`` (strings from the command line are parsed); ConfigError if impossible."""
-  origin, args = typing.get_origin(tp), typing.get_args(tp)
-  bad = ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
-  if origin in (typing.Union, types.UnionType):
-    if value is None or (isinstance(value, str) and value.strip().lower() in _NULLS):
-      if type(None) in args:
-        return None
-      raise bad
-    for a in args:
-      if a is type(None):
-        continue
-      try:
-        return _coerce(value, a, key)
-      except ConfigError:
-        pass
-    raise bad
-  if origin is list or origin is tuple:
-    if isinstance(value, str):
-      value = _parse_text(value)
-      if isinstance(value, str):
-        value = [v.strip() for v in value.split(",") if v.strip()]
-    if not isinstance(value, (list, tuple)):
-      raise bad
-    return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
-  if origin is dict:
-    if isinstance(value, str):
-      value = _parse_text(value)
-    if value is None:
-      return {}
-    if not isinstance(value, Mapping):
-      raise bad
-    return {
-        _coerce(k, args[0], f"{key} key"): _coerce(v, args[1], f"{key}.{k}")
-        for k, v in value.items()
-    }
-  if tp is bool:
-    if isinstance(value, bool):
-      return value
-    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-      return value.strip().lower() in _TRUE
-    raise bad
-  if tp is int:
-    if isinstance(value, bool):
-      raise bad
-    if isinstance(value, int):
-      return value
-    if isinstance(value, float) and value.is_integer():
-      return int(value)
-    if isinstance(value, str):
-      try:
-        number = float(value)
-      except ValueError:
-        raise bad from None
-      if number.is_integer():
-        return int(number)
-    raise bad
-  if tp is float:
-    if isinstance(value, bool):
-      raise bad
-    if isinstance(value, (int, float)):
-      return float(value)
-    if isinstance(value, str):
-      try:
-        return float(value)
-      except ValueError:
-        raise bad from None
-    raise bad
-  if tp is str:
-    if isinstance(value, str):
-      return value
-    raise bad
-  raise bad
-
-
-def _parse_text(text: str) -> Any:
-  try:
-    return yaml.safe_load(text)
-  except yaml.YAMLError:
-    return text
 
 
 # -------------------------------------------------------------------------- building configs
@@ -474,29 +444,14 @@ def _renamed(raw: Mapping[str, Any], prefix: str) -> dict[str, Any]:
 
 
 def _build(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
-  """An instance of the settings class ``cls`` from ``raw``, every key coerced and checked."""
-  types_ = typing.get_type_hints(cls)
+  """An instance of the settings class ``cls`` from ``raw`` (renamed keys read under their new
+  names), every key coerced and checked."""
+  raw = _renamed(raw, prefix)
   names = [f.name for f in dataclasses.fields(cls) if f.name not in SECTIONS or prefix]
-  allowed = [n for n in names if f"{prefix}{n}" not in SET_ELSEWHERE]
-  kwargs = {}
-  for name, value in _renamed(raw, prefix).items():
-    key = f"{prefix}{name}"
-    if key in SET_ELSEWHERE:
-      raise ConfigError(
-          f"{key} is set by the top-level key '{SET_ELSEWHERE[key]}'; set that instead"
-      )
-    if name not in allowed:
-      raise ConfigError(
-          f"unknown key {key!r}; allowed keys in "
-          f"{prefix[:-1] or 'the top level'!r}: {', '.join(allowed)}"
-      )
-    kwargs[name] = _coerce(value, types_[name], key)
-  try:
-    obj = cls(**kwargs)
-  except ConfigError as err:  # TrainerConfig checks itself; name the run config's key
-    raise ConfigError(str(err).replace(f"{cls.__name__}.", prefix)) from None
-  check_fields(obj, prefix)
-  return obj
+  for name in raw:
+    if prefix and name not in names and name in TOP_LEVEL:
+      raise ConfigError(f"{prefix}{name} is set by the top-level key '{name}'; set that instead")
+  return build_settings(cls, raw, prefix, names=names)
 
 
 def config_from_dict(raw: Mapping[str, Any] | None) -> RunConfig:
@@ -555,20 +510,12 @@ def check_method_settings(config: RunConfig) -> None:
 
 
 def _keys_of(section: str) -> list[str]:
-  return [
-      f.name
-      for f in dataclasses.fields(SECTIONS[section])
-      if f"{section}.{f.name}" not in SET_ELSEWHERE
-  ]
+  return [f.name for f in dataclasses.fields(SECTIONS[section])]
 
 
 def config_to_dict(config: RunConfig) -> dict[str, Any]:
-  """The config as a plain nested dict (YAML-ready), without the keys set elsewhere."""
-  out = dataclasses.asdict(config)
-  for key in SET_ELSEWHERE:
-    section, name = key.split(".")
-    out[section].pop(name, None)
-  return out
+  """The config as a plain nested dict (YAML-ready)."""
+  return dataclasses.asdict(config)
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
@@ -672,12 +619,12 @@ def help_text() -> str:
     types_ = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
       key = f"{prefix}{f.name}"
-      if (f.name in SECTIONS and not prefix) or key in SET_ELSEWHERE:
+      if f.name in SECTIONS and not prefix:
         continue
       rule = rule_of(f)
       extra = f" [{rule}]" if rule is not None else ""
       lines.append(
-          f"  {key} ({_type_name(types_[f.name])}, default {getattr(obj, f.name)!r}): "
+          f"  {key} ({type_name(types_[f.name])}, default {getattr(obj, f.name)!r}): "
           f"{field_help(f)}{extra}"
       )
 
@@ -704,7 +651,7 @@ __all__ = [
     "RENAMED_KEYS",
     "RunConfig",
     "SECTIONS",
-    "SET_ELSEWHERE",
+    "TrainerSection",
     "apply_overrides",
     "check_method_settings",
     "config_from_dict",

@@ -242,8 +242,9 @@ def evaluate_base(config: RunConfig, out_dir: str, *, log: Log = say) -> dict[st
 
 def eval_run(
     config: RunConfig, adapter: str | None = None, *, out_dir: str | None = None, log: Log = say
-) -> dict:
-  """``anlr eval``: scores the base model or base + ``adapter``; writes results to ``out_dir``.
+) -> tuple[rundir.EvalResult, str]:
+  """``anlr eval``: scores the base model or base + ``adapter``; writes results to ``out_dir``;
+  returns the result and ``out_dir``.
 
   A run directory ``adapter`` is prompted with the run's own ``data.template`` (the one it was
   trained with), whatever ``config`` says.
@@ -269,10 +270,10 @@ def eval_run(
   write_accuracy_table(
       {label: accuracy}, os.path.join(out_dir, rundir.ACCURACY_TABLE), tasks=list(accuracy)
   )
-  results = {"adapter": adapter, "accuracy": accuracy, "avg": avg}
+  result = rundir.EvalResult(adapter=adapter, accuracy=accuracy, avg=avg)
   if is_writer():
-    rundir.write_results(out_dir, results)
-  return {**results, "out_dir": out_dir}
+    rundir.write_results(out_dir, result)
+  return result, out_dir
 
 
 def generate_text(

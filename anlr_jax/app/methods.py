@@ -47,6 +47,7 @@ launch ``t`` (:func:`anlr_jax.nn.dash_optimizer`), the LoRA factors the optimize
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -63,34 +64,64 @@ from anlr_jax.nn import (
     launch_dash,
     lora_scale,
 )
-from anlr_jax.optim import anlr, loraplus
+from anlr_jax.optim import Signal, anlr, loraplus
 from anlr_jax.optim.adalora import AdaLoRAConfig, orth_regularization, rank_allocator
 from anlr_jax.optim.lorapro import lorapro
 from anlr_jax.optim.transform import DEFAULTS as ANLR_DEFAULTS
+
 from anlr_jax.train.distributed import put_global
 
 if TYPE_CHECKING:
   from anlr_jax.app.config import RunConfig
 
-OPTIMIZERS = ("adamw", "loraplus", "anlr", "adalora", "lorapro")
-"""Optimizer families a method can use."""
 
-LAYERS = ("lora", "adalora", "loradash")
-"""Adapter layers a method can use: ``LoRALinear``, ``AdaLoRALinear``, ``LoRADashLinear``."""
+class Optimizer(enum.StrEnum):
+  """Optimizer families a method can use (the value is the name in the method table)."""
+
+  ADAMW = "adamw"
+  LORAPLUS = "loraplus"
+  ANLR = "anlr"
+  ADALORA = "adalora"
+  LORAPRO = "lorapro"
+
+
+class Layer(enum.StrEnum):
+  """Adapter layers a method can use: ``LoRALinear``, ``AdaLoRALinear``, ``LoRADashLinear``."""
+
+  LORA = "lora"
+  ADALORA = "adalora"
+  LORADASH = "loradash"
+
+
+OPTIMIZERS = tuple(o.value for o in Optimizer)
+"""Optimizer families a method can use, by name."""
+
+LAYERS = tuple(layer.value for layer in Layer)
+"""Adapter layers a method can use, by name."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-  """One row of the method table: LoRA layer settings and the optimizer that trains them."""
+  """One row of the method table: LoRA layer settings and the optimizer that trains them.
+
+  ``layer``, ``optimizer`` and ``signal`` may be given by name; a name that is none of
+  :class:`Layer`, :class:`Optimizer`, :class:`anlr_jax.optim.Signal` raises ``ValueError``.
+  """
 
   name: str
   description: str
-  layer: str = "lora"  # one of LAYERS
+  layer: Layer = Layer.LORA
   init: str = "default"  # LoRALinear init: 'default', 'pissa' or 'milora'
   use_rslora: bool = False  # scale c = alpha / sqrt(r) instead of alpha / r
   use_dora: bool = False  # DoRA magnitude/direction decomposition
-  optimizer: str = "adamw"  # one of OPTIMIZERS
-  signal: str | None = None  # anlr_jax.anlr(signal=...) for optimizer='anlr'
+  optimizer: Optimizer = Optimizer.ADAMW
+  signal: Signal | None = None  # anlr_jax.anlr(signal=...) for Optimizer.ANLR
+
+  def __post_init__(self):
+    object.__setattr__(self, "layer", Layer(self.layer))
+    object.__setattr__(self, "optimizer", Optimizer(self.optimizer))
+    if self.signal is not None:
+      object.__setattr__(self, "signal", Signal(self.signal))
 
   def lora_kwargs(self) -> dict[str, Any]:
     """Keyword arguments for :func:`anlr_jax.nn.inject_lora` that this method fixes."""
@@ -98,15 +129,28 @@ class Method:
 
   @property
   def uses_anlr(self) -> bool:
-    return self.optimizer == "anlr"
+    return self.optimizer is Optimizer.ANLR
 
   @property
   def uses_adalora(self) -> bool:
-    return self.layer == "adalora"
+    return self.layer is Layer.ADALORA
 
   @property
   def uses_loradash(self) -> bool:
-    return self.layer == "loradash"
+    return self.layer is Layer.LORADASH
+
+  @property
+  def sections(self) -> tuple[str, ...]:
+    """The method-specific run-config sections this method reads (``anlr``, ``loraplus``,
+    ``adalora``, ``lorapro``, ``loradash``): part of its run's identity."""
+    used = {
+        "anlr": self.uses_anlr,
+        "loraplus": self.optimizer is Optimizer.LORAPLUS,
+        "adalora": self.uses_adalora,
+        "lorapro": self.optimizer is Optimizer.LORAPRO,
+        "loradash": self.uses_loradash,
+    }
+    return tuple(name for name, uses in used.items() if uses)
 
 
 def _table(*methods: Method) -> dict[str, Method]:
@@ -117,13 +161,15 @@ METHODS: dict[str, Method] = _table(
     Method("lora", "LoRA (Hu et al., 2021) with AdamW"),
     Method("rslora", "rank-stabilised LoRA: c = alpha / sqrt(r)", use_rslora=True),
     Method(
-        "loraplus", "LoRA+: B factors get lr_ratio times the learning rate", optimizer="loraplus"
+        "loraplus",
+        "LoRA+: B factors get lr_ratio times the learning rate",
+        optimizer=Optimizer.LORAPLUS,
     ),
     Method(
         "anlr",
         "AnLR-LoRA: per-rank-one learning rates (velocity + Adam SNR)",
-        optimizer="anlr",
-        signal="anlr",
+        optimizer=Optimizer.ANLR,
+        signal=Signal.ANLR,
     ),
     Method("pissa", "PiSSA: adapters initialised from the top-r singular triplets", init="pissa"),
     Method(
@@ -134,60 +180,69 @@ METHODS: dict[str, Method] = _table(
         "anlr+pissa",
         "AnLR-LoRA on PiSSA-initialised adapters",
         init="pissa",
-        optimizer="anlr",
-        signal="anlr",
+        optimizer=Optimizer.ANLR,
+        signal=Signal.ANLR,
     ),
     Method(
         "anlr+milora",
         "AnLR-LoRA on MiLoRA-initialised adapters",
         init="milora",
-        optimizer="anlr",
-        signal="anlr",
+        optimizer=Optimizer.ANLR,
+        signal=Signal.ANLR,
     ),
-    Method("anlr+dora", "AnLR-LoRA on DoRA layers", use_dora=True, optimizer="anlr", signal="anlr"),
+    Method(
+        "anlr+dora",
+        "AnLR-LoRA on DoRA layers",
+        use_dora=True,
+        optimizer=Optimizer.ANLR,
+        signal=Signal.ANLR,
+    ),
     Method(
         "anlr-velocity",
         "ablation: velocity signal only (beta = 0)",
-        optimizer="anlr",
-        signal="velocity",
+        optimizer=Optimizer.ANLR,
+        signal=Signal.VELOCITY,
     ),
     Method(
-        "anlr-snr", "ablation: Adam SNR signal only (alpha = 0)", optimizer="anlr", signal="snr"
+        "anlr-snr",
+        "ablation: Adam SNR signal only (alpha = 0)",
+        optimizer=Optimizer.ANLR,
+        signal=Signal.SNR,
     ),
     Method(
         "random",
         "control: random log-uniform multipliers in [1/kappa, kappa]",
-        optimizer="anlr",
-        signal="random",
+        optimizer=Optimizer.ANLR,
+        signal=Signal.RANDOM,
     ),
     Method(
         "sensitivity",
         "ablation: AdaLoRA's |grad * W| sensitivity as the signal",
-        optimizer="anlr",
-        signal="sensitivity",
+        optimizer=Optimizer.ANLR,
+        signal=Signal.SENSITIVITY,
     ),
     Method(
         "adalora",
         "AdaLoRA: SVD-form adapters, rank budget pruned by sensitivity, orthogonal regulariser",
-        layer="adalora",
-        optimizer="adalora",
+        layer=Layer.ADALORA,
+        optimizer=Optimizer.ADALORA,
     ),
     Method(
         "lorapro",
         "LoRA-Pro: LoRA steps that approximate full fine-tuning's AdamW step",
-        optimizer="lorapro",
+        optimizer=Optimizer.LORAPRO,
     ),
     Method(
         "loradash",
         "LoRA-Dash: LoRA plus amplified task-specific directions of W0 after launch_step updates",
-        layer="loradash",
+        layer=Layer.LORADASH,
     ),
     Method(
         "anlr+loradash",
         "AnLR-LoRA on LoRA-Dash layers",
-        layer="loradash",
-        optimizer="anlr",
-        signal="anlr",
+        layer=Layer.LORADASH,
+        optimizer=Optimizer.ANLR,
+        signal=Signal.ANLR,
     ),
 )
 """Method name -> :class:`Method`; the one source of truth for ``method:``."""
@@ -250,35 +305,31 @@ def method_optimizer(
   """
   spec = method if isinstance(method, Method) else get_method(method)
   adam = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
-  if spec.optimizer == "adamw" and track_rank_stats:
-    inner = anlr(learning_rate, **adam, signal="uniform")
-  elif spec.optimizer == "adamw":
+  if spec.optimizer is Optimizer.ADAMW and track_rank_stats:
+    inner = anlr(learning_rate, **adam, signal=Signal.UNIFORM)
+  elif spec.optimizer is Optimizer.ADAMW:
     inner = optax.adamw(learning_rate, **adam)
-  elif spec.optimizer == "loraplus":
+  elif spec.optimizer is Optimizer.LORAPLUS:
     inner = loraplus(learning_rate, lr_ratio=lr_ratio, **adam)
-  elif spec.optimizer == "anlr":
+  elif spec.optimizer is Optimizer.ANLR:
     knobs = dict(anlr_kwargs or {})
     unknown = sorted(set(knobs) - set(ANLR_DEFAULTS))
     if unknown:
       raise ValueError(f"anlr_kwargs has unknown keys {unknown}; allowed: {sorted(ANLR_DEFAULTS)}")
     inner = anlr(learning_rate, **adam, **knobs, signal=spec.signal, seed=seed)
-  elif spec.optimizer == "adalora":
+  elif spec.optimizer is Optimizer.ADALORA:
     if not isinstance(adalora_config, AdaLoRAConfig):
       raise ValueError(
           f"method {spec.name!r} needs adalora_config=AdaLoRAConfig(...) (with total_step), got"
           f" {adalora_config!r}"
       )
     inner = rank_allocator(optax.adamw(learning_rate, **adam), adalora_config)
-  elif spec.optimizer == "lorapro":
+  else:  # Optimizer.LORAPRO
     if lora_scale is None:
       raise ValueError(
           f"method {spec.name!r} needs lora_scale (the adapters' c = alpha / r), got None"
       )
     inner = lorapro(learning_rate, scale=lora_scale, mode=lorapro_mode, **adam)
-  else:  # a Method built by hand with a bad optimizer
-    raise ValueError(
-        f"method {spec.name!r} has optimizer={spec.optimizer!r}; allowed: {OPTIMIZERS}"
-    )
   if spec.uses_loradash:
     if dash_launch_step is None:
       raise ValueError(
@@ -302,9 +353,9 @@ def inject_method(model: nnx.Module, config: RunConfig, method: str) -> nnx.Modu
       dropout=config.lora.dropout,
       rngs=nnx.Rngs(params=config.seed, dropout=config.seed + 1),
   )
-  if spec.layer == "adalora":
+  if spec.layer is Layer.ADALORA:
     return inject_adalora(model, **common)
-  if spec.layer == "loradash":
+  if spec.layer is Layer.LORADASH:
     try:
       return inject_loradash(
           model,
@@ -405,7 +456,7 @@ def check_schedule(
 ) -> None:
   """ConfigError if a method's phase would never start; a note when the LR warmup is cut."""
   spec = get_method(method)
-  if spec.uses_anlr and spec.signal != "uniform" and config.anlr.warmup_steps >= total:
+  if spec.uses_anlr and spec.signal is not Signal.UNIFORM and config.anlr.warmup_steps >= total:
     raise ConfigError(
         f"anlr.warmup_steps={config.anlr.warmup_steps} is not below the run's {total} updates:"
         f" every multiplier would stay 1 and method={method} would train exactly like lora;"
@@ -513,9 +564,11 @@ def build_method(
 __all__ = [
     "ADALORA_TOTAL_STEP",
     "LAYERS",
+    "Layer",
     "METHODS",
     "METHOD_NAMES",
     "OPTIMIZERS",
+    "Optimizer",
     "Method",
     "MethodRun",
     "adalora_config",

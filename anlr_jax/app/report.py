@@ -14,6 +14,7 @@ import matplotlib
 import numpy as np
 
 from anlr_jax import rundir
+from anlr_jax.rundir import RunResult
 
 matplotlib.use("Agg")  # files only: no display needed
 
@@ -74,9 +75,9 @@ def final_loss(curve) -> float | None:
   return float(np.mean(losses[-max(1, len(losses) // 10) :])) if losses else None
 
 
-def table_text(base: Mapping[str, float] | None, runs: list[dict]) -> str:
+def table_text(base: Mapping[str, float] | None, runs: list[RunResult]) -> str:
   """A small fixed-width table: method, accuracy per task (percent), avg, final loss, seconds."""
-  tasks = list(base or (runs[0]["accuracy"] if runs else {}))
+  tasks = list(base or (runs[0].accuracy if runs else {}))
   header = ["method", *tasks, "avg", "final loss", "train s"]
   rows = []
   if base:
@@ -90,14 +91,13 @@ def table_text(base: Mapping[str, float] | None, runs: list[dict]) -> str:
         ]
     )
   for r in runs:
-    acc = r["accuracy"]
     rows.append(
         [
-            r["method"],
-            *(f"{100 * acc[t]:.1f}" if t in acc else "" for t in tasks),
-            "" if r["avg"] is None else f"{100 * r['avg']:.1f}",
-            "" if r["final_loss"] is None else f"{r['final_loss']:.4f}",
-            "" if r.get("train_seconds") is None else f"{r['train_seconds']:.0f}",
+            r.method,
+            *(f"{100 * r.accuracy[t]:.1f}" if t in r.accuracy else "" for t in tasks),
+            "" if r.avg is None else f"{100 * r.avg:.1f}",
+            "" if r.final_loss is None else f"{r.final_loss:.4f}",
+            "" if r.train_seconds is None else f"{r.train_seconds:.0f}",
         ]
     )
   widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]

@@ -36,9 +36,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from anlr_jax import rundir
-from anlr_jax.app.config import RunConfig, save_config
+from anlr_jax.rundir import RunResult
+from anlr_jax.app.config import RENAMED_KEYS, RunConfig, save_config
+from anlr_jax.app.identity import check_same_run, run_identity
 from anlr_jax.app.evaluate import evaluate_base, evaluate_tasks, load_eval_sets, accuracy_summary
-from anlr_jax.app.methods import ADALORA_TOTAL_STEP, build_method, get_method, inject_method
+from anlr_jax.app.methods import ADALORA_TOTAL_STEP, build_method, inject_method
 from anlr_jax.app.model import (
     load_base,
     load_lora_params,
@@ -62,58 +64,9 @@ from anlr_jax.app.report import (
 from anlr_jax.data import make_source
 from anlr_jax.evals import write_accuracy_table
 from anlr_jax.train import Trainer
-from anlr_jax.train.checkpoint import file_sha256
 from anlr_jax.train.distributed import process0_value
 from anlr_jax.train.lock import DirectoryLock
 from anlr_jax.train.metrics import read_metrics
-from anlr_jax.train.trainer import CheckpointMismatchError, identity_changes, trainer_identity
-
-
-def run_identity(
-    config: RunConfig, method: str, *, model_path: str, fingerprint: str, data_path: str
-) -> dict[str, Any]:
-  """What determines a run's trajectory besides the trainer settings (the trainer adds those)."""
-  spec = get_method(method)
-  identity = {
-      "method": method,
-      "model.path": os.path.abspath(model_path),
-      "model.fingerprint": fingerprint,
-      "model.dtype": config.model.dtype,
-      "lora.rank": config.lora.rank,
-      "lora.alpha": config.lora.alpha,
-      "lora.dropout": config.lora.dropout,
-      "lora.targets": list(config.lora.targets),
-      "data.train": os.path.abspath(data_path),
-      "data.size": os.path.getsize(data_path),
-      "data.sha256": file_sha256(data_path),
-      "data.format": config.data.format,
-      "data.max_length": config.data.max_length,
-      "data.pad_multiple": config.data.pad_multiple,
-      "data.on_error": config.data.on_error,
-  }
-  if config.data.template != "alpaca":  # runs from before the key existed keep their identity
-    identity["data.template"] = config.data.template
-  if config.model.matmul_dtype is not None:  # likewise
-    identity["model.matmul_dtype"] = config.model.matmul_dtype
-  if spec.uses_anlr:
-    identity.update({f"anlr.{k}": v for k, v in dataclasses.asdict(config.anlr).items()})
-  if spec.optimizer == "loraplus":
-    identity["loraplus.lr_ratio"] = config.loraplus.lr_ratio
-  sections = {"adalora": spec.uses_adalora, "lorapro": spec.optimizer == "lorapro"}
-  sections["loradash"] = spec.uses_loradash
-  for section, used in sections.items():
-    if used:
-      values = dataclasses.asdict(getattr(config, section))
-      identity.update({f"{section}.{k}": v for k, v in values.items()})
-  return identity
-
-
-def _check_same_run(what: str, saved: Mapping[str, Any] | None, identity: Mapping[str, Any]):
-  changes = identity_changes(saved or {}, identity) if saved is not None else []
-  if changes:
-    raise CheckpointMismatchError(
-        f"{what} belongs to a run with other settings ({'; '.join(changes)}): use another run_dir"
-    )
 
 
 def _describe_data(source, path: str, config: RunConfig) -> str:
@@ -158,32 +111,34 @@ def _check_inputs(config: RunConfig) -> str:
 
 def _finish(
     config: RunConfig,
-    method: str,
     run_dir: str,
     model,
     tokenizer,
     identity: Mapping[str, Any],
-    results: dict,
+    result: RunResult,
     log: Log,
-) -> dict:
-  """Evaluates the tasks that ``results`` lacks, writes results.json and the tables."""
-  missing = [t for t in config.eval.tasks if t not in results.get("accuracy", {})]
+) -> RunResult:
+  """Evaluates the tasks that ``result`` lacks, writes results.json and the tables."""
+  missing = [t for t in config.eval.tasks if t not in result.accuracy]
   start = time.perf_counter()
   evals = evaluate_tasks(model, tokenizer, config, out_dir=run_dir, log=log, tasks=missing)
-  accuracy = {**results.get("accuracy", {}), **accuracy_summary(evals)[0]}
-  results.update(
+  accuracy = {**result.accuracy, **accuracy_summary(evals)[0]}
+  result = dataclasses.replace(
+      result,
       accuracy=accuracy,
       avg=float(np.mean(list(accuracy.values()))) if accuracy else None,
-      eval_seconds=round(results.get("eval_seconds", 0.0) + time.perf_counter() - start, 2),
+      eval_seconds=round(result.eval_seconds + time.perf_counter() - start, 2),
       identity=dict(identity),
   )
   if accuracy and is_writer():
     write_accuracy_table(
-        {method: accuracy}, os.path.join(run_dir, rundir.ACCURACY_TABLE), tasks=list(accuracy)
+        {result.method: accuracy},
+        os.path.join(run_dir, rundir.ACCURACY_TABLE),
+        tasks=list(accuracy),
     )
   if is_writer():
-    rundir.write_results(run_dir, results)
-  return results
+    rundir.write_results(run_dir, result)
+  return result
 
 
 def _save_config(config: RunConfig, run_dir: str) -> None:
@@ -192,8 +147,15 @@ def _save_config(config: RunConfig, run_dir: str) -> None:
     save_config(config, os.path.join(run_dir, rundir.CONFIG_FILE))
 
 
-def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = say) -> dict:
-  """Trains one method into ``run_dir`` (see the module docstring); returns its results dict.
+LossCurve = tuple[list[float], list[float]]
+"""``(steps, losses)`` of a run's logged rows."""
+
+
+def train_method(
+    config: RunConfig, method: str, run_dir: str, *, log: Log = say
+) -> tuple[RunResult, LossCurve]:
+  """Trains one method into ``run_dir`` (see the module docstring); returns its result and its
+  loss curve.
 
   Run again on the same ``run_dir``, it resumes from the newest valid checkpoint, or completes
   what is missing of a trained run, or returns the stored results of a complete one.
@@ -203,7 +165,6 @@ def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = say
   os.makedirs(run_dir, exist_ok=True)
   with DirectoryLock(run_dir, what="run directory") if is_writer() else no_lock():
     model, model_config, tokenizer = load_base(config)
-    tc = dataclasses.replace(config.trainer, run_dir=run_dir, seed=config.seed)
     identity = run_identity(
         config,
         method,
@@ -211,92 +172,117 @@ def train_method(config: RunConfig, method: str, run_dir: str, *, log: Log = say
         fingerprint=model_fingerprint(model_config, model),
         data_path=train_path,
     )
-    identity.update(trainer_identity(tc))
-    results_path = os.path.join(run_dir, rundir.RESULTS_FILE)
     lora_path = os.path.join(run_dir, rundir.LORA_FILE)
     stored = rundir.read_results(run_dir)
     if stored is not None:
-      _check_same_run(f"run directory {run_dir}", stored.get("identity", {}), identity)
-      if all(t in stored.get("accuracy", {}) for t in config.eval.tasks):
-        log(f"[{method}] complete already: {results_path}")
-        stored["loss_curve"] = loss_curve(read_metrics(run_dir))
-        return stored
+      check_same_run(f"run directory {run_dir}", stored.identity, identity)
+      if all(t in stored.accuracy for t in config.eval.tasks):
+        log(f"[{method}] complete already: {os.path.join(run_dir, rundir.RESULTS_FILE)}")
+        return stored, loss_curve(read_metrics(run_dir))
     inject_method(model, config, method)
     if os.path.isfile(lora_path):
-      _check_same_run(lora_path, lora_file_identity(lora_path) or {}, identity)
+      check_same_run(lora_path, lora_file_identity(lora_path) or {}, identity)
       _save_config(config, run_dir)
       log(f"[{method}] trained already ({lora_path}): evaluating")
       load_lora_params(model, lora_path)
       rows = read_metrics(run_dir)
       curve = loss_curve(rows)
-      results = stored or {
-          "method": method,
-          "learning_rate": config.trainer.learning_rate,
-          "seed": config.seed,
-          "steps": int(rows[-1]["step"]) if rows else None,
-          "final_loss": final_loss(curve),
-          "train_seconds": None,
-      }
-      model.eval()
-      results = _finish(config, method, run_dir, model, tokenizer, identity, results, log)
-      results["loss_curve"] = curve
-      return results
-
-    source = make_source(
-        train_path,
-        tokenizer,
-        format=config.data.format,
-        max_length=config.data.max_length,
-        global_batch=tc.global_batch,
-        seed=config.seed,
-        on_error=config.data.on_error,
-        pad_multiple=config.data.pad_multiple,
-        template=config.data.template,
-    )
-    log(f"[{method}] data: {_describe_data(source, train_path, config)}")
-    _check_vocab(source, model_config.vocab_size, config)
-    total = tc.total_steps(len(source))
-    built = build_method(config, method, total_steps=total, log=log)
-    log(
-        f"[{method}] {len(source)} batches/epoch of {tc.global_batch}; {total} updates at lr"
-        f" {tc.learning_rate:g} -> {run_dir}"
-    )
-    model.train()
-    start = time.perf_counter()
-    trainer = Trainer(
-        model, source, tc, built.tx, identity=identity, schedule=built.schedule, **built.hooks
-    )
-    _save_config(config, run_dir)  # the Trainer has checked the checkpoint's identity
-    if trainer.step:
-      log(f"[{method}] resumed at update {trainer.step} from {tc.ckpt_dir}")
-    try:
-      rows = trainer.run()
-    finally:
-      trainer.close()
-    train_seconds = time.perf_counter() - start
-    model = trainer.updated_model()
+      result = stored or _trained_result(
+          config, int(rows[-1]["step"]) if rows else None, curve, train_seconds=None
+      )
+    else:
+      model, result, curve = _train(
+          config, model, model_config.vocab_size, tokenizer, train_path, identity, log
+      )
     model.eval()
-    if is_writer():
-      metadata = {ADALORA_TOTAL_STEP: str(total)} if built.spec.uses_adalora else None
-      save_lora_params(model, lora_path, identity=identity, metadata=metadata)
-    curve = loss_curve(rows)
-    plot_losses({method: curve}, os.path.join(run_dir, rundir.LOSS_PLOT))
-    final = final_loss(curve)
-    log(
-        f"[{method}] trained {total} updates in {train_seconds:.1f}s; final loss "
-        + ("n/a" if final is None else f"{final:.4f}")
+    return _finish(config, run_dir, model, tokenizer, identity, result, log), curve
+
+
+def _train(
+    config: RunConfig,
+    model,
+    vocab_size: int,
+    tokenizer,
+    train_path: str,
+    identity: Mapping[str, Any],
+    log: Log,
+) -> tuple[Any, RunResult, LossCurve]:
+  """Trains ``config.method``'s adapters of ``model`` into ``config.run_dir`` (resuming from its
+  newest checkpoint) and writes the adapter file and loss plot; returns the trained model, its
+  result (not yet evaluated) and its loss curve."""
+  method, run_dir, tc = config.method, config.run_dir, config.trainer
+  source = make_source(
+      train_path,
+      tokenizer,
+      format=config.data.format,
+      max_length=config.data.max_length,
+      global_batch=tc.global_batch,
+      seed=config.seed,
+      on_error=config.data.on_error,
+      pad_multiple=config.data.pad_multiple,
+      template=config.data.template,
+  )
+  log(f"[{method}] data: {_describe_data(source, train_path, config)}")
+  _check_vocab(source, vocab_size, config)
+  total = tc.total_steps(len(source))
+  built = build_method(config, method, total_steps=total, log=log)
+  log(
+      f"[{method}] {len(source)} batches/epoch of {tc.global_batch}; {total} updates at lr"
+      f" {tc.learning_rate:g} -> {run_dir}"
+  )
+  model.train()
+  start = time.perf_counter()
+  trainer = Trainer(
+      model,
+      source,
+      tc.trainer_config(),
+      built.tx,
+      checkpoint_dir=tc.ckpt_dir,
+      log_dir=run_dir,
+      identity=identity,
+      renamed_keys=RENAMED_KEYS,
+      schedule=built.schedule,
+      **built.hooks,
+  )
+  _save_config(config, run_dir)  # the Trainer has checked the checkpoint's identity
+  if trainer.step:
+    log(f"[{method}] resumed at update {trainer.step} from {tc.ckpt_dir}")
+  try:
+    rows = trainer.run()
+  finally:
+    trainer.close()
+  train_seconds = time.perf_counter() - start
+  model = trainer.updated_model()
+  model.eval()
+  if is_writer():
+    metadata = {ADALORA_TOTAL_STEP: str(total)} if built.spec.uses_adalora else None
+    save_lora_params(
+        model, os.path.join(run_dir, rundir.LORA_FILE), identity=identity, metadata=metadata
     )
-    results = {
-        "method": method,
-        "learning_rate": tc.learning_rate,
-        "seed": config.seed,
-        "steps": total,
-        "final_loss": final,
-        "train_seconds": round(train_seconds, 2),
-    }
-    results = _finish(config, method, run_dir, model, tokenizer, identity, results, log)
-    results["loss_curve"] = curve
-    return results
+  curve = loss_curve(rows)
+  plot_losses({method: curve}, os.path.join(run_dir, rundir.LOSS_PLOT))
+  result = _trained_result(config, total, curve, train_seconds=round(train_seconds, 2))
+  final = result.final_loss
+  log(
+      f"[{method}] trained {total} updates in {train_seconds:.1f}s; final loss "
+      + ("n/a" if final is None else f"{final:.4f}")
+  )
+  return model, result, curve
+
+
+def _trained_result(
+    config: RunConfig, steps: int | None, curve: LossCurve, *, train_seconds: float | None
+) -> RunResult:
+  """The result of ``config.method``'s trained run before evaluation (``train_seconds`` None:
+  trained by an earlier process)."""
+  return RunResult(
+      method=config.method,
+      learning_rate=config.trainer.learning_rate,
+      seed=config.seed,
+      steps=steps,
+      final_loss=final_loss(curve),
+      train_seconds=train_seconds,
+  )
 
 
 def train_run(config: RunConfig, *, log: Log = say, timestamp: str | None = None) -> dict:
@@ -331,13 +317,12 @@ def _method_config(config: RunConfig, method: str, run_dir: str, several: bool) 
 def _train_run(config: RunConfig, methods: list[str], run_dir: str, log: Log) -> dict:
   if len(methods) == 1 and not config.eval.include_base:
     method_config = _method_config(config, methods[0], run_dir, several=False)
-    results = train_method(method_config, methods[0], run_dir, log=log)
-    results.pop("loss_curve")
+    result, _ = train_method(method_config, methods[0], run_dir, log=log)
     return {
         "run_dir": run_dir,
-        "runs": [results],
+        "runs": [result.to_json()],
         "base": None,
-        "table": table_text(None, [results]),
+        "table": table_text(None, [result]),
     }
 
   start = time.perf_counter()
@@ -345,9 +330,8 @@ def _train_run(config: RunConfig, methods: list[str], run_dir: str, log: Log) ->
   for method in methods:
     sub = run_dir if len(methods) == 1 else rundir.method_dir(run_dir, method)
     method_config = _method_config(config, method, sub, several=len(methods) > 1)
-    results = train_method(method_config, method, sub, log=log)
-    curves[method] = results.pop("loss_curve")
-    runs.append(results)
+    result, curves[method] = train_method(method_config, method, sub, log=log)
+    runs.append(result)
   if len(methods) > 1:  # the comparison's config, once every method's settings are checked
     _save_config(dataclasses.replace(config, run_dir=run_dir), run_dir)
   base = (
@@ -357,14 +341,14 @@ def _train_run(config: RunConfig, methods: list[str], run_dir: str, log: Log) ->
   )
   plot_losses(curves, os.path.join(run_dir, rundir.LOSS_PLOT))
   table = {BASE_ROW: base} if base else {}
-  table.update({r["method"]: r["accuracy"] for r in runs if r["accuracy"]})
+  table.update({r.method: r.accuracy for r in runs if r.accuracy})
   if table and is_writer():
     write_accuracy_table(
         table, os.path.join(run_dir, rundir.ACCURACY_TABLE), tasks=list(config.eval.tasks)
     )
   summary = {
       "run_dir": run_dir,
-      "runs": runs,
+      "runs": [r.to_json() for r in runs],
       "base": base,
       "total_seconds": round(time.perf_counter() - start, 2),
   }
@@ -373,4 +357,4 @@ def _train_run(config: RunConfig, methods: list[str], run_dir: str, log: Log) ->
   return summary
 
 
-__all__ = ["run_identity", "train_method", "train_run"]
+__all__ = ["train_method", "train_run"]

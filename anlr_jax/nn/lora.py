@@ -346,15 +346,20 @@ class LoRALinear(nnx.Module):
         x, a, b, precision=self.base.precision, custom_backward=self.custom_backward
     )
 
+  def _added_out(self, x: jax.Array) -> jax.Array:
+    """What the adapter adds to the base output without DoRA, ``c x A B``, for the adapter input
+    ``x`` (after dropout); a layer with more trainable terms (LoRA-Dash) adds them here."""
+    return self.scale * self._adapter_out(x)
+
   def __call__(self, x: jax.Array) -> jax.Array:
     base_out = self.base(x)
     if self.merged:
       return base_out
     dropout_active = self.dropout.rate > 0.0 and not self.dropout.deterministic
     x_adapter = self.dropout(x) if dropout_active else x
-    lora_out = self._adapter_out(x_adapter)
     if not self.use_dora:
-      return base_out + (self.scale * lora_out).astype(base_out.dtype)
+      return base_out + self._added_out(x_adapter).astype(base_out.dtype)
+    lora_out = self._adapter_out(x_adapter)
 
     kernel = self.base.kernel[...]
     norm = jax.lax.stop_gradient(

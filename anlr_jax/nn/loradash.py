@@ -390,14 +390,10 @@ class LoRADashLinear(LoRALinear):
         custom_backward=self.custom_backward,
     )
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    base_out = self.base(x)
-    if self.merged:
-      return base_out
-    dropout_active = self.dropout.rate > 0.0 and not self.dropout.deterministic
-    x_adapter = self.dropout(x) if dropout_active else x
-    adapter = self.scale * self._adapter_out(x_adapter) + self._dash_out(x_adapter)
-    return base_out + adapter.astype(base_out.dtype)
+  def _added_out(self, x: jax.Array) -> jax.Array:
+    """``c x A B + x U_s diag(δ̂) V_s``: LoRA's term plus the dash term (the forward is
+    :class:`~anlr_jax.nn.lora.LoRALinear`'s)."""
+    return super()._added_out(x) + self._dash_out(x)
 
 
 # ---------------------------------------------------------------------------------- model level

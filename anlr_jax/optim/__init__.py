@@ -31,4 +31,4 @@ from anlr_jax.optim.dims import (
 )
 from anlr_jax.optim.loraplus import loraplus, scale_lora_b
 from anlr_jax.optim.lorapro import lorapro
-from anlr_jax.optim.transform import DEFAULTS, SIGNALS, AnLRState, anlr, scale_by_anlr
+from anlr_jax.optim.transform import DEFAULTS, SIGNALS, AnLRState, Signal, anlr, scale_by_anlr

@@ -17,6 +17,7 @@ and the AdamW delta of component ``k`` (weight decay included) is multiplied by 
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -29,9 +30,22 @@ from anlr_jax.optim import rank_stats
 from anlr_jax.optim.detect import require_lora_modules
 from anlr_jax.optim.dims import LoraDimsSpec, LoraModule, find_lora_modules
 
-__all__ = ["AnLRState", "SIGNALS", "DEFAULTS", "scale_by_anlr", "anlr"]
+__all__ = ["AnLRState", "SIGNALS", "DEFAULTS", "Signal", "scale_by_anlr", "anlr"]
 
-SIGNALS = ("anlr", "velocity", "snr", "uniform", "random", "sensitivity")
+
+class Signal(enum.StrEnum):
+  """The per-rank signal of :func:`anlr` (see ``signal`` in :func:`scale_by_anlr`)."""
+
+  ANLR = "anlr"
+  VELOCITY = "velocity"
+  SNR = "snr"
+  UNIFORM = "uniform"
+  RANDOM = "random"
+  SENSITIVITY = "sensitivity"
+
+
+SIGNALS = tuple(s.value for s in Signal)
+"""The signal names :func:`anlr` accepts."""
 
 # One source of truth for the AnLR hyperparameter defaults.
 DEFAULTS = dict(
@@ -83,13 +97,21 @@ RULES = {
 """The allowed values of AnLR's constants (the run config's ``anlr:`` section uses the same rules)."""
 
 
-def _validate(signal, kappa, rho, warmup_steps, alpha, beta):
+def _make_rule(*, alpha, beta, kappa, rho, warmup_steps, signal, seed) -> "_Rule":
+  """Checks AnLR's constants (``ValueError`` naming a bad one) and returns the per-rank rule, the
+  signal's overrides applied (``velocity``: beta = 0, ``snr``: alpha = 0)."""
   if signal not in SIGNALS:
     raise ValueError(f"signal must be one of {SIGNALS}, got {signal!r}")
   values = dict(alpha=alpha, beta=beta, kappa=kappa, rho=rho, warmup_steps=warmup_steps)
   for name, rule in RULES.items():
     _check(name, values[name], rule.allows, str(rule))
   _check("warmup_steps", warmup_steps, lambda v: v == int(v), "an integer")
+  signal = Signal(signal)
+  if signal is Signal.VELOCITY:
+    beta = 0.0
+  elif signal is Signal.SNR:
+    alpha = 0.0
+  return _Rule(alpha, beta, kappa, rho, warmup_steps, signal, seed)
 
 
 def _unwrap(x):
@@ -162,8 +184,17 @@ class _Rule(NamedTuple):
   kappa: float
   rho: float
   warmup_steps: int
-  signal: str
+  signal: Signal
   seed: int  # of the "random" control
+
+
+class _ModuleSearch(NamedTuple):
+  """How the transform finds its LoRA modules and groups their per-rank statistics."""
+
+  lora_dims: LoraDimsSpec  # see anlr_jax.find_lora_modules
+  batch_modules: bool | None  # one batched pass per group of same-shaped modules
+  require_lora: bool  # init raises when it finds no LoRA module
+  who: str  # the public function's name, for errors
 
 
 class _RankStats(NamedTuple):
@@ -236,9 +267,9 @@ def _group_stats(
   velocity = rank_stats.rank_velocity(a, b, ga, gb, **axes)
   nu_bar = rule.rho * nu_bar + (1.0 - rule.rho) * velocity
   snr = rank_stats.rank_snr(dir_a, dir_b, **axes)
-  if rule.signal == "uniform":
+  if rule.signal is Signal.UNIFORM:
     s = jnp.ones_like(velocity)
-  elif rule.signal == "random":
+  elif rule.signal is Signal.RANDOM:
     shape = velocity.shape[1:] if batched else velocity.shape
     draws = [
         rank_stats.random_multipliers(
@@ -250,7 +281,7 @@ def _group_stats(
         for index in module_indices
     ]
     s = _stack(draws, batched)
-  elif rule.signal == "sensitivity":
+  elif rule.signal is Signal.SENSITIVITY:
     score = rank_stats.rank_sensitivity(a, b, ga, gb, **axes)
     sensitivity = rule.rho * sensitivity + (1.0 - rule.rho) * score
     s = rank_stats.score_multipliers(sensitivity, kappa=rule.kappa)
@@ -317,8 +348,16 @@ def scale_by_anlr(
   Returns:
     An ``optax.GradientTransformationExtraArgs``; extra args are passed to ``inner``.
   """
-  _validate(signal, kappa, rho, warmup_steps, alpha, beta)
-  who = "scale_by_anlr"
+  rule = _make_rule(
+      alpha=alpha,
+      beta=beta,
+      kappa=kappa,
+      rho=rho,
+      warmup_steps=warmup_steps,
+      signal=signal,
+      seed=seed,
+  )
+  search = _ModuleSearch(lora_dims, batch_modules, require_lora, who="scale_by_anlr")
 
   def inner_update(updates, inner_state, params, count, **extra_args):
     new_updates, new_state = inner.update(updates, inner_state, params, **extra_args)
@@ -348,46 +387,14 @@ def scale_by_anlr(
 
     return _InnerStep(new_updates, new_state, direction, adam_rerun=None)
 
-  return _anlr_transform(
-      inner.init,
-      inner_update,
-      alpha=alpha,
-      beta=beta,
-      kappa=kappa,
-      rho=rho,
-      warmup_steps=warmup_steps,
-      signal=signal,
-      lora_dims=lora_dims,
-      seed=seed,
-      batch_modules=batch_modules,
-      require_lora=require_lora,
-      who=who,
-  )
+  return _anlr_transform(inner.init, inner_update, rule, search)
 
 
-def _anlr_transform(
-    inner_init,
-    inner_update,
-    *,
-    alpha,
-    beta,
-    kappa,
-    rho,
-    warmup_steps,
-    signal,
-    lora_dims,
-    seed,
-    batch_modules,
-    require_lora,
-    who,
-):
+def _anlr_transform(inner_init, inner_update, rule: _Rule, search: _ModuleSearch):
   """The AnLR machinery around ``inner_update(updates, inner_state, params, count, **extra_args)
-  -> _InnerStep``."""
-  if signal == "velocity":
-    beta = 0.0
-  elif signal == "snr":
-    alpha = 0.0
-  rule = _Rule(alpha, beta, kappa, rho, warmup_steps, signal, seed)
+  -> _InnerStep``, with the per-rank ``rule`` over the LoRA modules ``search`` finds."""
+  lora_dims, batch_modules, require_lora, who = search
+  signal = rule.signal
 
   def init_fn(params):
     modules = require_lora_modules(params, lora_dims, who, require_lora=require_lora)
@@ -405,7 +412,7 @@ def _anlr_transform(
         nu_bar=per_rank(0.0),
         snr=per_rank(0.0),
         multipliers=per_rank(1.0),
-        sensitivity=per_rank(0.0) if signal == "sensitivity" else {},
+        sensitivity=per_rank(0.0) if signal is Signal.SENSITIVITY else {},
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -432,7 +439,9 @@ def _anlr_transform(
           dir_b,
           nu_bar=stack([state.nu_bar[m.name] for m in mods]),
           sensitivity=(
-              stack([state.sensitivity[m.name] for m in mods]) if signal == "sensitivity" else None
+              stack([state.sensitivity[m.name] for m in mods])
+              if signal is Signal.SENSITIVITY
+              else None
           ),
           count=count,
           module_indices=[index for index, _ in group],
@@ -546,14 +555,22 @@ def anlr(
   References:
     Wang et al., *Adaptive Anisotropic Learning Rates for LoRA Fine-Tuning* (AnLR-LoRA), 2026.
   """
-  _validate(signal, kappa, rho, warmup_steps, alpha, beta)
+  rule = _make_rule(
+      alpha=alpha,
+      beta=beta,
+      kappa=kappa,
+      rho=rho,
+      warmup_steps=warmup_steps,
+      signal=signal,
+      seed=seed,
+  )
+  search = _ModuleSearch(lora_dims, batch_modules, require_lora, who="anlr")
   # optax.adamw is chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate). Running the
   # three pieces here exposes scale_by_adam's output, the Adam direction m_hat / (sqrt(v_hat) + eps),
   # to the SNR, so it is computed once; the state has exactly optax.adamw's structure.
   adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
   decay = optax.add_decayed_weights(weight_decay, mask)
   lr = optax.scale_by_learning_rate(learning_rate)
-  who = "anlr"
 
   def inner_init(params):
     return (adam.init(params), decay.init(params), lr.init(params))
@@ -578,18 +595,4 @@ def anlr(
         adam_rerun=_AdamRerun(prev_moments=lambda i: (old_mu[i], old_nu[i]), direction=rerun),
     )
 
-  return _anlr_transform(
-      inner_init,
-      inner_update,
-      alpha=alpha,
-      beta=beta,
-      kappa=kappa,
-      rho=rho,
-      warmup_steps=warmup_steps,
-      signal=signal,
-      lora_dims=lora_dims,
-      seed=seed,
-      batch_modules=batch_modules,
-      require_lora=require_lora,
-      who=who,
-  )
+  return _anlr_transform(inner_init, inner_update, rule, search)

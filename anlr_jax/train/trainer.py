@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 
 from anlr_jax import optim as anlr_optim
-from anlr_jax.fields import DTYPES, RENAMED_KEYS, ConfigError, OneOf, Range, check_fields, setting
+from anlr_jax.fields import DTYPES, ConfigError, OneOf, Range, check_fields, identity_of, setting
 from anlr_jax.train.checkpoint import (
     CorruptCheckpointError,
     TrainCheckpointer,
@@ -81,13 +81,16 @@ class CheckpointMismatchError(ValueError):
 
 
 def identity_changes(
-    saved: Mapping[str, Any], current: Mapping[str, Any], allow: Sequence[str] = ()
+    saved: Mapping[str, Any],
+    current: Mapping[str, Any],
+    allow: Sequence[str] = (),
+    renamed: Mapping[str, str] | None = None,
 ) -> list[str]:
   """``["key: old -> new", ...]`` for every key whose value differs (keys in ``allow`` aside).
 
-  ``saved`` keys that were renamed since (:data:`anlr_jax.fields.RENAMED_KEYS`) count as the new key.
+  ``saved`` keys that were renamed since (``renamed``: old key -> new key) count as the new key.
   """
-  saved = {RENAMED_KEYS.get(k, k): v for k, v in saved.items()}
+  saved = {(renamed or {}).get(k, k): v for k, v in saved.items()}
   out = []
   for key in sorted(set(saved) | set(current)):
     if key in allow:
@@ -98,26 +101,10 @@ def identity_changes(
   return out
 
 
-IDENTITY_KEYS = (
-    'steps',
-    'epochs',
-    'learning_rate',
-    'lr_warmup_steps',
-    'weight_decay',
-    'b1',
-    'b2',
-    'eps',
-    'clip_norm',
-    'global_batch',
-    'micro_batches',
-    'compute_dtype',
-)
-"""The :class:`TrainerConfig` fields that determine a run's trajectory (with ``seed``)."""
-
-
 def trainer_identity(config: 'TrainerConfig') -> dict[str, Any]:
-  """``{"trainer.<field>": value}`` of :data:`IDENTITY_KEYS`, plus ``seed``."""
-  return {**{f'trainer.{k}': getattr(config, k) for k in IDENTITY_KEYS}, 'seed': config.seed}
+  """``{"trainer.<field>": value}`` of the :class:`TrainerConfig` fields that determine a run's
+  trajectory (those declared with ``identity=True``)."""
+  return identity_of(config, 'trainer.')
 
 
 @contextlib.contextmanager
@@ -168,26 +155,43 @@ class TrainerConfig:
   (``anlr_jax.app.methods.method_optimizer`` builds a method's from these constants).
   """
 
-  steps: int | None = setting(None, 'number of updates; None: from `epochs`', Range(1))
+  steps: int | None = setting(
+      None, 'number of updates; None: from `epochs`', Range(1), identity=True
+  )
   epochs: float | None = setting(
-      3.0, 'passes over the data when `steps` is None', Range(0, lo_open=True)
+      3.0,
+      'passes over the data when `steps` is None',
+      Range(0, lo_open=True),
+      identity=True,
   )
   global_batch: int = setting(
-      16, 'sequences per update, all devices and processes together', Range(1)
+      16,
+      'sequences per update, all devices and processes together',
+      Range(1),
+      identity=True,
   )
   micro_batches: int = setting(
-      1, 'gradient-accumulation chunks per update (global_batch must divide)', Range(1)
+      1,
+      'gradient-accumulation chunks per update (global_batch must divide)',
+      Range(1),
+      identity=True,
   )
   learning_rate: float = setting(
-      3e-4, 'peak learning rate of the linear warmup/decay schedule', Range(0, lo_open=True)
+      3e-4,
+      'peak learning rate of the linear warmup/decay schedule',
+      Range(0, lo_open=True),
+      identity=True,
   )
-  lr_warmup_steps: int = setting(0, 'linear learning-rate warmup updates', Range(0))
-  weight_decay: float = setting(0.0, 'decoupled (AdamW) weight decay', Range(0))
-  b1: float = setting(0.9, 'Adam first-moment decay', Range(0, 1, hi_open=True))
-  b2: float = setting(0.999, 'Adam second-moment decay', Range(0, 1, hi_open=True))
-  eps: float = setting(1e-8, 'Adam epsilon', Range(0))
+  lr_warmup_steps: int = setting(0, 'linear learning-rate warmup updates', Range(0), identity=True)
+  weight_decay: float = setting(0.0, 'decoupled (AdamW) weight decay', Range(0), identity=True)
+  b1: float = setting(0.9, 'Adam first-moment decay', Range(0, 1, hi_open=True), identity=True)
+  b2: float = setting(0.999, 'Adam second-moment decay', Range(0, 1, hi_open=True), identity=True)
+  eps: float = setting(1e-8, 'Adam epsilon', Range(0), identity=True)
   clip_norm: float | None = setting(
-      1.0, 'global gradient-norm clipping threshold; None: no clipping', Range(0, lo_open=True)
+      1.0,
+      'global gradient-norm clipping threshold; None: no clipping',
+      Range(0, lo_open=True),
+      identity=True,
   )
   mesh_data: int = setting(1, "devices on the 'data' mesh axis")
   mesh_fsdp: int = setting(-1, "devices on the 'fsdp' mesh axis (-1: all the rest)")
@@ -196,6 +200,7 @@ class TrainerConfig:
       'bfloat16',
       'forward/backward dtype; LoRA params and optimizer state stay float32',
       OneOf(tuple(DTYPES)),
+      identity=True,
   )
   base_dtype: str | None = setting(
       None,
@@ -209,11 +214,6 @@ class TrainerConfig:
       " layers on a leading axis: fewer kernels) or 'per-layer'; same updates",
       OneOf(LORA_LAYOUTS),
   )
-  run_dir: str | None = setting(None, 'directory of metrics.jsonl, TensorBoard and diagnostics')
-  ckpt_dir: str | None = setting(
-      None,
-      'orbax checkpoint directory ({method}, {seed}, {run_dir} expand); None: <run dir>/checkpoints',
-  )
   save_every: int = setting(0, 'checkpoint every N updates (0: only at the end)', Range(0))
   keep: int = setting(
       3,
@@ -222,7 +222,7 @@ class TrainerConfig:
   )
   async_save: bool = setting(True, 'write checkpoints in the background')
   save_full_model: bool = setting(False, 'also checkpoint the frozen base weights')
-  resume: bool = setting(True, 'resume from the latest checkpoint in ckpt_dir')
+  resume: bool = setting(True, 'resume from the latest checkpoint in the checkpoint directory')
   resume_allow: list[str] = setting(
       help="keys that may differ from the checkpoint's run, e.g. [trainer.steps]", factory=list
   )
@@ -232,7 +232,6 @@ class TrainerConfig:
   log_every: int = setting(1, 'log metrics every N updates', Range(1))
   diag_every: int = setting(0, 'write AnLR diagnostics every N updates (0: never)', Range(0))
   progress: bool | None = setting(None, 'a progress bar; None: only on a terminal')
-  seed: int = setting(0, 'seed of the data order and dropout', Range(0))
 
   def __post_init__(self):
     check_fields(self)
@@ -266,10 +265,15 @@ class Trainer:
     config: :class:`TrainerConfig`.
     tx: the optax transformation over the LoRA param tree (clipping included), e.g.
       ``anlr_jax.app.methods.method_optimizer(method, config.schedule(total))``.
-    identity: what determines the trajectory besides the trainer settings (method, model
+    checkpoint_dir: orbax checkpoint directory (saved per ``config.save_every``, resumed from when
+      ``config.resume``); None: no checkpoints.
+    log_dir: directory of ``metrics.jsonl``, TensorBoard and diagnostics; None: no files.
+    identity: what determines the trajectory besides the trainer settings (method, seed, model
       fingerprint, LoRA and optimizer settings, data hash, ...) as ``{dotted key: JSON value}``;
       stored in every checkpoint. Resuming a checkpoint whose identity differs (keys in
       ``config.resume_allow`` aside) raises :class:`CheckpointMismatchError` naming each key.
+    renamed_keys: identity keys renamed since (old -> new): a checkpoint's value stored under the
+      old key is compared with the new key's.
     schedule: the learning-rate schedule ``tx`` runs on, for the ``lr`` metric (None: no metric).
     mesh: a ``('data', 'fsdp', 'tensor')`` mesh (default: from the config's sizes over ``devices``).
     devices: devices for the default mesh (default: all).
@@ -291,7 +295,10 @@ class Trainer:
       config: TrainerConfig,
       tx: optax.GradientTransformation,
       *,
+      checkpoint_dir: str | None = None,
+      log_dir: str | None = None,
       identity: Mapping[str, Any] | None = None,
+      renamed_keys: Mapping[str, str] | None = None,
       schedule: optax.Schedule | None = None,
       mesh: jax.sharding.Mesh | None = None,
       devices: Sequence[jax.Device] | None = None,
@@ -301,16 +308,18 @@ class Trainer:
   ):
     if not hasattr(batches, 'get_batch') or not hasattr(batches, '__len__'):
       raise TypeError(f'batches={batches!r} must have __len__ and get_batch(step, ...)')
-    self.config = config
-    self.batches = batches
-    self.total_steps = config.total_steps(len(batches))
     if not isinstance(tx, optax.GradientTransformation):
       raise TypeError(
           f'tx={tx!r} must be an optax.GradientTransformation over the LoRA params, e.g.'
           ' optax.chain(optax.clip_by_global_norm(1.0), anlr_jax.anlr(schedule))'
       )
+    self.config = config
+    self.batches = batches
+    self.total_steps = config.total_steps(len(batches))
     self.tx, self.schedule = tx, schedule
+    self.checkpoint_dir, self.log_dir = checkpoint_dir, log_dir
     self.identity = {**trainer_identity(config), **dict(identity or {})}
+    self.renamed_keys = dict(renamed_keys or {})
     self.mesh = (
         mesh
         if mesh is not None
@@ -318,16 +327,34 @@ class Trainer:
     )
     self.model = model
     self.on_step = on_step
+    self._place(model, list(logical_axis_rules))
+    self._host_step = None  # updates done, mirrored on the host (None: read the device once)
+    self.step_fn = self._compile_step(loss_regularizer)
+    self.checkpointer = None
+    self.restored_step: int | None = None  # the checkpoint this run continued from
+    self._rolled_back: tuple[int, int] | None = None  # (suspect checkpoint, the one restored)
+    self._locks = self._lock_directories()
+    if checkpoint_dir is not None:
+      self.checkpointer = TrainCheckpointer(
+          checkpoint_dir,
+          save_every=config.save_every,
+          keep=config.keep,
+          async_save=config.async_save,
+      )
+      if config.resume and self.checkpointer.latest_step() is not None:
+        self.restore()
 
+  def _place(self, model: nnx.Module, rules: list) -> None:
+    """Splits ``model`` into LoRA params, frozen params and other state, puts each on the mesh
+    (frozen weights cast to ``config.base_dtype``) and builds the initial train state."""
     graphdef, lora, frozen, extra = nnx.split(model, nnx.LoRAParam, nnx.Param, ...)
     if not jax.tree.leaves(lora):
       raise ValueError('model has no nnx.LoRAParam leaves: inject LoRA adapters first')
     self.graphdef = graphdef
-    rules = list(logical_axis_rules)
     lora_sh = state_shardings(lora, self.mesh, rules)
     self.frozen_shardings = state_shardings(frozen, self.mesh, rules)
     extra_sh = state_shardings(extra, self.mesh, rules)
-    base_dtype = DTYPES[config.base_dtype] if config.base_dtype else None
+    base_dtype = DTYPES[self.config.base_dtype] if self.config.base_dtype else None
     frozen = jax.tree.map(
         lambda x: x.astype(base_dtype)
         if base_dtype and jnp.issubdtype(x.dtype, jnp.floating)
@@ -336,25 +363,28 @@ class Trainer:
     )
     self.frozen = put_global(frozen, self.frozen_shardings)
     lora = nnx.to_pure_dict(lora)
-    self.layout = LoraLayout(stacked=config.lora_layout == 'stacked')
+    self.layout = LoraLayout(stacked=self.config.lora_layout == 'stacked')
     lora, lora_sh = self.layout.to_state(lora, lora_sh)
     lora, extra = put_global((lora, nnx.to_pure_dict(extra)), (lora_sh, extra_sh))
 
-    init_fn = lambda l, e: init_train_state(l, e, tx)  # noqa: E731
+    init_fn = lambda l, e: init_train_state(l, e, self.tx)  # noqa: E731
     self.state_shardings = matching_shardings(
         jax.eval_shape(init_fn, lora, extra), lora, lora_sh, self.mesh
     )
     with jax.set_mesh(self.mesh):
       self.state = jax.jit(init_fn, out_shardings=self.state_shardings)(lora, extra)
-    self._host_step = None  # updates done, mirrored on the host (None: read the device once)
+
+  def _compile_step(self, loss_regularizer) -> Callable:
+    """The jitted train step ``(state, frozen, batch) -> (state, metrics)`` over the placed
+    shardings (``state`` donated); :attr:`step_traces` counts its traces."""
     self.batch_sharding = batch_sharding(self.mesh)
     step_fn = make_train_step(
-        graphdef,
-        tx,
-        schedule=schedule,
-        micro_batches=config.micro_batches,
-        compute_dtype=DTYPES[config.compute_dtype],
-        remat=config.remat,
+        self.graphdef,
+        self.tx,
+        schedule=self.schedule,
+        micro_batches=self.config.micro_batches,
+        compute_dtype=DTYPES[self.config.compute_dtype],
+        remat=self.config.remat,
         batch_spec=jax.sharding.PartitionSpec(BATCH_AXES),
         stacked_layers=self.layout.stacked,
         loss_regularizer=loss_regularizer,
@@ -365,7 +395,7 @@ class Trainer:
       self.step_traces += 1
       return step_fn(state, frozen, batch)
 
-    self.step_fn = jax.jit(
+    return jax.jit(
         counted_step,
         in_shardings=(
             self.state_shardings,
@@ -376,23 +406,12 @@ class Trainer:
         donate_argnums=(0,),
     )
 
-    self.checkpointer = None
-    self.restored_step: int | None = None  # the checkpoint this run continued from
-    self._rolled_back: tuple[int, int] | None = None  # (suspect checkpoint, the one restored)
-    self._locks = []
-    if jax.process_index() == 0:
-      for directory, what in ((config.ckpt_dir, 'checkpoint directory'), (config.run_dir, 'run')):
-        if directory is not None:
-          self._locks.append(DirectoryLock(directory, what=what).acquire())
-    if config.ckpt_dir is not None:
-      self.checkpointer = TrainCheckpointer(
-          config.ckpt_dir,
-          save_every=config.save_every,
-          keep=config.keep,
-          async_save=config.async_save,
-      )
-      if config.resume and self.checkpointer.latest_step() is not None:
-        self.restore()
+  def _lock_directories(self) -> list[DirectoryLock]:
+    """Process 0 takes the lock of the checkpoint and log directories (one writer each)."""
+    if jax.process_index() != 0:
+      return []
+    dirs = ((self.checkpoint_dir, 'checkpoint directory'), (self.log_dir, 'log directory'))
+    return [DirectoryLock(d, what=what).acquire() for d, what in dirs if d is not None]
 
   # -- state ------------------------------------------------------------------------------------
   @property
@@ -405,6 +424,12 @@ class Trainer:
     if self._host_step is None:
       self._host_step = int(jax.device_get(self.state.step))
     return self._host_step
+
+  def replace_state(self, state) -> None:
+    """Replaces the train state with ``state`` of the same structure, shapes, dtypes and
+    shardings (the step is not recompiled); :attr:`step` is then read from ``state.step``."""
+    self.state = state
+    self._host_step = None
 
   def abstract_state(self):
     """Restore target: ``jax.eval_shape`` of the state init, with the live shardings."""
@@ -424,11 +449,10 @@ class Trainer:
   def save(self, *, force: bool = True) -> bool:
     """Starts a checkpoint of the current state (collective: every process must call it)."""
     if self.checkpointer is None:
-      raise ValueError('TrainerConfig.ckpt_dir is not set: nothing to save to')
+      raise ValueError('the Trainer has no checkpoint_dir: nothing to save to')
     step = self.step
     meta = {
         'data_step': step,
-        'seed': self.config.seed,
         'total_steps': self.total_steps,
         'config': dataclasses.asdict(self.config),
         'identity': self.identity,
@@ -439,7 +463,7 @@ class Trainer:
 
   def _check_meta(self, step: int, meta: dict) -> None:
     """Raises :class:`CheckpointMismatchError` if checkpoint ``step`` belongs to another run."""
-    where = f'checkpoint {step} in {self.config.ckpt_dir}'
+    where = f'checkpoint {step} in {self.checkpoint_dir}'
     saved = meta.get('config', {}).get('lora_layout', 'per-layer')
     if saved != self.config.lora_layout:
       raise CheckpointMismatchError(
@@ -447,11 +471,13 @@ class Trainer:
           f'{self.config.lora_layout!r}: set trainer.lora_layout: {saved} to resume it'
       )
     if 'identity' in meta:
-      changes = identity_changes(meta['identity'], self.identity, self.config.resume_allow)
+      changes = identity_changes(
+          meta['identity'], self.identity, self.config.resume_allow, self.renamed_keys
+      )
       if changes:
         raise CheckpointMismatchError(
             f'{where} belongs to a run with other settings ({"; ".join(changes)}): resume with'
-            ' the same settings, use another trainer.ckpt_dir, or allow a deliberate change with'
+            ' the same settings, use another checkpoint directory, or allow a deliberate change with'
             ' trainer.resume_allow=[<key>,...]'
         )
     if 'state_shapes' in meta:
@@ -479,7 +505,7 @@ class Trainer:
     raises :class:`CheckpointMismatchError`.
     """
     if self.checkpointer is None:
-      raise ValueError('TrainerConfig.ckpt_dir is not set: nothing to restore from')
+      raise ValueError('the Trainer has no checkpoint_dir: nothing to restore from')
     frozen_target = None
     if self.config.save_full_model:
       frozen_target = jax.tree.map(
@@ -519,7 +545,7 @@ class Trainer:
       return int(meta['step'])
     raise CorruptCheckpointError(
         '; '.join(skipped) + ': no older checkpoint to restore instead (start afresh with another'
-        ' trainer.ckpt_dir)'
+        ' checkpoint directory)'
     )
 
   def _roll_back(self, step: int, skipped: int) -> bool:
@@ -542,12 +568,12 @@ class Trainer:
         restored + 1,
         step,
         restored,
-        self.config.ckpt_dir,
+        self.checkpoint_dir,
         previous,
     )
     return True
 
-  def _diagnostics_fn(self):
+  def diagnostics_fn(self):
     """``(opt_state, lora) -> anlr_jax.diagnostics(opt_state)`` plus the per-rank contribution
     magnitudes ``|A_k| |B_k|`` of the current LoRA params (for the analysis of
     :mod:`anlr_jax.analysis`), jitted; None if the optimizer state holds no AnLR state."""
@@ -612,11 +638,11 @@ class Trainer:
     rows of the whole run (those of earlier processes of a resumed run included).
 
     SIGINT/SIGTERM during the loop finish the update in flight, save a checkpoint (when
-    ``ckpt_dir`` is set) and raise :class:`TrainingInterrupted`. ``max_nonfinite`` consecutive
+    ``checkpoint_dir`` is set) and raise :class:`TrainingInterrupted`. ``max_nonfinite`` consecutive
     skipped updates (non-finite loss or gradient) raise :class:`NonFiniteError`.
     """
     end = self.total_steps if steps is None else min(steps, self.total_steps)
-    diagnostics = self._diagnostics_fn()
+    diagnostics = self.diagnostics_fn()
     step = self.step
     writer = self._metrics_writer(step)
     stuck = 0
@@ -676,7 +702,7 @@ class Trainer:
   def _metrics_writer(self, step: int) -> MetricsWriter:
     """The metrics writer of a loop starting after ``step`` updates (later rows dropped)."""
     writer = MetricsWriter(
-        self.config.run_dir,
+        self.log_dir,
         total_steps=self.total_steps,
         log_every=self.config.log_every,
         progress=self.config.progress,
@@ -691,7 +717,7 @@ class Trainer:
       return
     saved = self.checkpointer.all_steps() if self.checkpointer is not None else []
     kept = (
-        f'the last checkpoint (step {saved[-1]} in {self.config.ckpt_dir}) is kept'
+        f'the last checkpoint (step {saved[-1]} in {self.checkpoint_dir}) is kept'
         if saved
         else 'no checkpoint was written'
     )
@@ -713,14 +739,14 @@ class Trainer:
     if self.checkpointer is None:
       return TrainingInterrupted(
           f'{name} at update {step} of {self.total_steps}: stopped; no checkpoint was written'
-          ' (set trainer.ckpt_dir to make the run resumable)',
+          ' (a checkpoint_dir makes the run resumable)',
           signum,
       )
     self.save(force=True)
     self.checkpointer.wait()
     return TrainingInterrupted(
         f'{name} at update {step} of {self.total_steps}: checkpoint saved in'
-        f' {self.config.ckpt_dir}; run the same command again to resume',
+        f' {self.checkpoint_dir}; run the same command again to resume',
         signum,
     )
 
@@ -775,7 +801,7 @@ def train(
     tx: optax.GradientTransformation,
     **kwargs,
 ) -> Trainer:
-  """Builds a :class:`Trainer`, runs it to the end (resuming from ``ckpt_dir`` if possible)."""
+  """Builds a :class:`Trainer`, runs it to the end (resuming from ``checkpoint_dir`` if possible)."""
   trainer = Trainer(model, batches, config, tx, **kwargs)
   trainer.run()
   return trainer

@@ -33,12 +33,17 @@ def main(argv=None):
       mesh_data=2,
       mesh_fsdp=2,
       mesh_tensor=2,
-      ckpt_dir=args.ckpt,
       save_every=args.save_every,
       keep=3,
       save_full_model=True,
   )
-  trainer = Trainer(make_toy_model(d=64, f=256, dropout=0.1), ToyBatches(), cfg, optax.adamw(1e-2))
+  trainer = Trainer(
+      make_toy_model(d=64, f=256, dropout=0.1),
+      ToyBatches(),
+      cfg,
+      optax.adamw(1e-2),
+      checkpoint_dir=args.ckpt,
+  )
   print(f'resumed at step {trainer.step}', flush=True)
   save = trainer.checkpointer.save
 

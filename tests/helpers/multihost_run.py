@@ -37,8 +37,10 @@ def main():
       mesh_tensor=2,
   )
   if args.ckpt:
-    cfg.ckpt_dir, cfg.resume_allow = args.ckpt, ['trainer.steps']
-  trainer = Trainer(make_toy_model(), ToyBatches(), cfg, optax.adamw(1e-2))
+    cfg.resume_allow = ['trainer.steps']
+  trainer = Trainer(
+      make_toy_model(), ToyBatches(), cfg, optax.adamw(1e-2), checkpoint_dir=args.ckpt or None
+  )
   if args.ckpt:
     print(f'resumed at step {trainer.step}', flush=True)
     losses = [row['loss'] for row in trainer.run()]
