@@ -157,7 +157,7 @@ def train(args):
   from anlr_jax.app.export import export_adalora_run
   from anlr_jax.app.methods import ADALORA_TOTAL_STEP, build_method
   from anlr_jax.app.model import save_lora_params
-  from anlr_jax.data import make_source
+  from anlr_jax.app.train import training_source
   from anlr_jax.models import load_hf_model, load_tokenizer
   from anlr_jax.nn import export_peft_adapter
 
@@ -167,15 +167,7 @@ def train(args):
   if jax.process_index() == 0:
     print(f"{jax.process_count()} processes, {jax.device_count()} devices, mesh {dict(mesh.shape)}")
   tokenizer = load_tokenizer(args.model)
-  data = make_source(
-      args.data,
-      tokenizer,
-      format=config.data.format,
-      max_length=config.data.max_length,
-      global_batch=tc.global_batch,
-      seed=config.seed,
-      pad_multiple=config.data.pad_multiple,
-  )
+  data = training_source(config, args.data, tokenizer)
   total = tc.total_steps(len(data))
   dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
   # Loading under the mesh and the logical-axis rules puts every tensor straight onto its shards;

@@ -280,3 +280,21 @@ def test_prompt_batches_pad_to_power_of_two_widths(monkeypatch):
   for n in (8, 10, 12):
     generate_fn([" ".join(["word"] * n)])
   assert widths == [64, 64, 64]  # a multiple of 16 would have been 48, 64, 64
+
+
+def test_the_training_source_of_a_run_follows_its_data_section(tok, tmp_path):
+  """`anlr train` and the mesh example build their batches with `training_source`: the data
+  section's template, max_length and pad_multiple, trainer.global_batch and the seed all apply."""
+  from anlr_jax.app.train import training_source
+
+  records = [{"instruction": f"Add {i} and {i}.", "output": str(2 * i)} for i in range(6)]
+  (tmp_path / "a.json").write_text(json.dumps(records))
+  path = str(tmp_path / "a.json")
+  base = ["trainer.global_batch=2", "data.max_length=256", "data.pad_multiple=16"]
+  chat = training_source(load_config(None, [*base, "data.template=chat"]), path, tok)
+  alpaca = training_source(load_config(None, base), path, tok)
+  expected = tokenize_examples(read_examples(path).examples, tok, max_length=256, template="chat")
+  assert len(chat) == 3 and chat.get_batch(0)["input_ids"].shape[1] % 16 == 0
+  rows = {tuple(r[r != tok.pad_token_id]) for b in range(3) for r in chat.get_batch(b)["input_ids"]}
+  assert rows == {tuple(ids) for ids in expected.input_ids}
+  assert not rows & {tuple(r[r != tok.pad_token_id]) for r in alpaca.get_batch(0)["input_ids"]}

@@ -62,6 +62,7 @@ from anlr_jax.app.report import (
     write_json,
 )
 from anlr_jax.data import make_source
+from anlr_jax.data.source import LengthBucketedSource
 from anlr_jax.evals import write_accuracy_table
 from anlr_jax.train import Trainer
 from anlr_jax.train.distributed import process0_value
@@ -198,6 +199,23 @@ def train_method(
     return _finish(config, run_dir, model, tokenizer, identity, result, log), curve
 
 
+def training_source(config: RunConfig, path: str, tokenizer) -> LengthBucketedSource:
+  """The training batches of a run: ``path`` read, tokenised and batched as the ``data`` section,
+  ``trainer.global_batch`` and ``seed`` of ``config`` say (``anlr train`` and the examples)."""
+  data = config.data
+  return make_source(
+      path,
+      tokenizer,
+      format=data.format,
+      max_length=data.max_length,
+      global_batch=config.trainer.global_batch,
+      seed=config.seed,
+      on_error=data.on_error,
+      pad_multiple=data.pad_multiple,
+      template=data.template,
+  )
+
+
 def _train(
     config: RunConfig,
     model,
@@ -211,17 +229,7 @@ def _train(
   newest checkpoint) and writes the adapter file and loss plot; returns the trained model, its
   result (not yet evaluated) and its loss curve."""
   method, run_dir, tc = config.method, config.run_dir, config.trainer
-  source = make_source(
-      train_path,
-      tokenizer,
-      format=config.data.format,
-      max_length=config.data.max_length,
-      global_batch=tc.global_batch,
-      seed=config.seed,
-      on_error=config.data.on_error,
-      pad_multiple=config.data.pad_multiple,
-      template=config.data.template,
-  )
+  source = training_source(config, train_path, tokenizer)
   log(f"[{method}] data: {_describe_data(source, train_path, config)}")
   _check_vocab(source, vocab_size, config)
   total = tc.total_steps(len(source))
@@ -357,4 +365,4 @@ def _train_run(config: RunConfig, methods: list[str], run_dir: str, log: Log) ->
   return summary
 
 
-__all__ = ["train_method", "train_run"]
+__all__ = ["train_method", "train_run", "training_source"]
