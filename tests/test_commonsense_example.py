@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from anlr_jax.app import cli
 from anlr_jax.app.config import load_config
 from anlr_jax.data import benchmarks
 from tests.helpers.tiny_llama import save_tiny_llama
@@ -29,6 +30,7 @@ def _example():
 def test_config_holds_out_every_tuning_question():
   config = load_config(CONFIG)
   assert config.compare == ["lora", "anlr"] and config.eval.include_base
+  assert 0 < config.trainer.diag_every < config.trainer.steps  # the rank-one figures can be drawn
   assert sorted(config.eval.tasks.values()) == sorted(
       f"benchmark://{b.name}/heldout" for b in benchmarks.BENCHMARKS.values() if b.kind == "choice"
   )
@@ -61,6 +63,7 @@ def test_example_runs_the_protocol_on_a_tiny_model(tmp_path, capsys):
           "trainer.lr_warmup_steps=1",
           "anlr.warmup_steps=1",
           "trainer.progress=false",
+          "trainer.diag_every=1",
           "eval.tasks={boolq: benchmark://boolq/heldout, ARC-Easy: benchmark://arc_easy/heldout}",
           "eval.limit=2",
           "eval.batch_size=4",
@@ -73,3 +76,7 @@ def test_example_runs_the_protocol_on_a_tiny_model(tmp_path, capsys):
   for row in ("base", "lora", "anlr"):
     assert re.search(rf"^{row}\s+[\d.]+\s+[\d.]+\s+[\d.]+$", table, flags=re.M), table
   assert f"anlr analyze {tmp_path}/runs/s1/lora {tmp_path}/runs/s1/anlr" in out
+  runs = [str(tmp_path / "runs" / "s1" / m) for m in ("lora", "anlr")]
+  assert cli.main(["analyze", *runs, "--out", str(tmp_path / "figures")]) == 0
+  drawn = {p.name for p in (tmp_path / "figures").iterdir()}
+  assert {"fig1_velocity_bars.png", "fig3a_log_multipliers.png", "fig3c_energy_shift.png"} <= drawn
