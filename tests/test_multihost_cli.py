@@ -3,10 +3,10 @@ evaluate and write the same run as 1 process x 8 devices; only process 0 writes;
 fails or is killed stops the other in bounded time with one line; the job resumes afterwards.
 
 Same numbers: both layouts run the same global (2, 2, 2) mesh over 8 CPU devices, so every
-collective reduces the same shards in the same order (gloo between the processes, in-process
-between the devices of one). The adapters and per-step losses are compared to 1e-6 relative: the
-reduction order is the same, but a cross-process all-reduce runs through gloo's own summation
-code rather than XLA's, which may round the last bit differently.
+collective reduces the same shards in the same order. The adapters and per-step losses are compared
+to 1e-6 relative: in the 2-process job every collective (also one among the devices of one process)
+runs through gloo's own summation code rather than XLA's in-process one, which may round the last
+bit differently.
 """
 
 import json
