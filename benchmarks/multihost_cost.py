@@ -291,7 +291,9 @@ def main(argv=None):
   if allreduce:
     print(f"bare gradient all-reduce ({allreduce[0]['buffers']} buffers, "
           f"{allreduce[0]['floats']} floats), median ms of {args.reps} calls")  # fmt: skip
-    print(f"{'P x D':<7}{'buffers: 1 x P*D':>18}{'P x D':>9}{'one buffer: 1 x P*D':>21}{'P x D':>9}")
+    print(
+        f"{'P x D':<7}{'buffers: 1 x P*D':>18}{'P x D':>9}{'one buffer: 1 x P*D':>21}{'P x D':>9}"
+    )
     for row in allreduce:
       print(f"{row['layout']:<7}{row['many_ms_single']:>18.2f}{row['many_ms']:>9.2f}"
             f"{row['one_ms_single']:>21.2f}{row['one_ms']:>9.2f}")  # fmt: skip
