@@ -511,13 +511,14 @@ def test_a_second_writer_fails_fast_and_a_stale_lock_is_taken_over(tmp_path, cap
   lock.release()
 
 
-@pytest.mark.parametrize("state", ["new", "trained", "complete"])
+@pytest.mark.parametrize("state", ["new", "trained", "complete", "compare"])
 def test_two_trainings_on_one_run_dir(finished, tmp_path, state):
   """A second ``anlr train`` on a run directory in use fails at once and writes nothing, whatever
-  the directory holds: nothing yet, a trained adapter to evaluate, or a complete run."""
+  the directory holds: nothing yet, a trained adapter to evaluate, or a complete run; and a
+  comparison (``compare``: one sub-directory per method) held by another process as a whole."""
   _, config = finished
   run = tmp_path / "run"
-  if state == "new":
+  if state in ("new", "compare"):
     with DirectoryLock(run, what="run directory"):
       pass  # re-entrant and released: the lock file names nobody afterwards
   else:
@@ -539,7 +540,10 @@ def test_two_trainings_on_one_run_dir(finished, tmp_path, state):
   try:
     assert holder.stdout.readline().strip() == "held"
     before = _files(run)
-    assert cli.main(["train", "--config", str(config), f"run_dir={run}"]) == 2
+    argv = ["train", "--config", str(config), f"run_dir={run}"]
+    if state == "compare":
+      argv.append("compare=[lora,anlr]")
+    assert cli.main(argv) == 2
     assert _files(run) == before  # no config.yaml, no metrics, no results
   finally:
     holder.kill()
