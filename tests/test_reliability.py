@@ -124,20 +124,32 @@ def _copy_run(finished, tmp_path) -> pathlib.Path:
   return run
 
 
-def test_a_finished_run_with_other_settings_is_refused_and_left_alone(finished, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "state, override, refused",
+    [
+        ("complete", "lora.rank=8", r"run directory .* \(.*lora.rank: 4 -> 8"),
+        ("trained", "trainer.learning_rate=0.001", r"lora_final.safetensors .* \(.*0.005 -> 0.001"),
+    ],
+)
+def test_a_finished_run_with_other_settings_is_refused_and_left_alone(
+    finished, tmp_path, capsys, state, override, refused
+):
+  """Complete, or trained with its evaluation still to do (no results.json): re-run with another
+  setting, the run directory is refused in one line naming the key, and no file of it changes."""
   _, config = finished
   run = _copy_run(finished, tmp_path)
+  if state == "trained":
+    (run / RESULTS_FILE).unlink()
   before = _files(run)
-  assert cli.main(["train", "--config", str(config), f"run_dir={run}", "lora.rank=8"]) == 2
+  assert cli.main(["train", "--config", str(config), f"run_dir={run}", override]) == 2
   out, err = capsys.readouterr()
-  assert "complete already" not in out
-  assert re.search(
-      r"run directory .* belongs to a run with other settings \(.*lora.rank: 4 -> 8", err
-  )
+  assert "complete already" not in out and "evaluating" not in out
+  assert re.search(refused, err) and "belongs to a run with other settings" in err, err
   assert "Traceback" not in err and len(err.strip().splitlines()) == 1
   assert _files(run) == before  # config.yaml included: still the finished run's
   assert cli.main(["train", "--config", str(config), f"run_dir={run}"]) == 0
-  assert "complete already" in capsys.readouterr().out  # the same settings: its results
+  done = {"complete": "complete already", "trained": "trained already"}[state]
+  assert done in capsys.readouterr().out  # the same settings: its results, or their evaluation
 
 
 def test_resume_allow_permits_a_longer_schedule(finished, tmp_path, capsys):
