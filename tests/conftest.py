@@ -1,5 +1,6 @@
 """Test session setup: 8 fake CPU devices, set before any JAX computation runs; a fresh
-compilation-cache directory for the CLI, removed when the session ends.
+compilation-cache directory for the CLI, removed when the session ends; no test may leave a run
+in the checkout's (or the working directory's) ``runs/``.
 
 Every test sees the same 8-device CPU backend; unsharded tests simply run on device 0.
 """
@@ -10,6 +11,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The CLI's persistent compilation cache: one fresh directory per test session (and its
 # subprocesses), so the suite neither reads nor fills the user's ~/.cache; removed at exit.
@@ -19,3 +22,25 @@ atexit.register(functools.partial(shutil.rmtree, os.environ["ANLR_COMPILE_CACHE"
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+# The shipped configs' run_dir is relative (runs/...): a test that runs one must chdir to its
+# tmp_path or set run_dir, or it leaves runs/ behind where nobody sees it (git ignores runs/).
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNS_DIRS = sorted({os.path.realpath(os.path.join(d, "runs")) for d in (CHECKOUT, os.getcwd())})
+
+
+def _entries(folder: str) -> set[str] | None:
+  """The names in ``folder``; None when it does not exist."""
+  return set(os.listdir(folder)) if os.path.isdir(folder) else None
+
+
+@pytest.fixture(autouse=True)
+def _no_run_left_in_the_checkout():
+  before = {d: _entries(d) for d in RUNS_DIRS}
+  yield
+  for folder in RUNS_DIRS:
+    after = _entries(folder)
+    if after is not None and (before[folder] is None or after - before[folder]):
+      left = sorted(after - (before[folder] or set())) or "an empty directory"
+      pytest.fail(f"the test left {left} in {folder}: write under tmp_path", pytrace=False)

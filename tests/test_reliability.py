@@ -124,20 +124,32 @@ def _copy_run(finished, tmp_path) -> pathlib.Path:
   return run
 
 
-def test_a_finished_run_with_other_settings_is_refused_and_left_alone(finished, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "state, override, refused",
+    [
+        ("complete", "lora.rank=8", r"run directory .* \(.*lora.rank: 4 -> 8"),
+        ("trained", "trainer.learning_rate=0.001", r"lora_final.safetensors .* \(.*0.005 -> 0.001"),
+    ],
+)
+def test_a_finished_run_with_other_settings_is_refused_and_left_alone(
+    finished, tmp_path, capsys, state, override, refused
+):
+  """Complete, or trained with its evaluation still to do (no results.json): re-run with another
+  setting, the run directory is refused in one line naming the key, and no file of it changes."""
   _, config = finished
   run = _copy_run(finished, tmp_path)
+  if state == "trained":
+    (run / RESULTS_FILE).unlink()
   before = _files(run)
-  assert cli.main(["train", "--config", str(config), f"run_dir={run}", "lora.rank=8"]) == 2
+  assert cli.main(["train", "--config", str(config), f"run_dir={run}", override]) == 2
   out, err = capsys.readouterr()
-  assert "complete already" not in out
-  assert re.search(
-      r"run directory .* belongs to a run with other settings \(.*lora.rank: 4 -> 8", err
-  )
+  assert "complete already" not in out and "evaluating" not in out
+  assert re.search(refused, err) and "belongs to a run with other settings" in err, err
   assert "Traceback" not in err and len(err.strip().splitlines()) == 1
   assert _files(run) == before  # config.yaml included: still the finished run's
   assert cli.main(["train", "--config", str(config), f"run_dir={run}"]) == 0
-  assert "complete already" in capsys.readouterr().out  # the same settings: its results
+  done = {"complete": "complete already", "trained": "trained already"}[state]
+  assert done in capsys.readouterr().out  # the same settings: its results, or their evaluation
 
 
 def test_resume_allow_permits_a_longer_schedule(finished, tmp_path, capsys):
@@ -517,13 +529,14 @@ def test_a_second_writer_fails_fast_and_a_stale_lock_is_taken_over(tmp_path, cap
   lock.release()
 
 
-@pytest.mark.parametrize("state", ["new", "trained", "complete"])
+@pytest.mark.parametrize("state", ["new", "trained", "complete", "compare"])
 def test_two_trainings_on_one_run_dir(finished, tmp_path, state):
   """A second ``anlr train`` on a run directory in use fails at once and writes nothing, whatever
-  the directory holds: nothing yet, a trained adapter to evaluate, or a complete run."""
+  the directory holds: nothing yet, a trained adapter to evaluate, or a complete run; and a
+  comparison (``compare``: one sub-directory per method) held by another process as a whole."""
   _, config = finished
   run = tmp_path / "run"
-  if state == "new":
+  if state in ("new", "compare"):
     with DirectoryLock(run, what="run directory"):
       pass  # re-entrant and released: the lock file names nobody afterwards
   else:
@@ -545,7 +558,10 @@ def test_two_trainings_on_one_run_dir(finished, tmp_path, state):
   try:
     assert holder.stdout.readline().strip() == "held"
     before = _files(run)
-    assert cli.main(["train", "--config", str(config), f"run_dir={run}"]) == 2
+    argv = ["train", "--config", str(config), f"run_dir={run}"]
+    if state == "compare":
+      argv.append("compare=[lora,anlr]")
+    assert cli.main(argv) == 2
     assert _files(run) == before  # no config.yaml, no metrics, no results
   finally:
     holder.kill()
