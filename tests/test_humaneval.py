@@ -238,7 +238,9 @@ def _hostile(marker, cwd_file):
       "wrong answer": "    return True\n",
       "syntax error": "    return (\n",
       "infinite loop": "    while True:\n        pass\n",
-      "memory bomb": "    x = []\n    while True:\n        x.append(bytearray(10**7))\n",
+      # 2 GB of address space at once: over the 512 MiB limit at the first allocation, so the
+      # verdict does not wait on zero-filling pages (under load that took longer than the timeout)
+      "memory bomb": "    x = bytearray(2 * 10**9)\n    while True:\n        x += bytearray(10**7)\n",
       "huge file": (
           f"    open({str(cwd_file)!r}, 'w').write(__import__('os').getcwd())\n"
           "    with open('big', 'wb') as f:\n"
