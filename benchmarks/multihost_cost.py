@@ -50,6 +50,33 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def run_job(what: str, args: list[str], processes: int, devices: int, timeout: float) -> list[str]:
+  """Runs ``args`` as a ``jax.distributed`` job of ``processes`` processes of ``devices`` CPU
+  devices each on localhost (one plain process when ``processes`` is 1); returns each process's
+  stdout, or raises with the stderr of the first that failed."""
+  base = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
+              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")  # fmt: skip
+  for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    base.pop(var, None)
+  port = _free_port()
+  procs = []
+  for pid in range(processes):
+    env = dict(base)
+    if processes > 1:
+      env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(processes),
+                 JAX_PROCESS_ID=str(pid))  # fmt: skip
+    procs.append(
+        subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    )
+  outs = []
+  for proc in procs:
+    out, err = proc.communicate(timeout=timeout)
+    if proc.returncode:
+      raise RuntimeError(f"{what} ({processes} x {devices} devices) failed: {err.decode()[-2000:]}")
+    outs.append(out.decode())
+  return outs
+
+
 def train_once(processes: int, devices: int, mesh: tuple[int, int, int], steps: int,
                run_dir: str) -> float:  # fmt: skip
   """One ``anlr train`` run as ``processes`` processes of ``devices`` CPU devices each on
@@ -58,26 +85,7 @@ def train_once(processes: int, devices: int, mesh: tuple[int, int, int], steps: 
   args += ["compare=[]", f"run_dir={run_dir}", f"trainer.steps={steps}", "trainer.log_every=1"]
   args += [f"trainer.mesh_{axis}={size}" for axis, size in zip(("data", "fsdp", "tensor"), mesh)]
   args += ["trainer.diag_every=0", "eval.tasks={}", "eval.include_base=false", "compile_cache=null"]
-  base = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
-    base.pop(var, None)
-  port = _free_port()
-  procs = []
-  for pid in range(processes):
-    env = dict(base, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    if processes > 1:
-      env.update(
-          JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-          JAX_NUM_PROCESSES=str(processes),
-          JAX_PROCESS_ID=str(pid),
-      )
-    procs.append(
-        subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    )
-  for proc in procs:
-    _, err = proc.communicate(timeout=1800)
-    if proc.returncode:
-      raise RuntimeError(f"anlr train ({processes} processes) failed: {err.decode()[-2000:]}")
+  run_job("anlr train", args, processes, devices, timeout=1800)
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f if line.strip()]
   return statistics.median(r["tokens"] / r["tokens_per_s"] for r in rows[2:])
@@ -155,26 +163,7 @@ def allreduce_worker(reps: int) -> None:
 def allreduce_once(processes: int, devices: int, reps: int) -> dict:
   """:func:`allreduce_worker` as ``processes`` processes of ``devices`` CPU devices each."""
   args = [sys.executable, os.path.abspath(__file__), "--allreduce-worker", "--reps", str(reps)]
-  base = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
-              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")  # fmt: skip
-  for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
-    base.pop(var, None)
-  port = _free_port()
-  procs = []
-  for pid in range(processes):
-    env = dict(base)
-    if processes > 1:
-      env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(processes),
-                 JAX_PROCESS_ID=str(pid))  # fmt: skip
-    procs.append(
-        subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    )
-  outs = []
-  for proc in procs:
-    out, err = proc.communicate(timeout=600)
-    if proc.returncode:
-      raise RuntimeError(f"all-reduce worker failed: {err.decode()[-2000:]}")
-    outs.append(out.decode())
+  outs = run_job("all-reduce worker", args, processes, devices, timeout=600)
   return json.loads(outs[0].strip().splitlines()[-1])
 
 
@@ -244,8 +233,7 @@ def main(argv=None):
     return allreduce_worker(args.reps)
   if args.rounds < 1 or args.steps < 4 or args.saves < 1 or args.reps < 1:
     raise ValueError("--rounds >= 1, --steps >= 4, --saves >= 1, --reps >= 1")
-  layouts = [tuple(int(v) for v in item.split("x")) for item in args.allreduce.split(",") if item]
-  allreduce = allreduce_cost(layouts, args.reps)
+  allreduce = allreduce_cost([(p, d) for p, d, _ in parse_layouts(args.allreduce)], args.reps)
   train = parse_layouts(args.layouts)
   times = {(p, d): ([], []) for p, d, _ in train}  # (1 x P*D runs, P x D runs)
   with tempfile.TemporaryDirectory() as tmp:
