@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -39,6 +40,64 @@ logger = logging.getLogger('anlr_jax.train')
 
 SEAL_POLL_SECONDS = 0.05
 """How often a sealing thread looks for the committed step directory."""
+
+
+def _is_late_read_of_abandoned_restore(args) -> bool:
+  """True for the error tensorstore reports when a read of a failed orbax restore completes after
+  orbax closed that restore's event loop: ``RuntimeError('Event loop is closed')`` raised by
+  ``call_soon_threadsafe``. The read's result belongs to nobody; only its report is left."""
+  if not (
+      isinstance(args.exc_value, RuntimeError) and str(args.exc_value) == 'Event loop is closed'
+  ):
+    return False
+  frame = args.exc_traceback
+  while frame is not None:
+    if frame.tb_frame.f_code.co_name == 'call_soon_threadsafe':
+      return True
+    frame = frame.tb_next
+  return False
+
+
+def _is_unretrieved_read_of_abandoned_restore(record: logging.LogRecord) -> bool:
+  """True for asyncio's 'Task exception was never retrieved' about one of orbax's array reads: the
+  restore failed on its first bad read and dropped the others, which fail alike."""
+  message = record.getMessage()
+  return message.startswith('Task exception was never retrieved') and (
+      'coro=<async_deserialize()' in message
+  )
+
+
+class _DropAbandonedReads(logging.Filter):
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not _is_unretrieved_read_of_abandoned_restore(record)
+
+
+_QUIET_LOCK = threading.Lock()
+_quiet_installed = False
+
+
+def _quiet_abandoned_reads() -> None:
+  """When a restore fails on one bad read (the caller names the checkpoint in one line), orbax
+  drops its other reads, which still finish, on tensorstore's threads and in asyncio tasks nobody
+  awaits any more, some before the error reaches the caller. Each reports a traceback: through
+  ``sys.unraisablehook`` about the restore's closed event loop, and through the ``asyncio`` logger
+  as a task exception never retrieved (dozens for one bad checkpoint). Installs, once, before the
+  first restore, a hook and a logging filter that drop exactly those reports (a restore that
+  succeeds makes none) and pass every other one on."""
+  global _quiet_installed
+  with _QUIET_LOCK:
+    if _quiet_installed:
+      return
+    previous = sys.unraisablehook
+
+    def hook(args):
+      if not _is_late_read_of_abandoned_restore(args):
+        previous(args)
+
+    sys.unraisablehook = hook
+    logging.getLogger('asyncio').addFilter(_DropAbandonedReads())
+    _quiet_installed = True
 
 
 def _key_name(entry) -> str:
@@ -289,6 +348,7 @@ class TrainCheckpointer:
     problem = self.verify(step)
     if problem is not None:
       raise CorruptCheckpointError(f'checkpoint {step} in {self.directory} is corrupt: {problem}')
+    _quiet_abandoned_reads()  # before: a failed read's siblings may report before it raises
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as err:  # noqa: BLE001  (tensorstore/orbax raise many types on bad bytes)
@@ -306,6 +366,7 @@ class TrainCheckpointer:
 
   def read_meta(self, step: int) -> dict:
     """The ``meta`` item of checkpoint ``step`` alone (no array is read)."""
+    _quiet_abandoned_reads()
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     except Exception as err:  # noqa: BLE001
