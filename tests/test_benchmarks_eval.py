@@ -96,3 +96,30 @@ def test_mbpp_prompts_are_the_package_context_and_references_pass():
   assert asked == [p["context"] for p in problems]
   assert result.accuracy == 1.0
   assert all("more text" not in r.completion for r in result.records)
+
+
+def test_mbpp_chat_replies_are_taken_at_the_top_level_not_as_a_body():
+  """An MBPP prompt has no stub to complete: a chat reply's code that does not define the entry
+  point at column 0 (indented whole, or defining another name) runs at the top level, so an
+  indented solution passes and a wrongly named one fails as a NameError, not an IndentationError."""
+  (problem,) = benchmarks.load_benchmark("mbpp", "test")[:1]
+  name = problem["entry_point"]
+  indented = "    " + problem["reference"].strip().replace("\n", "\n    ")
+  replies = {
+      "indented": f"Here it is:\n```python\n{indented}\n```\nDone.",
+      "renamed": f"```python\n{problem['reference'].replace(name, name + '_v2')}\n```",
+  }
+  for kind, reply in replies.items():
+    result = evaluate_code(
+        lambda prompts: [reply] * len(prompts),
+        [problem],
+        "mbpp",
+        batch_size=1,
+        progress=False,
+        chat=lambda message: f"<user>{message}</user>",
+    )
+    (record,) = result.records
+    if kind == "indented":
+      assert record.passed, record.result
+    else:
+      assert not record.passed and record.result.startswith("failed: NameError"), record.result

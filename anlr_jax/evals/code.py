@@ -68,13 +68,15 @@ def chat_message(prompt: str) -> str:
   return f"{CHAT_INSTRUCTION}\n\n```python\n{prompt.rstrip()}\n```"
 
 
-def code_from_reply(reply: str, entry_point: str) -> str:
+def code_from_reply(reply: str, entry_point: str, *, stub: bool = True) -> str:
   """The completion that a chat ``reply`` gives for a problem whose function is ``entry_point``.
 
   The code is the first fenced block that defines ``entry_point`` (else the first Python or
   unlabelled block, else the whole reply), cut before :data:`CHAT_STOPS`. Code that defines the
   function at the top level becomes ``"\n" + code``, appended after the prompt; any other code is
-  the function's body, indented by four spaces when it is not indented already.
+  the function's body, indented by four spaces when it is not indented already, if the prompt ends
+  with the function's stub (``stub``: HumanEval); without a stub (MBPP: the prompt only sets up the
+  tests) it is appended at the top level like a definition, dedented.
   """
   blocks = [(lang.lower(), body) for lang, body in _FENCE.findall(reply)]
   defines = re.compile(rf"^def\s+{re.escape(entry_point)}\s*\(", re.M)
@@ -85,7 +87,15 @@ def code_from_reply(reply: str, entry_point: str) -> str:
   if defines.search(code):
     return "\n" + code.strip("\n") + "\n"
   body = textwrap.dedent(code).strip("\n")
+  if not stub:
+    return "\n" + body + "\n" if body else ""
   return textwrap.indent(body, "    ") + "\n" if body else ""
+
+
+def _has_stub(problem: Mapping[str, Any]) -> bool:
+  """Whether ``problem``'s prompt defines its entry point (a stub whose body the model writes)."""
+  name = re.escape(problem["entry_point"])
+  return re.search(rf"^def\s+{name}\s*\(", problem["prompt"], re.M) is not None
 
 
 def load_code_problems(file: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -192,7 +202,10 @@ def evaluate_code(
   if chat is None:
     completions = [truncate_completion(g, stops) for g in generations]
   else:
-    completions = [code_from_reply(g, p["entry_point"]) for p, g in zip(problems, generations)]
+    completions = [
+        code_from_reply(g, p["entry_point"], stub=_has_stub(p))
+        for p, g in zip(problems, generations)
+    ]
   samples = [{"task_id": p["task_id"], "completion": c} for p, c in zip(problems, completions)]
   scored = humaneval.evaluate(
       samples,
@@ -201,6 +214,7 @@ def evaluate_code(
       timeout=timeout,
       workers=workers,
       progress=show,
+      desc=f"{task} tests",
   )
   records = tuple(
       CodeRecord(

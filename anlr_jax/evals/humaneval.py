@@ -576,6 +576,7 @@ def evaluate(
     max_processes: int | None = 64,
     max_output_bytes: int = 65536,
     progress: bool | None = None,
+    desc: str = "HumanEval",
 ) -> HumanEvalResult:
   """Runs every sample's program against its problem's tests and estimates pass@k.
 
@@ -588,6 +589,7 @@ def evaluate(
     workers: programs run at once (default: the number of usable CPUs, at most 8).
     memory_mb, file_size_mb, max_processes, max_output_bytes: the sandbox's limits (`run_program`).
     progress: show a tqdm bar (default: when there are more than 20 samples).
+    desc: the bar's label.
 
   Returns:
     A `HumanEvalResult`; its `results` are in the order of `samples`.
@@ -627,7 +629,7 @@ def evaluate(
   # On an error or Ctrl-C, the queued samples are dropped; the running ones end by their timeout.
   try:
     futures = {pool.submit(run, *sample): i for i, sample in enumerate(checked)}
-    with tqdm.tqdm(total=len(futures), disable=not show, desc="HumanEval", unit="sample") as bar:
+    with tqdm.tqdm(total=len(futures), disable=not show, desc=desc, unit="sample") as bar:
       for future in concurrent.futures.as_completed(futures):
         results[futures[future]] = future.result()
         bar.update(1)
