@@ -300,7 +300,9 @@ def test_a_second_process_loads_the_compiled_step_from_the_cache(trained, tmp_pa
     assert done.returncode == 0, done.stderr[-2000:]
     if run == "a":
       entries = {p.name for p in cache.iterdir()}
-      assert any(name.startswith(TRAIN_STEP) for name in entries), f"no train step cached: {entries}"
+      assert any(
+          name.startswith(TRAIN_STEP) for name in entries
+      ), f"no train step cached: {entries}"
   # The second run compiled no train step of its own: it loaded the first run's. (Small programs
   # whose compile time is close to the cache's 0.5 s threshold, such as the evaluation's
   # `jit__decode_step`, may be written by either run.)
