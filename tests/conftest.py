@@ -1,5 +1,6 @@
 """Test session setup: 8 fake CPU devices, set before any JAX computation runs; a fresh
-compilation-cache directory for the CLI, removed when the session ends; no test may leave a run
+compilation-cache directory for the CLI and a fresh cache of benchmark training files, removed when
+the session ends; no test may leave a run
 in the checkout's (or the working directory's) ``runs/``.
 
 Every test sees the same 8-device CPU backend; unsharded tests simply run on device 0.
@@ -18,6 +19,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # subprocesses), so the suite neither reads nor fills the user's ~/.cache; removed at exit.
 os.environ["ANLR_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="anlr-xla-")
 atexit.register(functools.partial(shutil.rmtree, os.environ["ANLR_COMPILE_CACHE"], True))
+# The same for the cache of benchmark training files (data.train: benchmark://<set>/tune).
+os.environ["ANLR_CACHE_DIR"] = tempfile.mkdtemp(prefix="anlr-cache-")
+atexit.register(functools.partial(shutil.rmtree, os.environ["ANLR_CACHE_DIR"], True))
 
 import jax  # noqa: E402
 

