@@ -169,6 +169,7 @@ def test_subprocess_runner_passes_the_cell_and_overrides(tmp_path):
       'trainer.learning_rate=0.0002',
       'seed=1',
       'compare=[]',
+      'eval.include_base=false',
       'trainer.ckpt_dir={run_dir}/checkpoints',
       'trainer.steps=5',
   ]
@@ -231,3 +232,123 @@ def test_accuracy_vs_lr_plot_labels_exactly_the_swept_learning_rates(tmp_path, m
       '0.008',
   ]
   assert not ax.xaxis.get_minor_ticks()  # no log-axis minor labels to overlap them
+
+
+# ------------------------------------------------------------- the base model, per-task, paired
+def _records(run_dir, task, outcomes):
+  """eval_<task>.jsonl of log-likelihood records: question i right under 'char' iff outcomes[i]
+  ('raw' always wrong, to check the normalisation is the one asked for)."""
+  with open(os.path.join(run_dir, f'eval_{task}.jsonl'), 'w') as f:
+    for i, right in enumerate(outcomes):
+      predictions = {'raw': 1, 'char': 0 if right else 1, 'token': 0}
+      f.write(json.dumps({'index': i, 'id': str(10 + i), 'gold': 0, 'predictions': predictions}))
+      f.write('\n')
+
+
+class RecordsRunner(FakeRunner):
+  """Writes results.json and per-question records: lora right on questions 0-5, anlr on 2-9 (of
+  12) on both tasks, so per pair of runs lora alone is right on 2 and anlr alone on 4."""
+
+  def __call__(self, cell, run_dir):
+    super().__call__(cell, run_dir)
+    right = range(0, 6) if cell.method == 'lora' else range(2, 10)
+    for task in ('boolq', 'piqa'):
+      _records(run_dir, task, [i in right for i in range(12)])
+
+
+def test_mcnemar_is_the_exact_binomial_test():
+  from math import comb
+
+  from anlr_jax.analysis.sweep import mcnemar_exact
+
+  for a, b in [(3, 9), (9, 3), (22, 34), (0, 5), (7, 7)]:
+    n, k = a + b, min(a, b)
+    expected = min(1.0, 2 * sum(comb(n, i) for i in range(k + 1)) / 2**n)
+    assert mcnemar_exact(a, b) == pytest.approx(expected, rel=1e-12)
+  assert mcnemar_exact(0, 0) == 1.0
+
+
+def test_report_has_the_base_model_per_task_means_and_paired_tests(tmp_path, monkeypatch):
+  from math import comb
+
+  from anlr_jax.analysis import figures
+
+  config = tmp_path / 'cfg.yaml'
+  config.write_text(
+      'method: lora\neval:\n  include_base: true\n  normalization: char\n'
+      f'  tasks:\n    boolq: {tmp_path}/t.json\n'
+  )
+  based = []
+
+  def base(run_dir):
+    based.append(run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, 'results.json'), 'w') as f:
+      json.dump({'adapter': None, 'accuracy': {'boolq': 0.5, 'piqa': 0.4}, 'avg': 0.45}, f)
+
+  drawn = {}
+  real = figures.accuracy_vs_lr_figure
+  monkeypatch.setattr(
+      figures,
+      'accuracy_vs_lr_figure',
+      lambda table, path, **kw: drawn.update(kw) or real(table, path, **kw),
+  )
+  out = tmp_path / 'sweep'
+  argv = ['--config', str(config), '--methods', 'lora,anlr', '--lrs', '1e-4,2e-4']
+  argv += ['--seeds', '0,1', '--out', str(out)]
+  assert sweep_main(argv, runner=RecordsRunner(), base=base) == 0
+  assert based == [str(out / 'base')] and drawn == {'base': 0.45}
+  assert sweep_main(argv, runner=RecordsRunner(), base=base) == 0
+  assert len(based) == 1  # scored once: a re-run finds it
+
+  summary = (out / 'summary.md').read_text()
+  assert '| base | 0.45 | 0.45 |' in summary
+  per_task = list(csv.DictReader(open(out / 'per_task.csv')))
+  lora = next(r for r in per_task if r['method'] == 'lora' and float(r['learning_rate']) == 1e-4)
+  acc = np.mean([_accuracy('lora', 1e-4, s) for s in (0, 1)])
+  assert float(lora['boolq']) == pytest.approx(acc) and float(lora['avg']) == pytest.approx(acc)
+  assert per_task[-1]['method'] == 'base' and float(per_task[-1]['piqa']) == 0.4
+  paired = list(csv.DictReader(open(out / 'paired.csv')))
+  assert [(float(r['learning_rate']), r['method_a'], r['method_b']) for r in paired] == [
+      (1e-4, 'lora', 'anlr'),
+      (2e-4, 'lora', 'anlr'),
+  ]
+  row = paired[0]
+  # 2 seeds x 2 tasks x 12 questions; per run pair lora alone right on 0-1, anlr alone on 6-9
+  assert (int(row['seeds']), int(row['questions'])) == (2, 48)
+  assert (int(row['right_a']), int(row['right_b'])) == (24, 32)
+  assert (int(row['only_a']), int(row['only_b'])) == (8, 16)
+  expected = 2 * sum(comb(24, i) for i in range(9)) / 2**24
+  assert float(row['p']) == pytest.approx(expected, rel=1e-9)
+  assert '| 0.0001 | lora | anlr | 2 | 48 | 24 | 32 | 8 | 16 |' in (out / 'paired.md').read_text()
+
+
+def test_paired_outcomes_use_the_configured_normalization(tmp_path):
+  from anlr_jax.analysis.sweep import question_outcomes
+
+  _records(str(tmp_path), 'boolq', [True, False, True])
+  assert question_outcomes(str(tmp_path), 'boolq', 'char') == {'10': True, '11': False, '12': True}
+  assert question_outcomes(str(tmp_path), 'boolq', 'raw') == {'10': False, '11': False, '12': False}
+  with open(tmp_path / 'eval_gsm8k.jsonl', 'w') as f:
+    f.write(json.dumps({'index': 0, 'correct': True}) + '\n{"index": 1}\n')
+  with pytest.raises(ValueError, match=r'eval_gsm8k.jsonl:2: a record without correct'):
+    question_outcomes(str(tmp_path), 'gsm8k', 'char')
+  assert question_outcomes(str(tmp_path), 'missing', 'char') == {}
+
+
+def test_base_runner_runs_anlr_eval_once_into_the_base_directory(tmp_path):
+  from anlr_jax.analysis.sweep import base_runner
+
+  fake_python = tmp_path / 'fake_python'
+  fake_python.write_text(
+      f'#!{sys.executable}\n'
+      'import json, os, sys\n'
+      'args = sys.argv[1:]\n'
+      'out = args[args.index("--out") + 1]\n'
+      'json.dump({"argv": args, "avg": 0.5}, open(os.path.join(out, "results.json"), "w"))\n'
+  )
+  fake_python.chmod(fake_python.stat().st_mode | stat.S_IEXEC)
+  out = str(tmp_path / 'base')
+  base_runner('cfg.yaml', ['eval.limit=5'], python=str(fake_python))(out)
+  argv = json.load(open(os.path.join(out, 'results.json')))['argv']
+  assert argv == ['-m', 'anlr_jax', 'eval', '--config', 'cfg.yaml', '--out', out, 'eval.limit=5']

@@ -182,11 +182,15 @@ def energy_shift_figure(shift: np.ndarray, label_a: str, label_b: str, path: str
   return _save(fig, path)
 
 
-def accuracy_vs_lr_figure(table: Sequence[dict], path: str, *, metric: str = 'avg') -> str:
+def accuracy_vs_lr_figure(
+    table: Sequence[dict], path: str, *, metric: str = 'avg', base: float | None = None
+) -> str:
   """Fig. 5: mean accuracy (± std over seeds) vs learning rate, one line per method; ``table`` rows
-  have ``method, learning_rate, mean, std``."""
+  have ``method, learning_rate, mean, std``; ``base``: the base model's accuracy, a dashed line."""
   fig, axes = _columns(1, width=5.5, height=3.8)
   ax = axes[0, 0]
+  if base is not None:
+    ax.axhline(base, color='0.4', linestyle='--', linewidth=1, label='base model')
   for method in dict.fromkeys(r['method'] for r in table):
     rows = sorted((r for r in table if r['method'] == method), key=lambda r: r['learning_rate'])
     ax.errorbar(

@@ -16,7 +16,16 @@ from typing import Sequence
 
 from anlr_jax import rundir
 from anlr_jax.analysis.analyze import analyze
-from anlr_jax.analysis.sweep import Runner, grid, run_sweep, subprocess_runner, write_sweep_report
+from anlr_jax.analysis.sweep import (
+    BaseRunner,
+    Runner,
+    base_runner,
+    grid,
+    run_sweep,
+    subprocess_runner,
+    write_sweep_report,
+)
+from anlr_jax.app.config import ConfigError, load_config
 from anlr_jax.app.methods import METHOD_NAMES
 from anlr_jax.app.paths import find_config
 
@@ -100,9 +109,15 @@ def _sweep_parser() -> argparse.ArgumentParser:
   return p
 
 
-def sweep_main(argv: Sequence[str] | None = None, *, runner: Runner | None = None) -> int:
-  """``anlr sweep``; ``runner`` replaces the default subprocess runner (tests). Returns the exit
-  status (0; 1 when a cell failed, after writing the report of the finished cells; 2 bad arguments).
+def sweep_main(
+    argv: Sequence[str] | None = None,
+    *,
+    runner: Runner | None = None,
+    base: BaseRunner | None = None,
+) -> int:
+  """``anlr sweep``; ``runner`` and ``base`` replace the default subprocess runners of the cells and
+  of the base model (tests). Returns the exit status (0; 1 when a cell failed, after writing the
+  report of the finished cells; 2 bad arguments).
   """
   parser = _sweep_parser()
   args = parser.parse_args(argv)
@@ -123,18 +138,26 @@ def sweep_main(argv: Sequence[str] | None = None, *, runner: Runner | None = Non
     cells = grid(args.methods, args.lrs, args.seeds)
   except ValueError as e:
     parser.error(str(e))
+  try:
+    config = load_config(args.config, args.overrides)
+  except (ConfigError, ValueError, OSError) as err:
+    parser.error(str(err))
   runner = runner or subprocess_runner(args.config, args.overrides)
+  if config.eval.include_base and config.eval.tasks:  # scored once, in <out>/base
+    base = base or base_runner(args.config, args.overrides)
+  else:
+    base = None
   logging.basicConfig(level=logging.INFO, format='%(message)s')
   status = 0
   if not args.report_only:
     try:
-      run_sweep(cells, args.out, runner, log=lambda m: print(m, file=sys.stderr))
+      run_sweep(cells, args.out, runner, log=lambda m: print(m, file=sys.stderr), base=base)
     except (RuntimeError, OSError) as e:
       print(
           f'anlr sweep: error: {e}\nanlr sweep: re-run the same command to resume.', file=sys.stderr
       )
       status = 1
-  paths = write_sweep_report(cells, args.out)
+  paths = write_sweep_report(cells, args.out, normalization=config.eval.normalization)
   print(
       f"anlr sweep: table {paths['markdown']}"
       + (f", plot {paths['plot']}" if 'plot' in paths else '')
