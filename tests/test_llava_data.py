@@ -288,3 +288,24 @@ def test_broken_image_data_is_reported_when_loaded(tmp_path, folder, tok):
       DataFormatError, match=r"data\.json:2: record trunc-1: unreadable image .*truncated\.jpg"
   ):
     source.get_batch(0)
+
+
+def test_a_template_that_writes_image_tokens_itself(tmp_path, folder, tok):
+  # A chat template that puts an <image> of its own in the prompt breaks the token/image pairing.
+  odd = build_tiny_tokenizer()
+  odd.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<image>"]})
+  odd.chat_template = "<image>" + CHATML
+  path = write(tmp_path, RECORDS[:1])
+  with pytest.raises(
+      DataFormatError, match=r"data\.json:2: record img-1: the prompt has 2 <image>"
+  ):
+    make_llava_source(
+        path,
+        odd,
+        preprocess=preprocess,
+        num_image_tokens=N,
+        max_length=512,
+        global_batch=1,
+        seed=0,
+        image_folder=folder,
+    )

@@ -60,6 +60,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import tqdm
 from PIL import Image, UnidentifiedImageError
 from transformers import PreTrainedTokenizerBase
 
@@ -220,7 +221,10 @@ def read_llava_examples(
     raise FileNotFoundError(f"image folder not found: {folder}")
   examples: list[LlavaExample] = []
   skipped: list[tuple[int, str]] = []
-  for line, record in scan_records(path):
+  records = tqdm.tqdm(
+      scan_records(path), desc=f"checking {os.path.basename(path)}", unit=" records", leave=False
+  )
+  for line, record in records:
     record_id = str(record.get("id", "")) if isinstance(record, Mapping) else ""
     try:
       if isinstance(record, Exception):
@@ -304,9 +308,11 @@ def tokenize_llava_examples(
     num_image_tokens: int,
     template: str = "chat",
     image_token: str = IMAGE_TOKEN,
+    data_path: str = "",
 ) -> LlavaTokenized:
   """Tokenises `examples` (see the module docstring): prompts in `template`, response-only loss,
-  each image token repeated `num_image_tokens` times, truncation that keeps image blocks whole."""
+  each image token repeated `num_image_tokens` times, truncation that keeps image blocks whole;
+  `data_path` names the file in errors."""
   if template not in LLAVA_TEMPLATES:
     raise ValueError(f"template must be one of {list(LLAVA_TEMPLATES)}, got {template!r}")
   if not isinstance(num_image_tokens, int) or num_image_tokens < 1:
@@ -332,9 +338,10 @@ def tokenize_llava_examples(
   for example, x, m in zip(examples, tokenized.input_ids, tokenized.loss_mask):
     where = np.flatnonzero(x == image_id)
     if len(where) != len(example.images):
+      record = f"record {example.id}: " if example.id else ""
       raise DataFormatError(
-          f"line {example.source_line}: the prompt has {len(where)} {image_token} token(s) after"
-          f" tokenisation for {len(example.images)} image(s)"
+          f"{data_path}:{example.source_line}: {record}the prompt has {len(where)} {image_token}"
+          f" token(s) after tokenisation for {len(example.images)} image(s)"
       )
     repeats = np.where(x == image_id, num_image_tokens, 1)
     x, m = np.repeat(x, repeats), np.repeat(m, repeats)
@@ -526,9 +533,12 @@ def make_llava_source(
         num_image_tokens=num_image_tokens,
         template=template,
         image_token=image_token,
+        data_path=path,
     )
-  except (ValueError, DataFormatError) as err:
-    raise type(err)(f"{path}: {err}") from None
+  except DataFormatError:
+    raise
+  except ValueError as err:
+    raise ValueError(f"{path}: {err}") from None
   if len(tokenized) == 0:
     raise ValueError(f"{path}: every example lost its response to max_length={max_length}")
   pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
