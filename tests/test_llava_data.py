@@ -18,7 +18,7 @@ from anlr_jax.data.llava import (
     read_llava_examples,
     tokenize_llava_examples,
 )
-from tests.tiny_tokenizer import build_tiny_tokenizer
+from tests.tiny_tokenizer import DEFAULT_CORPUS, build_tiny_tokenizer
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -148,18 +148,28 @@ def test_chat_template_tokens_image_blocks_and_loss(tmp_path, folder, tok):
   assert out.images[3] == read.examples[3].images
 
 
-def test_vicuna_v1_template(tmp_path, folder, tok):
+def test_vicuna_v1_template(tmp_path, folder):
+  # A tokenizer that merges " Red" and " No" into one token each, as LLaMA's does ("▁Red").
+  corpus = (*DEFAULT_CORPUS, "ASSISTANT: Red. ASSISTANT: No. " * 20)
+  tok = build_tiny_tokenizer(corpus=corpus)
+  tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
   read = read_llava_examples(write(tmp_path, RECORDS[:1]), image_folder=folder)
   out = tokenize_llava_examples(
       read.examples, tok, max_length=512, num_image_tokens=N, template="vicuna_v1"
   )
   x, m = out.input_ids[0], out.loss_mask[0]
-  text = tok.decode(x).replace("<image>" * N, "<image>")
-  assert text == (
-      f"<s>{VICUNA_V1_SYSTEM} USER: <image>\nWhat colour is it? ASSISTANT: Red.</s>"
+  text = (
+      f"{VICUNA_V1_SYSTEM} USER: <image>\nWhat colour is it? ASSISTANT: Red.</s>"
       "USER: Is it a square? ASSISTANT: No.</s>"
   )
-  assert [tok.decode(x[a:b]) for a, b in _spans(m)] == ["Red.</s>", "No.</s>"]
+  # The whole text tokenised at once, after bos, with the image token expanded.
+  expected = [tok.bos_token_id] + tok(text, add_special_tokens=False).input_ids
+  image_id = image_token_id(tok)
+  expanded = [t for t in expected for _ in range(N if t == image_id else 1)]
+  assert x.tolist() == expanded
+  # The loss covers each answer's tokens, the space-led first one included, and the eos after it.
+  assert [tok.decode(x[a:b]) for a, b in _spans(m)] == [" Red.</s>", " No.</s>"]
+  assert tok.convert_ids_to_tokens(int(x[_spans(m)[0][0]])) == "ĠRed"
 
 
 def test_truncation_keeps_image_blocks_whole(tmp_path, folder, tok):

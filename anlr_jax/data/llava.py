@@ -28,8 +28,10 @@ Prompt templates (``template``):
 
 * ``"chat"`` — the tokenizer's chat template (:mod:`anlr_jax.data.chat`), no bos added.
 * ``"vicuna_v1"`` — LLaVA-1.5's own conversation format: bos, then ``"{system} USER: {q_1}
-  ASSISTANT: {a_1}</s>USER: {q_2} ASSISTANT: {a_2}</s>..."`` with LLaVA's system sentence; the loss
-  covers each ``a_i`` and the eos after it.
+  ASSISTANT: {a_1}</s>USER: {q_2} ASSISTANT: {a_2}</s>..."`` with LLaVA's system sentence. As in
+  LLaVA, the text is tokenised as a whole (so an answer's first token keeps the space before it, as
+  when the model continues a prompt that ends in "ASSISTANT:"), and the loss covers the tokens that
+  overlap an answer or the eos after it (a fast tokenizer's character offsets tell which).
 
 Image tokens: the tokenizer must know ``<image>`` (``image_token``) as one token, whose id is the
 ``image_token_index``. After tokenisation each ``<image>`` id is repeated ``num_image_tokens`` times
@@ -251,11 +253,14 @@ def read_llava_examples(
   return LlavaReadResult(examples, tuple(skipped))
 
 
-def vicuna_v1_turns(messages: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
-  """The `(prompt, response)` turns of a conversation in LLaVA-1.5's ``vicuna_v1`` format (the
-  eos that closes each answer is added by tokenisation)."""
+def vicuna_v1_text(
+    messages: Sequence[tuple[str, str]], eos: str = "</s>"
+) -> tuple[str, tuple[tuple[int, int], ...]]:
+  """A conversation in LLaVA-1.5's ``vicuna_v1`` format, and the character spans `[start, end)` of
+  its answers, each with the `eos` text that closes it."""
   system = VICUNA_V1_SYSTEM
-  turns: list[tuple[str, str]] = []
+  text = ""
+  spans: list[tuple[int, int]] = []
   users: list[str] = []
   for role, content in messages:
     if role == "system":
@@ -263,11 +268,40 @@ def vicuna_v1_turns(messages: Sequence[tuple[str, str]]) -> tuple[tuple[str, str
     elif role == "user":
       users.append(content)
     else:
-      head = f"{system} " if not turns else ""
+      head = f"{system} " if not spans else ""
       question = "\n\n".join(users)
-      turns.append((f"{head}USER: {question} ASSISTANT: ", content))
+      text += f"{head}USER: {question} ASSISTANT: "
+      spans.append((len(text), len(text) + len(content) + len(eos)))
+      text += content + eos
       users = []
-  return tuple(turns)
+  return text, tuple(spans)
+
+
+def _tokenize_vicuna_v1(
+    examples: Sequence[LlavaExample], tokenizer: PreTrainedTokenizerBase
+) -> list[tuple[np.ndarray, np.ndarray]]:
+  """Each example's ids (bos first) and loss mask: 1 on the tokens that overlap an answer span."""
+  if tokenizer.eos_token is None:
+    raise ValueError("template=vicuna_v1 needs a tokenizer with an eos token")
+  if not getattr(tokenizer, "is_fast", False):
+    raise ValueError("template=vicuna_v1 needs a fast tokenizer (for its character offsets)")
+  texts, spans = zip(*(vicuna_v1_text(e.messages, tokenizer.eos_token) for e in examples))
+  encoded = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
+  head = [] if tokenizer.bos_token_id is None else [int(tokenizer.bos_token_id)]
+  out = []
+  for ids, offsets, answer_spans in zip(encoded["input_ids"], encoded["offset_mapping"], spans):
+    starts = np.asarray([o[0] for o in offsets], dtype=np.int64)
+    ends = np.asarray([o[1] for o in offsets], dtype=np.int64)
+    mask = np.zeros(len(ids), dtype=np.float32)
+    for a, b in answer_spans:
+      mask[(starts < b) & (ends > a)] = 1.0
+    out.append(
+        (
+            np.asarray(head + list(ids), dtype=np.int32),
+            np.concatenate([np.zeros(len(head), np.float32), mask]),
+        )
+    )
+  return out
 
 
 def image_token_id(tokenizer: PreTrainedTokenizerBase, image_token: str = IMAGE_TOKEN) -> int:
@@ -321,21 +355,16 @@ def tokenize_llava_examples(
     raise ValueError(f"max_length must be an int >= 2, got {max_length!r}")
   image_id = image_token_id(tokenizer, image_token)
   if template == "vicuna_v1":
-    base = [
-        Example(vicuna_v1_turns(e.messages), source_line=e.source_line, messages=e.messages)
-        for e in examples
-    ]
-    tokenized = tokenize_examples(
-        base, tokenizer, max_length=2**62, template="alpaca", add_bos=None
-    )
+    pairs = _tokenize_vicuna_v1(examples, tokenizer)
   else:
     base = [Example((), source_line=e.source_line, messages=e.messages) for e in examples]
     tokenized = tokenize_examples(base, tokenizer, max_length=2**62, template="chat")
-  if tokenized.dropped:  # cannot happen without truncation: every example has a response
-    raise AssertionError("an untruncated example lost its response")
+    if tokenized.dropped:  # cannot happen without truncation: every example has a response
+      raise AssertionError("an untruncated example lost its response")
+    pairs = list(zip(tokenized.input_ids, tokenized.loss_mask))
   input_ids, loss_mask, lines, images, ids = [], [], [], [], []
   truncated = dropped = 0
-  for example, x, m in zip(examples, tokenized.input_ids, tokenized.loss_mask):
+  for example, (x, m) in zip(examples, pairs):
     where = np.flatnonzero(x == image_id)
     if len(where) != len(example.images):
       record = f"record {example.id}: " if example.id else ""
@@ -572,5 +601,5 @@ __all__ = [
     "make_llava_source",
     "read_llava_examples",
     "tokenize_llava_examples",
-    "vicuna_v1_turns",
+    "vicuna_v1_text",
 ]
