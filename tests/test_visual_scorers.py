@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -511,3 +513,32 @@ def test_read_predictions(tmp_path):
 
 def test_registry_lists_the_seven_benchmarks():
   assert set(visual.SCORERS) == set(visual.BENCHMARKS) and len(visual.BENCHMARKS) == 7
+
+
+def test_command_line(tmp_path, capsys):
+  labels = [{"question_id": i, "image": "x.jpg", "text": "?", "label": "yes"} for i in (1, 2)]
+  pope = _write_jsonl(tmp_path / "coco_pope_random.json", labels)
+  answers = _write_jsonl(
+      tmp_path / "answers.jsonl",
+      [{"question_id": 1, "text": "Yes"}, {"question_id": 2, "text": "No"}],
+  )
+  out = tmp_path / "score.json"
+  assert visual.main(["pope", str(answers), str(pope), "--out", str(out)]) == 0
+  printed = capsys.readouterr().out
+  assert "pope: 66.67 (f1) on 2 questions" in printed and "recall: 50.00" in printed
+  saved = json.loads(out.read_text())
+  assert saved["metrics"]["accuracy"] == 0.5 and saved["per_question"] == {"1": 1.0, "2": 0.0}
+  # Bad input: one line naming the file, exit status 2.
+  assert visual.main(["pope", str(answers), str(tmp_path / "absent.json")]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "POPE file not found" in err and "absent.json" in err
+  # The module entry point, as a user runs it: no warning, the same report.
+  result = subprocess.run(
+      [sys.executable, "-m", "anlr_jax.evals.score_visual", "pope", str(answers), str(pope)],
+      capture_output=True,
+      text=True,
+      check=False,
+      timeout=120,
+  )
+  assert result.returncode == 0 and result.stderr == "", result.stderr
+  assert result.stdout.startswith("pope: 66.67 (f1) on 2 questions")

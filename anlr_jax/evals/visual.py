@@ -75,6 +75,11 @@ scores only the questions that have one, ``"wrong"`` counts them as wrong (a mis
 the opposite of the label). A prediction for an id the file does not hold raises: the files do not
 belong together. Malformed files raise :class:`~anlr_jax.data.formats.DataFormatError` naming the file
 (and the record).
+
+From the shell (one line on stderr and exit status 2 for bad input)::
+
+    python -m anlr_jax.evals.score_visual pope answers.jsonl coco_pope_adversarial.json [--out s.json]
+    python -m anlr_jax.evals.score_visual mmbench answers.jsonl mmbench_dev_20230712.tsv --circular
 """
 
 from __future__ import annotations
@@ -845,6 +850,72 @@ SCORERS: dict[str, Callable[..., VisualScore]] = {
 """The scorer of each benchmark: ``SCORERS[name](predictions, official_file, ...)``."""
 
 
+def score_file(
+    benchmark: str,
+    predictions: Mapping[Any, Any] | str | os.PathLike[str],
+    official: str | os.PathLike[str],
+    **options: Any,
+) -> VisualScore:
+  """`SCORERS[benchmark]` on `predictions` (a mapping, or a file for :func:`read_predictions`)."""
+  if benchmark not in SCORERS:
+    raise ValueError(f"benchmark must be one of {list(BENCHMARKS)}, got {benchmark!r}")
+  if isinstance(predictions, (str, os.PathLike)):
+    predictions = read_predictions(predictions)
+  return SCORERS[benchmark](predictions, official, **options)
+
+
+def _report(score: VisualScore) -> str:
+  lines = [
+      f"{score.benchmark}: {100 * score.score:.2f} ({score.primary}) on {score.count} questions"
+  ]
+  if score.missing:
+    lines[0] += f", {score.missing} without a prediction"
+  lines += [f"  {name}: {100 * value:.2f}" for name, value in score.metrics.items()]
+  for kind, groups in score.breakdown.items():
+    lines.append(f"  by {kind}:")
+    lines += [f"    {group or '(none)'}: {100 * value:.2f}" for group, value in groups.items()]
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """``python -m anlr_jax.evals.score_visual BENCHMARK PREDICTIONS OFFICIAL_FILE [options]``."""
+  import argparse  # pylint: disable=import-outside-toplevel
+
+  parser = argparse.ArgumentParser(
+      prog="python -m anlr_jax.evals.score_visual",
+      description="Scores a model's answers on one of LLaVA-1.5's seven visual benchmarks.",
+  )
+  parser.add_argument("benchmark", choices=BENCHMARKS)
+  parser.add_argument("predictions", help="LLaVA answer JSONL, VQA results JSON or {id: text} JSON")
+  parser.add_argument("official", help="the benchmark's official annotation / question file")
+  parser.add_argument("--questions", help="vqav2: the questions file, checked against the ids")
+  parser.add_argument("--splits", help="scienceqa: pid_splits.json (default: beside problems.json)")
+  parser.add_argument("--split", default="test", help="scienceqa: the split (default test)")
+  parser.add_argument("--subset", choices=("img", "all"), default="img", help="scienceqa")
+  parser.add_argument("--circular", action="store_true", help="mmbench: circular evaluation")
+  parser.add_argument("--on_missing", choices=("raise", "skip", "wrong"), default="raise")
+  parser.add_argument("--out", help="also write the score (and each question's) as JSON here")
+  args = parser.parse_args(argv)
+  options: dict[str, Any] = {"on_missing": args.on_missing}
+  if args.benchmark == "vqav2" and args.questions:
+    options["questions_path"] = args.questions
+  if args.benchmark == "scienceqa":
+    options |= {"splits_path": args.splits, "split": args.split, "subset": args.subset}
+  if args.benchmark == "mmbench":
+    options["circular"] = args.circular
+  try:
+    score = score_file(args.benchmark, args.predictions, args.official, **options)
+  except (OSError, ValueError, TypeError) as err:
+    print(f"error: {err}", file=sys.stderr)
+    return 2
+  print(_report(score))
+  if args.out:
+    with open(args.out, "w", encoding="utf-8") as f:
+      json.dump(dataclasses.asdict(score), f, indent=1)
+      f.write("\n")
+  return 0
+
+
 __all__ = [
     "BENCHMARKS",
     "CONTRACTIONS",
@@ -859,6 +930,7 @@ __all__ = [
     "read_predictions",
     "score_gqa",
     "score_mmbench",
+    "score_file",
     "score_pope",
     "score_scienceqa",
     "score_textvqa",
