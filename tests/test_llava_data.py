@@ -13,6 +13,7 @@ from PIL import Image
 from anlr_jax.data.formats import DataFormatError
 from anlr_jax.data.llava import (
     VICUNA_V1_SYSTEM,
+    generation_prompt_ids,
     image_token_id,
     make_llava_source,
     read_llava_examples,
@@ -319,3 +320,23 @@ def test_a_template_that_writes_image_tokens_itself(tmp_path, folder, tok):
         seed=0,
         image_folder=folder,
     )
+
+
+@pytest.mark.parametrize("template", ["chat", "vicuna_v1"])
+def test_generation_prompt_is_the_start_of_the_training_sequence(tmp_path, folder, template):
+  corpus = (*DEFAULT_CORPUS, "ASSISTANT: Red. ASSISTANT: No. " * 20)
+  tok = build_tiny_tokenizer(corpus=corpus)
+  tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<image>"]})
+  tok.chat_template = CHATML
+  # (vicuna_v1: the prompt ends in "ASSISTANT:", the answer's first token " Red" has its space.)
+  read = read_llava_examples(write(tmp_path, RECORDS[:1]), image_folder=folder)
+  train = tokenize_llava_examples(
+      read.examples, tok, max_length=512, num_image_tokens=N, template=template
+  )
+  x, m = train.input_ids[0], train.loss_mask[0]
+  prompt = generation_prompt_ids(
+      tok, read.examples[0].messages[:1], num_image_tokens=N, template=template
+  )
+  first_answer_token = int(np.flatnonzero(m)[0])
+  assert prompt.tolist() == x[:first_answer_token].tolist()
+  assert (prompt == image_token_id(tok)).sum() == N

@@ -407,6 +407,37 @@ def tokenize_llava_examples(
   )
 
 
+def generation_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[tuple[str, str]],
+    *,
+    num_image_tokens: int,
+    template: str = "chat",
+    image_token: str = IMAGE_TOKEN,
+) -> np.ndarray:
+  """The int32 ids of a prompt for generation: the conversation `messages` (ending with the user's
+  turn) in `template`, up to where the answer starts, image tokens expanded; the same ids that
+  start a training sequence of the same conversation (``"vicuna_v1"``: ending in "ASSISTANT:")."""
+  if template not in LLAVA_TEMPLATES:
+    raise ValueError(f"template must be one of {list(LLAVA_TEMPLATES)}, got {template!r}")
+  if not messages or messages[-1][0] != "user":
+    raise ValueError("the conversation must end with a user message")
+  image_id = image_token_id(tokenizer, image_token)
+  if template == "vicuna_v1":
+    text, _ = vicuna_v1_text([*messages, ("assistant", "")], eos="")
+    head = [] if tokenizer.bos_token_id is None else [int(tokenizer.bos_token_id)]
+    ids = head + tokenizer(text.rstrip(" "), add_special_tokens=False).input_ids
+  else:
+    text = tokenizer.apply_chat_template(
+        [{"role": role, "content": content} for role, content in messages],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+  ids = np.asarray(ids, dtype=np.int32)
+  return np.repeat(ids, np.where(ids == image_id, num_image_tokens, 1)).astype(np.int32)
+
+
 def load_image(path: str, preprocess: Preprocess) -> np.ndarray:
   """`preprocess` of the image at `path` (converted to RGB), checked to be a `(3, H, W)` array."""
   with Image.open(path) as image:
@@ -596,6 +627,7 @@ __all__ = [
     "LlavaSource",
     "LlavaTokenized",
     "VICUNA_V1_SYSTEM",
+    "generation_prompt_ids",
     "image_token_id",
     "load_image",
     "make_llava_source",
