@@ -340,3 +340,23 @@ def test_generation_prompt_is_the_start_of_the_training_sequence(tmp_path, folde
   first_answer_token = int(np.flatnonzero(m)[0])
   assert prompt.tolist() == x[:first_answer_token].tolist()
   assert (prompt == image_token_id(tok)).sum() == N
+
+
+def test_llava_placement_of_the_image_and_a_leading_gpt_message(tmp_path, folder):
+  records = [
+      {
+          "id": "late",
+          "image": "red.png",
+          "conversations": [human("Describe this photo: <image>"), gpt("A red square.")],
+      },
+      {
+          "id": "two",
+          "image": ["red.png", "blue.png"],
+          "conversations": [human("Compare <image> with <image>."), gpt("Red, blue.")],
+      },
+      {"id": "gpt-first", "conversations": [gpt("Hello!"), human("Hi."), gpt("How can I help?")]},
+  ]
+  read = read_llava_examples(write(tmp_path, records), image_folder=folder)
+  assert read.examples[0].messages[0] == ("user", "<image>\nDescribe this photo:")
+  assert read.examples[1].messages[0] == ("user", "Compare <image> with <image>.")  # kept
+  assert read.examples[2].messages == (("user", "Hi."), ("assistant", "How can I help?"))

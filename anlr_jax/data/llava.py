@@ -15,7 +15,10 @@ the image folder (``image_folder``; by default the data file's folder). Roles ar
 covers (with the end-of-turn token after it); everything else is context (as
 :mod:`anlr_jax.data.tokenize` describes).
 
-Each ``<image>`` of a prompt stands for the next image of the record, in order. A record is
+Each ``<image>`` of a prompt stands for the next image of the record, in order. As in LLaVA's
+training code, the token of a record with one image is moved to the start of its turn and followed
+by a newline (``"Describe <image>"`` -> ``"<image>\nDescribe"``), and a ``gpt`` message before the
+first ``human`` one is dropped. A record is
 malformed, and reported like the other formats' bad records (``DataFormatError`` naming the file,
 the 1-based line where the record starts and its ``id``; or skipped and counted with
 ``on_error="skip"``), when an image file is missing or is not an image PIL can open, when it gives an
@@ -171,6 +174,8 @@ def _messages(
     if role == "assistant" and not content.strip():
       raise _RecordError(f"conversations[{i}]: empty gpt message")
     tokens += count
+    if role == "assistant" and not any(r == "user" for r, _ in messages):
+      continue  # a gpt message before any human one has nothing to answer: LLaVA drops it
     if messages and messages[-1][0] == role == "user":
       messages[-1] = ("user", messages[-1][1] + "\n\n" + content)
     else:
@@ -197,7 +202,17 @@ def _convert(
     )
   if tokens < len(images):
     raise _RecordError(f"has {len(images)} images but only {tokens} {image_token} token(s)")
+  if len(images) == 1:
+    messages = tuple(_image_first(m, image_token) for m in messages)
   return messages, images
+
+
+def _image_first(message: tuple[str, str], image_token: str) -> tuple[str, str]:
+  """LLaVA's placement of a record's one image: its token, a newline, then the rest of the turn."""
+  role, content = message
+  if image_token not in content:
+    return message
+  return role, f"{image_token}\n" + content.replace(image_token, "").strip()
 
 
 def read_llava_examples(
