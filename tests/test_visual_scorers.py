@@ -390,9 +390,10 @@ def test_mmbench_plain(tmp_path):
 
 def test_mmbench_circular_rounds(tmp_path):
   path = _mmbench(tmp_path)
-  # Question 0 (answer B of four): round r shows original option (j + r) mod 4 as letter j, so the
-  # right letters are B, A, D, C. Question 1 (answer C of three): C, B, A; round 2 says B: wrong.
-  predictions = {0: ["B", "A", "D", "C"], 1: ["C", "B", "B"], 2: ["A", "B"], 3: ["A", "A"]}
+  # Question 0 (answer B, banana, of four): round r shows original option (j + r) mod 4 as letter
+  # j, so the right letters are B, A, D, C; round 1 answers with the text, which is option A there.
+  # Question 1 (answer C of three): C, B, A; round 2 says B: wrong.
+  predictions = {0: ["B", "banana", "D", "C"], 1: ["C", "B", "B"], 2: ["A", "B"], 3: ["A", "A"]}
   score = score_mmbench(predictions, path, circular=True)
   # 2: cat/dog answer A -> rounds A, B: right; 3: rounds A, A: wrong.
   assert score.per_question == {"0": 1.0, "1": 0.0, "2": 1.0, "3": 0.0}
