@@ -52,7 +52,10 @@ deterministic, resumable; ``input_ids``, ``attention_mask``, ``loss_mask``) and 
 * ``image_mask`` int32 ``(max_images,)``: 1 for the real images, which come first, 0 for padding.
 
 ``max_images`` is fixed per source (rows per process x the most images of one example, unless
-given), so every batch has one shape for ``jit``. The filler rows that complete a short last batch
+given), so every batch has one shape for ``jit``. A model that fills the image positions with the
+images' features in order (as transformers' LLaVA does) takes the padded ``pixel_values`` as they
+are under ``jit``: the padding images' features are computed but never used. Outside ``jit``, or
+to save that compute, pass ``pixel_values[image_mask == 1]``. The filler rows that complete a short last batch
 repeat its first row and so also repeat its images.
 """
 
