@@ -12,6 +12,7 @@ from anlr_jax.data.formats import (
     user_message,
 )
 from anlr_jax.data.source import BatchSource, LengthBucketedSource, make_source
+from anlr_jax.data.llava import LlavaSource, make_llava_source, read_llava_examples
 from anlr_jax.data.tokenize import TokenizedExamples, tokenize_examples
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "DataFormatError",
     "Example",
     "LengthBucketedSource",
+    "LlavaSource",
     "ReadResult",
     "TEMPLATES",
     "TokenizedExamples",
@@ -28,8 +30,10 @@ __all__ = [
     "chat_turns",
     "detect_format",
     "end_of_turn_id",
+    "make_llava_source",
     "make_source",
     "read_examples",
+    "read_llava_examples",
     "tokenize_examples",
     "user_message",
 ]

@@ -24,6 +24,8 @@ from anlr_jax.evals.extract import (
     parse_gold,
 )
 from anlr_jax.evals.report import accuracy_table, write_accuracy_table
+from anlr_jax.evals import visual
+from anlr_jax.evals.visual import VisualScore, read_predictions
 
 __all__ = [
     "COMMONSENSE_TASKS",
@@ -48,5 +50,8 @@ __all__ = [
     "normalize_text",
     "parse_gold",
     "template_prompt_fn",
+    "visual",
+    "VisualScore",
+    "read_predictions",
     "write_accuracy_table",
 ]
