@@ -307,6 +307,10 @@ class LlavaForConditionalGeneration(nnx.Module):
     """The submodule whose layers adapters target: the language model (never the vision tower)."""
     return self.model.language_model
 
+  def check_image_tokens(self, input_ids, num_images: int) -> None:
+    """ValueError unless ``input_ids`` hold ``num_images`` images' worth of image tokens."""
+    check_image_tokens(input_ids, num_images, self.config)
+
   def get_image_features(self, pixel_values: jax.Array) -> jax.Array:
     """Projected image features ``(num_images, num_image_tokens, d)``."""
     layers = self.config.feature_layers
