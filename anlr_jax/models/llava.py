@@ -288,6 +288,11 @@ def check_image_tokens(input_ids, num_images: int, config: LlavaConfig) -> None:
 class LlavaForConditionalGeneration(nnx.Module):
   """LLaVA-1.5 (see the module docstring); takes ``pixel_values`` next to ``input_ids``."""
 
+  # Adapters (anlr_jax.nn.inject) go into the language model only, never the vision tower.
+  ADAPTER_SCOPE = ("model", "language_model")
+  # Base weights LLaVA's LoRA recipe trains in full next to the adapters.
+  PROJECTOR = ("model", "multi_modal_projector")
+
   def __init__(self, config: LlavaConfig, *, rngs: nnx.Rngs):
     if not isinstance(config, LlavaConfig):
       raise TypeError(f"config must be a LlavaConfig, got {type(config).__name__}.")
@@ -302,10 +307,6 @@ class LlavaForConditionalGeneration(nnx.Module):
   @property
   def text_config(self) -> ModelConfig:
     return self.config.text_config
-
-  def adapter_scope(self) -> nnx.Module:
-    """The submodule whose layers adapters target: the language model (never the vision tower)."""
-    return self.model.language_model
 
   def check_image_tokens(self, input_ids, num_images: int) -> None:
     """ValueError unless ``input_ids`` hold ``num_images`` images' worth of image tokens."""

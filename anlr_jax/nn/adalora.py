@@ -44,6 +44,7 @@ from flax import nnx
 from anlr_jax.nn.inject import (
     PAPER_TARGET_MODULES,
     get_submodule,
+    iter_scope_modules,
     path_str,
     set_submodule,
 )
@@ -173,7 +174,7 @@ def inject_adalora(
   paths = sorted(
       (
           tuple(p)
-          for p, m in nnx.iter_modules(model)
+          for p, m in iter_scope_modules(model)
           if p and isinstance(p[-1], str) and p[-1] in targets and isinstance(m, nnx.Linear)
       ),
       key=path_str,
