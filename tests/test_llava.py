@@ -133,7 +133,7 @@ def forward(model, ids, mask, px):
 
 def ours_logits(model, ids, mask, px):
   """The model's logits, jitted (the image token count is checked eagerly first)."""
-  model.check_image_tokens(ids, len(px))
+  model.check_image_tokens(ids, px)
   return np.asarray(forward(model, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(px)))
 
 
@@ -211,6 +211,23 @@ def test_batch_with_several_images_and_padding(pair):
   swapped = ours_logits(model, ids, mask, px[[1, 0, 2]])
   assert np.max(np.abs(swapped[0][real[0]] - ours[0][real[0]])) > 1e-2
   np.testing.assert_allclose(swapped[1:][real[1:]], ours[1:][real[1:]], atol=1e-5)
+  # The per-row layout (B, K, 3, S, S): K image slots per row, unused slots ignored.
+  junk = pixels(3, seed=8)
+  per_row = np.stack([px[[0, 1]], junk[[0, 1]], np.stack([px[2], junk[2]])])
+  rows_logits = ours_logits(model, ids, mask, per_row)
+  np.testing.assert_allclose(rows_logits[real], ours[real], rtol=0, atol=1e-5)
+
+
+def test_per_row_images_are_checked(pair):
+  _, model, _ = pair
+  ids, _ = image_ids([[1, "img", "img", 5], [1, 2, 3]], 10)
+  with pytest.raises(ValueError, match="row 0 of input_ids holds 8 image tokens"):
+    model.check_image_tokens(ids, np.zeros((2, 1, 3, 28, 28)))
+  with pytest.raises(ValueError, match="3 rows of images, input_ids 2 rows"):
+    model.check_image_tokens(ids, np.zeros((3, 2, 3, 28, 28)))
+  with pytest.raises(ValueError, match=r"must have shape \(num_images, 3, 28, 28\)"):
+    model.check_image_tokens(ids, np.zeros((2, 3, 32, 32)))
+  model.check_image_tokens(ids, np.zeros((2, 2, 3, 28, 28)))
 
 
 def test_image_token_count_mismatch_is_an_error(pair):

@@ -169,7 +169,7 @@ def generate(
     if not hasattr(model, "get_image_features"):
       raise ValueError(f"pixel_values given, but {type(model).__name__} takes no images.")
     pixel_values = jnp.asarray(pixel_values, jnp.float32)
-    model.check_image_tokens(prompt_ids, pixel_values.shape[0])
+    model.check_image_tokens(prompt_ids, pixel_values)
 
   batch, prompt_len = prompt_ids.shape
   graphdef, state = nnx.split(model)

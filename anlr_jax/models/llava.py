@@ -271,17 +271,39 @@ def _is_tracer(x) -> bool:
   return isinstance(x, jax.core.Tracer)
 
 
-def check_image_tokens(input_ids, num_images: int, config: LlavaConfig) -> None:
-  """ValueError unless ``input_ids`` holds ``num_images * num_image_tokens`` image tokens."""
+def check_image_tokens(input_ids, pixel_shape: tuple[int, ...], config: LlavaConfig) -> None:
+  """ValueError unless the image tokens of ``input_ids`` fit ``pixel_values`` of ``pixel_shape``.
+
+  ``(N, 3, S, S)``: the batch must hold exactly ``N * num_image_tokens`` image tokens.
+  ``(B, K, 3, S, S)``: each row must hold a whole number of images, at most ``K``.
+  Skipped under tracing (the data pipeline checks its batches)."""
   if _is_tracer(input_ids):
     return
-  found = int(np.sum(np.asarray(input_ids) == config.image_token_index))
-  expected = num_images * config.num_image_tokens
-  if found != expected:
+  n = config.num_image_tokens
+  counts = np.sum(np.asarray(input_ids) == config.image_token_index, axis=-1)
+  size = config.vision_config.image_size
+  if len(pixel_shape) == 4 and tuple(pixel_shape[1:]) == (3, size, size):
+    found, expected = int(np.sum(counts)), pixel_shape[0] * n
+    if found != expected:
+      raise ValueError(
+          f"input_ids hold {found} image tokens (id {config.image_token_index}) but the "
+          f"{pixel_shape[0]} images of pixel_values need {expected} ({n} each): expand every "
+          "<image> placeholder to num_image_tokens ids, one image per placeholder."
+      )
+  elif len(pixel_shape) == 5 and tuple(pixel_shape[2:]) == (3, size, size):
+    rows, slots = pixel_shape[:2]
+    if rows != len(counts):
+      raise ValueError(f"pixel_values has {rows} rows of images, input_ids {len(counts)} rows.")
+    bad = [int(r) for r in np.flatnonzero((counts % n != 0) | (counts > slots * n))]
+    if bad:
+      raise ValueError(
+          f"row {bad[0]} of input_ids holds {int(counts[bad[0]])} image tokens: not a whole "
+          f"number of images of {n} tokens, at most {slots} (pixel_values' image slots per row)."
+      )
+  else:
     raise ValueError(
-        f"input_ids hold {found} image tokens (id {config.image_token_index}) but the "
-        f"{num_images} images of pixel_values need {expected} ({config.num_image_tokens} each): "
-        "expand every <image> placeholder to num_image_tokens ids, one image per placeholder."
+        f"pixel_values must have shape (num_images, 3, {size}, {size}) or (batch, "
+        f"images_per_row, 3, {size}, {size}), got {tuple(pixel_shape)}."
     )
 
 
@@ -308,9 +330,9 @@ class LlavaForConditionalGeneration(nnx.Module):
   def text_config(self) -> ModelConfig:
     return self.config.text_config
 
-  def check_image_tokens(self, input_ids, num_images: int) -> None:
-    """ValueError unless ``input_ids`` hold ``num_images`` images' worth of image tokens."""
-    check_image_tokens(input_ids, num_images, self.config)
+  def check_image_tokens(self, input_ids, pixel_values) -> None:
+    """ValueError unless the image tokens of ``input_ids`` match ``pixel_values``' images."""
+    check_image_tokens(input_ids, tuple(np.shape(pixel_values)), self.config)
 
   def get_image_features(self, pixel_values: jax.Array) -> jax.Array:
     """Projected image features ``(num_images, num_image_tokens, d)``."""
@@ -328,13 +350,21 @@ class LlavaForConditionalGeneration(nnx.Module):
     if pixel_values is None:
       return embeds
     pixel_values = jnp.asarray(pixel_values)
-    check_image_tokens(input_ids, pixel_values.shape[0], self.config)
+    check_image_tokens(input_ids, pixel_values.shape, self.config)
+    is_image = input_ids == self.config.image_token_index
+    if pixel_values.ndim == 5:  # (B, K, 3, S, S): each row's image slots, in order
+      b, k = pixel_values.shape[:2]
+      features = self.get_image_features(pixel_values.reshape(b * k, *pixel_values.shape[2:]))
+      features = features.reshape(b, -1, features.shape[-1]).astype(text.dtype)
+      index = jnp.clip(jnp.cumsum(is_image, axis=1) - 1, 0, features.shape[1] - 1)
+      gathered = jnp.take_along_axis(features, index[..., None], axis=1)
+      return jnp.where(is_image[..., None], gathered, embeds)
     features = self.get_image_features(pixel_values).astype(text.dtype)
     features = features.reshape(-1, features.shape[-1])
     b, t, d = embeds.shape
-    is_image = (input_ids == self.config.image_token_index).reshape(-1)
-    index = jnp.clip(jnp.cumsum(is_image) - 1, 0, features.shape[0] - 1)
-    merged = jnp.where(is_image[:, None], features[index], embeds.reshape(-1, d))
+    flat = is_image.reshape(-1)
+    index = jnp.clip(jnp.cumsum(flat) - 1, 0, features.shape[0] - 1)
+    merged = jnp.where(flat[:, None], features[index], embeds.reshape(-1, d))
     return merged.reshape(b, t, d)
 
   def __call__(
@@ -348,8 +378,10 @@ class LlavaForConditionalGeneration(nnx.Module):
   ):
     """Logits ``(B, T, V)`` float32 (and the cache when given), as :class:`LlamaForCausalLM`.
 
-    ``pixel_values`` ``(num_images, 3, S, S)``: the images of the batch in order of appearance of
-    their image tokens; ValueError (outside jit) when the image token count does not match.
+    ``pixel_values``: ``(num_images, 3, S, S)``, the images of the batch in order of appearance of
+    their image tokens (transformers' layout); or ``(B, K, 3, S, S)``, ``K`` image slots per row
+    filled in order, the slots a row does not use ignored (the trainer's fixed-shape layout, which
+    micro-batches split by rows). ValueError (outside jit) when the image tokens do not match.
     """
     if input_ids.ndim != 2:
       raise ValueError(f"input_ids must have shape (B, T), got {input_ids.shape}.")
