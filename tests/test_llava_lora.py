@@ -169,3 +169,64 @@ def test_trained_adapter_and_projector_load_in_peft(method, hf_dir, tmp_path):
   assert isinstance(fresh.model.language_model.layers[0].self_attn.q_proj, LoRALinear)
   again = ours_logits(fresh, eval_ids, eval_mask, eval_px)
   np.testing.assert_allclose(again[real], ours[real], rtol=0, atol=1e-5)
+
+
+class ImageBatches:
+  """Four rows per batch, right-padded, one image slot per row (row 1 text-only: slot unused)."""
+
+  def __len__(self):
+    return 2
+
+  def get_batch(self, step, *, process_index=0, process_count=1):
+    rows = [[1, "img", 5, 17, 8, 30], [1, 9, 10, 11], [1, 40, "img", 60], [1, "img", 2]]
+    ids, mask = image_ids(rows, 11)
+    ids, mask = ids[:, ::-1].copy(), mask[:, ::-1].copy()  # right padding, as the data produces
+    for r, row in enumerate(rows):  # un-reverse each row's tokens
+      n = int(mask[r].sum())
+      ids[r, :n] = ids[r, :n][::-1]
+    loss_mask = mask * (ids != IMAGE_TOKEN)
+    px = pixels(4, seed=20 + step)[:, None]
+    return dict(input_ids=ids, attention_mask=mask, loss_mask=loss_mask, pixel_values=px)
+
+
+def test_trainer_trains_llava_on_image_batches(hf_dir):
+  """The trainer's step carries pixel_values, split by rows into micro-batches; its loss is the
+  model's masked cross-entropy; the projector is trained, the vision tower is not."""
+  from anlr_jax.train.step import next_token_loss_sum
+  from anlr_jax.train.trainer import Trainer, TrainerConfig
+
+  def build(micro_batches):
+    model, _ = load_llava_model(hf_dir)
+    inject_lora(model, rank=4, alpha=8.0, dropout=0.0, rngs=nnx.Rngs(1))
+    train_in_full(model, model.PROJECTOR)
+    adapter_tx = method_optimizer("anlr", 1e-2, clip_norm=None, anlr_kwargs=dict(warmup_steps=1))
+    tx = with_full_params(adapter_tx, 1e-2, [model.PROJECTOR], clip_norm=1.0)
+    config = TrainerConfig(
+        steps=2,
+        global_batch=4,
+        micro_batches=micro_batches,
+        compute_dtype="float32",
+        progress=False,
+    )
+    return model, Trainer(model, ImageBatches(), config, tx, devices=jax.devices()[:1])
+
+  model, trainer = build(2)  # two micro-batches of two rows: their sums make the batch's loss
+  batch = ImageBatches().get_batch(0)
+  logits = model(
+      jnp.asarray(batch["input_ids"]),
+      attention_mask=jnp.asarray(batch["attention_mask"]),
+      pixel_values=jnp.asarray(batch["pixel_values"]),
+  )
+  total, count = next_token_loss_sum(
+      logits, jnp.asarray(batch["input_ids"]), jnp.asarray(batch["loss_mask"])
+  )
+  frozen_before = _params(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+  projector_before = _params(model, FullParam)
+  losses = [float(trainer.train_step()["loss"]) for _ in range(2)]
+  np.testing.assert_allclose(losses[0], float(total / count), rtol=1e-5)
+  updated = trainer.updated_model()
+  frozen_after = _params(updated, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+  for k, v in frozen_before.items():
+    np.testing.assert_array_equal(frozen_after[k], v, err_msg=k)
+  moved = _params(updated, FullParam)
+  assert all(np.max(np.abs(moved[k] - projector_before[k])) > 1e-5 for k in moved)
