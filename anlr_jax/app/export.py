@@ -21,7 +21,7 @@ from anlr_jax.app.methods import ADALORA_TOTAL_STEP, adalora_config, get_method
 from anlr_jax.app.model import is_run_dir, load_adapted_model
 from anlr_jax.app.paths import resolve_path
 from anlr_jax.app.report import Log, say
-from anlr_jax.models import save_hf_model
+from anlr_jax.models import LlavaForConditionalGeneration, save_hf_model, save_llava_model
 from anlr_jax.nn import export_adalora_adapter, export_peft_adapter, iter_adalora_layers
 
 
@@ -44,9 +44,16 @@ def export_run(run_dir: str, fmt: str, out: str, *, log: Log = say) -> str:
   if fmt == "peft" and spec.uses_adalora:
     export_adalora_run(model, config, os.path.join(run_dir, rundir.LORA_FILE), out)
   elif fmt == "peft":
-    export_peft_adapter(model, out, base_model_name_or_path=resolve_path(config.model.path))
+    export_peft_adapter(
+        model,
+        out,
+        base_model_name_or_path=resolve_path(config.model.path),
+        # LLaVA's projector trained in full (model.projector_lr): PEFT's modules_to_save
+        modules_to_save=[model.PROJECTOR] if config.model.projector_lr is not None else [],
+    )
   else:
-    save_hf_model(model, model_config, out, merge_lora=True)
+    save = save_llava_model if isinstance(model, LlavaForConditionalGeneration) else save_hf_model
+    save(model, model_config, out, merge_lora=True)
     _keep_base_config(resolve_path(config.model.path), out)
     tokenizer.save_pretrained(out)
   for folder, _, files in os.walk(out):

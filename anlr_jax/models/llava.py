@@ -65,6 +65,8 @@ from anlr_jax.models.llama import KVCache, LlamaForCausalLM, LlamaModel, _linear
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 SELECT_STRATEGIES = ("default", "full")
+PROJECTOR_PATH = ("model", "multi_modal_projector")
+"""Module path of the projector, which LLaVA's LoRA recipe trains in full next to the adapters."""
 PROJECTOR_ACTIVATIONS = ("gelu",)
 
 # transformers' LlamaConfig defaults, for a sparse text_config (llava-hf/llava-1.5-7b-hf lists only
@@ -150,6 +152,25 @@ class LlavaConfig:
   def num_image_tokens(self) -> int:
     """Image tokens per image: the patches, plus the CLS token with the ``'full'`` strategy."""
     return self.vision_config.num_patches + (self.vision_feature_select_strategy == "full")
+
+  @classmethod
+  def llava1_5_7b(cls, *, dtype=jnp.float32, compute_dtype=None) -> "LlavaConfig":
+    """LLaVA-1.5-7B (``llava-hf/llava-1.5-7b-hf``): CLIP ViT-L/14 at 336 px, Vicuna-7B."""
+    compute = dtype if compute_dtype is None else compute_dtype
+    return cls(
+        vision_config=ClipVisionConfig(
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            image_size=336,
+            patch_size=14,
+            dtype=compute,
+            param_dtype=dtype,
+        ),
+        text_config=ModelConfig.llama2_7b(vocab_size=32064, dtype=compute, param_dtype=dtype),
+        image_token_index=32000,
+    )
 
   @classmethod
   def from_hf_config(
@@ -313,7 +334,7 @@ class LlavaForConditionalGeneration(nnx.Module):
   # Adapters (anlr_jax.nn.inject) go into the language model only, never the vision tower.
   ADAPTER_SCOPE = ("model", "language_model")
   # Base weights LLaVA's LoRA recipe trains in full next to the adapters.
-  PROJECTOR = ("model", "multi_modal_projector")
+  PROJECTOR = PROJECTOR_PATH
 
   def __init__(self, config: LlavaConfig, *, rngs: nnx.Rngs):
     if not isinstance(config, LlavaConfig):
