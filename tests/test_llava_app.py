@@ -121,3 +121,24 @@ def test_dry_run_of_the_shipped_llava_config():
   assert result["base_params"] == hf_total - projector  # the projector trains: not a base param
   assert result["lora_params"] == lora + projector
   assert 0 < result["activation_bytes"] < 16 * 2**30
+
+
+@pytest.mark.parametrize("method", ["dora", "adalora", "lorapro", "anlr+loradash"])
+def test_every_layer_and_optimizer_family_trains_with_the_projector(llava_dir, method):
+  """The projector's AdamW sits next to each optimizer family (a masked subtree for it)."""
+  config = _config(
+      llava_dir,
+      "model.projector_lr=1e-3",
+      "loradash.launch_step=1",
+      "adalora.tinit=1",
+      "adalora.tfinal=1",
+  )
+  model, _, _ = load_base(config)
+  built = build_method(config, method, total_steps=5, model=model, learning_rate=1e-2)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam))
+  grads = jax.tree.map(lambda x: np.full(x.shape, 0.1, np.float32), params)
+  updates, _ = built.tx.update(grads, built.tx.init(params), params)
+  for name in ("linear_1", "linear_2"):
+    projector = _leaf(updates, "model", "multi_modal_projector", name, "kernel")
+    np.testing.assert_allclose(projector, -1e-3, rtol=1e-4)
+  assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
