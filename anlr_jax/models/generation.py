@@ -181,8 +181,7 @@ def generate(
       eos_token_id=jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32),
       pad_token_id=jnp.asarray(pad_token_id, jnp.int32),
   )
-  text_config = getattr(model, "text_config", model.config)  # LLaVA: its language model's
-  cache = init_cache(text_config, batch, prompt_len + max_new_tokens)
+  cache = init_cache(model.config, batch, prompt_len + max_new_tokens)
   token, cache, done, position = _prefill(
       graphdef=graphdef,
       state=state,

@@ -104,7 +104,11 @@ class KVCache(NamedTuple):
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> KVCache:
-  """An empty :class:`KVCache` for ``batch_size`` rows of up to ``max_length`` tokens."""
+  """An empty :class:`KVCache` for ``batch_size`` rows of up to ``max_length`` tokens.
+
+  ``config``: the model's :class:`ModelConfig`, or a config holding it as ``text_config`` (LLaVA).
+  """
+  config = getattr(config, "text_config", config)
   if batch_size <= 0 or max_length <= 0:
     raise ValueError(f"batch_size and max_length must be positive, got {batch_size}, {max_length}.")
   dtype = config.dtype if dtype is None else dtype

@@ -149,6 +149,11 @@ class LlavaConfig:
     return tuple(i % total for i in layers)
 
   @property
+  def vocab_size(self) -> int:
+    """The language model's vocabulary size (what the data checks token ids against)."""
+    return self.text_config.vocab_size
+
+  @property
   def num_image_tokens(self) -> int:
     """Image tokens per image: the patches, plus the CLS token with the ``'full'`` strategy."""
     return self.vision_config.num_patches + (self.vision_feature_select_strategy == "full")
