@@ -218,6 +218,23 @@ def test_batch_with_several_images_and_padding(pair):
   np.testing.assert_allclose(rows_logits[real], ours[real], rtol=0, atol=1e-5)
 
 
+def test_packed_images_become_per_row_slots(pair):
+  """The data pipeline's packed images (+ image_mask) as the trainer's per-row slots."""
+  _, model, _ = pair
+  ids, _ = image_ids([[1, "img", "img", 5], [1, 2, 3], [1, "img", 4]], 12)
+  px = pixels(6, seed=7)  # 3 real images, 3 padding: 2 slots per row
+  mask = np.array([1, 1, 1, 0, 0, 0])
+  slots = model.images_per_row(ids, px, image_mask=mask)
+  assert slots.shape == (3, 2, 3, 28, 28)
+  np.testing.assert_array_equal(slots[0], px[:2])
+  np.testing.assert_array_equal(slots[1], 0.0)
+  np.testing.assert_array_equal(slots[2, 0], px[2])
+  with pytest.raises(ValueError, match="need 3 images, pixel_values holds 2"):
+    model.images_per_row(ids, px, image_mask=np.array([1, 1, 0, 0, 0, 0]))
+  with pytest.raises(ValueError, match="more than 1 slots"):
+    model.images_per_row(ids, px[:3])
+
+
 def test_per_row_images_are_checked(pair):
   _, model, _ = pair
   ids, _ = image_ids([[1, "img", "img", 5], [1, 2, 3]], 10)

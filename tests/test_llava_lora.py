@@ -172,7 +172,7 @@ def test_trained_adapter_and_projector_load_in_peft(method, hf_dir, tmp_path):
 
 
 class ImageBatches:
-  """Four rows per batch, right-padded, one image slot per row (row 1 text-only: slot unused)."""
+  """Four rows per batch, right-padded; rows 0, 2, 3 hold an image, row 1 none."""
 
   def __len__(self):
     return 2
@@ -185,8 +185,18 @@ class ImageBatches:
       n = int(mask[r].sum())
       ids[r, :n] = ids[r, :n][::-1]
     loss_mask = mask * (ids != IMAGE_TOKEN)
-    px = pixels(4, seed=20 + step)[:, None]
-    return dict(input_ids=ids, attention_mask=mask, loss_mask=loss_mask, pixel_values=px)
+    # The data pipeline's layout: the batch's images in order of appearance, padded to one image
+    # per row (row 1 has none), with image_mask marking the real ones.
+    px = pixels(4, seed=20 + step)
+    px[3] = 0.0
+    image_mask = np.array([1, 1, 1, 0], np.int32)
+    return dict(
+        input_ids=ids,
+        attention_mask=mask,
+        loss_mask=loss_mask,
+        pixel_values=px,
+        image_mask=image_mask,
+    )
 
 
 def test_trainer_trains_llava_on_image_batches(hf_dir):
@@ -215,7 +225,7 @@ def test_trainer_trains_llava_on_image_batches(hf_dir):
   logits = model(
       jnp.asarray(batch["input_ids"]),
       attention_mask=jnp.asarray(batch["attention_mask"]),
-      pixel_values=jnp.asarray(batch["pixel_values"]),
+      pixel_values=jnp.asarray(batch["pixel_values"][batch["image_mask"] == 1]),
   )
   total, count = next_token_loss_sum(
       logits, jnp.asarray(batch["input_ids"]), jnp.asarray(batch["loss_mask"])

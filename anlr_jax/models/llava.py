@@ -333,6 +333,37 @@ def check_image_tokens(input_ids, pixel_shape: tuple[int, ...], config: LlavaCon
     )
 
 
+def images_per_row(input_ids, pixel_values, config: LlavaConfig, *, image_mask=None) -> np.ndarray:
+  """Packed images ``(N, 3, S, S)`` (in order of appearance, the real ones first: ``image_mask``
+  1, then padding) as per-row slots ``(B, K, 3, S, S)`` with ``K = ceil(N / B)``, row ``b``'s images
+  in its first slots (from its image tokens), the other slots zero. On the host (NumPy).
+
+  Raises:
+    ValueError: a row's image tokens are not a whole number of images, there are more or fewer
+      real images than the image tokens need, or a row needs more than ``K`` slots.
+  """
+  ids, pixels = np.asarray(input_ids), np.asarray(pixel_values)
+  n = config.num_image_tokens
+  counts = np.sum(ids == config.image_token_index, axis=-1)
+  if np.any(counts % n):
+    row = int(np.flatnonzero(counts % n)[0])
+    raise ValueError(f"row {row} holds {int(counts[row])} image tokens, not a multiple of {n}.")
+  per_row = counts // n
+  real = pixels if image_mask is None else pixels[np.asarray(image_mask) > 0]
+  if int(per_row.sum()) != len(real):
+    raise ValueError(
+        f"the image tokens need {int(per_row.sum())} images, pixel_values holds {len(real)}."
+    )
+  slots = max(1, -(-len(pixels) // len(ids)))
+  if per_row.max(initial=0) > slots:
+    raise ValueError(f"a row holds {int(per_row.max())} images, more than {slots} slots.")
+  out = np.zeros((len(ids), slots, *pixels.shape[1:]), np.float32)
+  starts = np.concatenate([[0], np.cumsum(per_row)])
+  for row, count in enumerate(per_row):
+    out[row, :count] = real[starts[row] : starts[row] + count]
+  return out
+
+
 class LlavaForConditionalGeneration(nnx.Module):
   """LLaVA-1.5 (see the module docstring); takes ``pixel_values`` next to ``input_ids``."""
 
@@ -359,6 +390,10 @@ class LlavaForConditionalGeneration(nnx.Module):
   def check_image_tokens(self, input_ids, pixel_values) -> None:
     """ValueError unless the image tokens of ``input_ids`` match ``pixel_values``' images."""
     check_image_tokens(input_ids, tuple(np.shape(pixel_values)), self.config)
+
+  def images_per_row(self, input_ids, pixel_values, image_mask=None) -> np.ndarray:
+    """:func:`images_per_row` with this model's config (the trainer's batch layout)."""
+    return images_per_row(input_ids, pixel_values, self.config, image_mask=image_mask)
 
   def get_image_features(self, pixel_values: jax.Array) -> jax.Array:
     """Projected image features ``(num_images, num_image_tokens, d)``."""

@@ -619,6 +619,11 @@ class Trainer:
             f'expected global_batch/process_count = {rows}'
         )
     images = local.get(IMAGE_KEY)  # (rows, K, 3, S, S) image slots of a model that takes images
+    if images is not None and np.ndim(images) == 4 and hasattr(self.model, 'images_per_row'):
+      # packed images in order of appearance (+ image_mask): into per-row slots, split by rows
+      images = self.model.images_per_row(
+          local['input_ids'], images, image_mask=local.get('image_mask')
+      )
     local = {
         'input_ids': np.asarray(local['input_ids'], np.int32),
         'attention_mask': np.asarray(local['attention_mask'], np.int32),
@@ -628,7 +633,7 @@ class Trainer:
       if np.ndim(images) != 5 or np.shape(images)[0] != rows:
         raise ValueError(
             f'batches.get_batch({step})[{IMAGE_KEY!r}] has shape {np.shape(images)}, expected'
-            f' ({rows}, images_per_row, 3, size, size)'
+            f' ({rows}, images_per_row, 3, size, size) or (images, 3, size, size)'
         )
       local[IMAGE_KEY] = np.asarray(images, np.float32)
     return global_batch_array(local, self.batch_sharding, self.config.global_batch)
