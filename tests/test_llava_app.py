@@ -121,6 +121,9 @@ def test_dry_run_of_the_shipped_llava_config():
   assert result["base_params"] == hf_total - projector  # the projector trains: not a base param
   assert result["lora_params"] == lora + projector
   assert 0 < result["activation_bytes"] < 16 * 2**30
+  # bf16 base weights sharded over the 8 devices, the vision tower included (the few replicated
+  # ones: norms, the position table, biases)
+  assert result["base_bytes"] == pytest.approx(2 * result["base_params"] / 8, rel=0.01)
 
 
 @pytest.mark.parametrize("method", ["adalora", "lorapro", "anlr+loradash"])

@@ -18,7 +18,9 @@ Naming contract: ``".".join(map(str, path))`` of every submodule equals the tran
 module name below ``vision_tower``: ``embeddings.patch_embedding``, ``embeddings.position_embedding``,
 ``pre_layrnorm``, ``encoder.layers.<i>.self_attn.q_proj``, ``encoder.layers.<i>.mlp.fc1``,
 ``encoder.layers.<i>.layer_norm1``, ``post_layernorm``. Linear layers are ``nnx.Linear`` (kernel
-``(in, out)``); the patch convolution keeps the torch layout ``(D, 3, P, P)``.
+``(in, out)``); the patch convolution keeps the torch layout ``(D, 3, P, P)``. Parameters carry the
+logical axis names of :mod:`anlr_jax.models.llama` (``embed``, ``q_heads``, ``mlp``, ``norm``), so a
+mesh shards the tower as it shards the language model.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from anlr_jax.models.llama import AXIS_EMBED, AXIS_MLP, AXIS_NORM, AXIS_Q_HEADS, _axes
 
 ACTIVATIONS = ("quick_gelu", "gelu")
 
@@ -142,8 +146,8 @@ class LayerNorm(nnx.Module):
   """``w (x - mean) / sqrt(var + eps) + b`` over the last axis, statistics in float32."""
 
   def __init__(self, dim: int, eps: float, *, dtype, param_dtype):
-    self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
-    self.bias = nnx.Param(jnp.zeros((dim,), param_dtype))
+    self.weight = nnx.Param(jnp.ones((dim,), param_dtype), **_axes(AXIS_NORM))
+    self.bias = nnx.Param(jnp.zeros((dim,), param_dtype), **_axes(AXIS_NORM))
     self.eps = eps
     self.dtype = dtype
 
@@ -157,7 +161,9 @@ class LayerNorm(nnx.Module):
     return out.astype(self.dtype)
 
 
-def _linear(config: ClipVisionConfig, d_in: int, d_out: int, rngs: nnx.Rngs) -> nnx.Linear:
+def _linear(
+    config: ClipVisionConfig, d_in: int, d_out: int, axes: tuple[str, str], rngs: nnx.Rngs
+) -> nnx.Linear:
   return nnx.Linear(
       d_in,
       d_out,
@@ -165,6 +171,8 @@ def _linear(config: ClipVisionConfig, d_in: int, d_out: int, rngs: nnx.Rngs) -> 
       dtype=config.dtype,
       param_dtype=config.param_dtype,
       kernel_init=nnx.initializers.normal(0.02),
+      kernel_metadata=_axes(*axes),
+      bias_metadata=_axes(axes[1]),
       rngs=rngs,
   )
 
@@ -182,7 +190,8 @@ class PatchEmbedding(nnx.Module):
   def __init__(self, config: ClipVisionConfig, *, rngs: nnx.Rngs):
     p, c, d = config.patch_size, config.num_channels, config.hidden_size
     self.weight = nnx.Param(
-        nnx.initializers.normal(0.02)(rngs.params(), (d, c, p, p), config.param_dtype)
+        nnx.initializers.normal(0.02)(rngs.params(), (d, c, p, p), config.param_dtype),
+        **_axes(AXIS_EMBED, None, None, None),
     )
     self.patch_size = p
     self.dtype = config.dtype
@@ -203,7 +212,8 @@ class VisionEmbeddings(nnx.Module):
   def __init__(self, config: ClipVisionConfig, *, rngs: nnx.Rngs):
     d = config.hidden_size
     self.class_embedding = nnx.Param(
-        nnx.initializers.normal(0.02)(rngs.params(), (d,), config.param_dtype)
+        nnx.initializers.normal(0.02)(rngs.params(), (d,), config.param_dtype),
+        **_axes(AXIS_EMBED),
     )
     self.patch_embedding = PatchEmbedding(config, rngs=rngs)
     self.position_embedding = nnx.Embed(
@@ -212,6 +222,7 @@ class VisionEmbeddings(nnx.Module):
         dtype=config.dtype,
         param_dtype=config.param_dtype,
         embedding_init=nnx.initializers.normal(0.02),
+        embedding_metadata=_axes(None, AXIS_EMBED),
         rngs=rngs,
     )
     self.image_size = config.image_size
@@ -237,10 +248,10 @@ class VisionAttention(nnx.Module):
 
   def __init__(self, config: ClipVisionConfig, *, rngs: nnx.Rngs):
     d = config.hidden_size
-    self.q_proj = _linear(config, d, d, rngs)
-    self.k_proj = _linear(config, d, d, rngs)
-    self.v_proj = _linear(config, d, d, rngs)
-    self.out_proj = _linear(config, d, d, rngs)
+    self.q_proj = _linear(config, d, d, (AXIS_EMBED, AXIS_Q_HEADS), rngs)
+    self.k_proj = _linear(config, d, d, (AXIS_EMBED, AXIS_Q_HEADS), rngs)
+    self.v_proj = _linear(config, d, d, (AXIS_EMBED, AXIS_Q_HEADS), rngs)
+    self.out_proj = _linear(config, d, d, (AXIS_Q_HEADS, AXIS_EMBED), rngs)
     self.num_heads = config.num_attention_heads
     self.head_dim = config.head_dim
     self.dtype = config.dtype
@@ -261,8 +272,12 @@ class VisionMLP(nnx.Module):
   """``fc2(act(fc1(x)))``."""
 
   def __init__(self, config: ClipVisionConfig, *, rngs: nnx.Rngs):
-    self.fc1 = _linear(config, config.hidden_size, config.intermediate_size, rngs)
-    self.fc2 = _linear(config, config.intermediate_size, config.hidden_size, rngs)
+    self.fc1 = _linear(
+        config, config.hidden_size, config.intermediate_size, (AXIS_EMBED, AXIS_MLP), rngs
+    )
+    self.fc2 = _linear(
+        config, config.intermediate_size, config.hidden_size, (AXIS_MLP, AXIS_EMBED), rngs
+    )
     self.act = config.hidden_act
 
   def __call__(self, x: jax.Array) -> jax.Array:
