@@ -60,6 +60,19 @@ def test_adapters_go_into_the_language_model_only(hf_dir):
     inject_lora(other, target_modules=("out_proj",), rank=2, alpha=4.0, rngs=nnx.Rngs(0))
 
 
+def test_projector_trains_in_float32_over_bfloat16_weights(hf_dir):
+  model, _ = load_llava_model(hf_dir, dtype=jnp.bfloat16)
+  before = _params(model)["model.multi_modal_projector.linear_1.kernel"]
+  assert before.dtype == jnp.bfloat16
+  train_in_full(model, model.PROJECTOR)
+  trained = _params(model, FullParam)
+  assert {v.dtype for v in trained.values()} == {np.dtype(np.float32)}
+  np.testing.assert_array_equal(
+      trained["model.multi_modal_projector.linear_1.kernel"], before.astype(np.float32)
+  )
+  assert _params(model)["model.vision_tower.pre_layrnorm.weight"].dtype == jnp.bfloat16
+
+
 def test_projector_gets_its_own_learning_rate():
   """Adam's first step moves each leaf by its learning rate: 1e-3 (adapters) vs 1e-4 (full)."""
   params = {

@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 
 from anlr_jax.nn.inject import get_submodule, path_str
+from anlr_jax.nn.lora import ADAPTER_DTYPE
 
 FULL = "full"
 ADAPTER = "adapter"
@@ -30,8 +31,14 @@ class FullParam(nnx.LoRAParam):
   """A base-model weight trained in full next to the adapters (an ``nnx.LoRAParam`` subclass)."""
 
 
-def train_in_full(model: nnx.Module, module_path: tp.Sequence[str | int]) -> list[str]:
+def train_in_full(
+    model: nnx.Module, module_path: tp.Sequence[str | int], *, dtype=ADAPTER_DTYPE
+) -> list[str]:
   """Turns every ``nnx.Param`` below ``module_path`` into a :class:`FullParam`, in place.
+
+  The values are stored in ``dtype`` (float32, as the adapters are, whatever the base weights'
+  dtype): AdamW steps of ``lr ~ 1e-5`` on bfloat16 weights would mostly round away. The layers
+  still compute in their own ``dtype``.
 
   Returns:
     The dotted names of the converted variables (``<module path>.<attribute>``), sorted.
@@ -44,7 +51,8 @@ def train_in_full(model: nnx.Module, module_path: tp.Sequence[str | int]) -> lis
   for path, module in nnx.iter_modules(root):
     for attr, value in list(vars(module).items()):
       if isinstance(value, nnx.Param) and not isinstance(value, nnx.LoRAParam):
-        setattr(module, attr, FullParam(value.get_value(), **value.get_metadata()))
+        stored = value.get_value().astype(dtype)
+        setattr(module, attr, FullParam(stored, **value.get_metadata()))
         names.append(path_str((*module_path, *path, attr)))
   if not names:
     raise ValueError(f"'{path_str(tuple(module_path))}' holds no nnx.Param to train in full")
