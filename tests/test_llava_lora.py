@@ -60,6 +60,20 @@ def test_adapters_go_into_the_language_model_only(hf_dir):
     inject_lora(other, target_modules=("out_proj",), rank=2, alpha=4.0, rngs=nnx.Rngs(0))
 
 
+def test_adalora_export_names_the_language_model_layers_in_full(hf_dir, tmp_path):
+  from anlr_jax.nn.adalora import export_adalora_adapter
+  from anlr_jax.optim.adalora import AdaLoRAConfig
+
+  model, _ = load_llava_model(hf_dir)
+  inject_adalora(model, target_modules=("q_proj", "v_proj"), rank=3, alpha=6.0, rngs=nnx.Rngs(0))
+  config = AdaLoRAConfig(init_r=3, target_r=2, tinit=1, tfinal=1, deltaT=1, total_step=5)
+  export_adalora_adapter(model, tmp_path, config=config)
+  with open(tmp_path / "adapter_config.json") as f:
+    targets = json.load(f)["target_modules"]
+  assert targets == sorted(n for n, _ in iter_adalora_layers(model))
+  assert all(t.startswith("model.language_model.layers.") for t in targets)
+
+
 def test_projector_trains_in_float32_over_bfloat16_weights(hf_dir):
   model, _ = load_llava_model(hf_dir, dtype=jnp.bfloat16)
   before = _params(model)["model.multi_modal_projector.linear_1.kernel"]
