@@ -82,7 +82,7 @@ COMPILE_CACHE = "~/.cache/anlr-jax/xla"
 # ------------------------------------------------------------------------------------- sections
 @dataclasses.dataclass
 class ModelSection:
-  """The base model: a local Hugging Face LLaMA / Qwen2 directory or a .gguf file."""
+  """The base model: a local Hugging Face LLaMA / Qwen2 / LLaVA directory or a .gguf file."""
 
   path: str = setting(
       "",
@@ -103,6 +103,14 @@ class ModelSection:
       "bfloat16: projection/head GEMMs on bfloat16 operands with float32 sums, the rest in"
       " model.dtype (about 2x faster GEMMs on CPUs with AVX512-BF16/AMX); None: model.dtype",
       OneOf(("bfloat16", None)),
+      identity="unless-default",
+  )
+  projector_lr: float | None = setting(
+      None,
+      "LLaVA models: learning rate of the multimodal projector, trained in full next to the"
+      " adapters with AdamW (LLaVA's LoRA recipe: 2e-5 with lr 2e-4); None: the projector stays"
+      " frozen",
+      Range(0, lo_open=True),
       identity="unless-default",
   )
 

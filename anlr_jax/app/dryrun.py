@@ -38,9 +38,10 @@ from anlr_jax.app.paths import resolve_path
 from anlr_jax.fields import DTYPES, ConfigError
 from anlr_jax.models import LlamaForCausalLM
 from anlr_jax.models.config import ModelConfig
+from anlr_jax.models.llava import LlavaConfig, LlavaForConditionalGeneration, is_llava_config
 from anlr_jax.train.mesh import MESH_AXES, matching_shardings, state_shardings
 
-PRESETS = ("llama2_7b", "llama3_8b", "qwen2_5_7b", "qwen2_5_14b")
+PRESETS = ("llama2_7b", "llama3_8b", "qwen2_5_7b", "qwen2_5_14b", "llava1_5_7b")
 """Model presets of :class:`anlr_jax.models.config.ModelConfig` a dry run can use."""
 
 GIB = 2**30
@@ -62,11 +63,13 @@ def mesh_sizes(config: RunConfig, devices: int) -> dict[str, int]:
   return sizes
 
 
-def _model_config(config: RunConfig, preset: str | None) -> ModelConfig:
+def _model_config(config: RunConfig, preset: str | None) -> ModelConfig | LlavaConfig:
   dtypes = dict(dtype=DTYPES[config.model.dtype], param_dtype=DTYPES[config.model.dtype])
   if preset is not None:
     if preset not in PRESETS:
       raise ConfigError(f"--preset {preset!r}: allowed {', '.join(PRESETS)}")
+    if preset == "llava1_5_7b":
+      return LlavaConfig.llava1_5_7b(dtype=DTYPES[config.model.dtype])
     return getattr(ModelConfig, preset)(**dtypes)
   path = resolve_path(config.model.path)
   if path is None or not os.path.exists(path):
@@ -74,6 +77,8 @@ def _model_config(config: RunConfig, preset: str | None) -> ModelConfig:
         f"model.path {config.model.path}: no such directory (a dry run reads its config.json"
         f" only; or name a preset: --preset {PRESETS[0]})"
     )
+  if is_llava_config(path):
+    return LlavaConfig.from_pretrained(path, dtype=DTYPES[config.model.dtype])
   return ModelConfig.from_pretrained(path, **dtypes)
 
 
@@ -85,9 +90,13 @@ def _per_device_bytes(tree, shardings) -> int:
   return total
 
 
-def activation_bytes(config: RunConfig, model: ModelConfig, sizes: dict[str, int]) -> int:
+def activation_bytes(
+    config: RunConfig, model: ModelConfig | LlavaConfig, sizes: dict[str, int]
+) -> int:
   """The module docstring's estimate of one micro-batch's activation bytes per device."""
   tc = config.trainer
+  if isinstance(model, LlavaConfig):
+    return activation_bytes(config, model.text_config, sizes) + _vision_bytes(config, model, sizes)
   rows = tc.global_batch / (tc.micro_batches * sizes["data"] * sizes["fsdp"])
   b, t_len, t = max(rows, 1.0), config.data.max_length, sizes["tensor"]
   h, f, a = model.hidden_size, model.intermediate_size, model.num_attention_heads
@@ -102,6 +111,17 @@ def activation_bytes(config: RunConfig, model: ModelConfig, sizes: dict[str, int
   return int(stored + logits)
 
 
+def _vision_bytes(config: RunConfig, model: LlavaConfig, sizes: dict[str, int]) -> int:
+  """LLaVA's frozen vision tower on one image per row: no activation is kept for a gradient
+  (nothing below the projector trains), so one layer's working set at a time."""
+  tc = config.trainer
+  rows = max(tc.global_batch / (tc.micro_batches * sizes["data"] * sizes["fsdp"]), 1.0)
+  v = model.vision_config
+  tokens, c = v.num_patches + 1, np.dtype(DTYPES[tc.compute_dtype]).itemsize
+  layer = c * rows * tokens * (6 * v.hidden_size + 2 * v.intermediate_size)
+  return int(layer + c * rows * v.num_attention_heads * tokens**2)
+
+
 def estimate(config: RunConfig, *, devices: int, preset: str | None = None) -> dict[str, Any]:
   """Bytes per device of the base params, LoRA params, optimizer state and (estimated)
   activations of ``config``'s run on ``devices`` devices; see the module docstring."""
@@ -112,7 +132,10 @@ def estimate(config: RunConfig, *, devices: int, preset: str | None = None) -> d
   method = config.method
 
   def build():
-    model = LlamaForCausalLM(model_config, rngs=nnx.Rngs(0))
+    cls = (
+        LlavaForConditionalGeneration if isinstance(model_config, LlavaConfig) else LlamaForCausalLM
+    )
+    model = cls(model_config, rngs=nnx.Rngs(0))
     build_method(config, method, total_steps=total, model=model, check=False)
     return model
 

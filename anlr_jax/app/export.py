@@ -21,8 +21,9 @@ from anlr_jax.app.methods import ADALORA_TOTAL_STEP, adalora_config, get_method
 from anlr_jax.app.model import is_run_dir, load_adapted_model
 from anlr_jax.app.paths import resolve_path
 from anlr_jax.app.report import Log, say
-from anlr_jax.models import save_hf_model
+from anlr_jax.models import LlavaForConditionalGeneration, save_hf_model, save_llava_model
 from anlr_jax.nn import export_adalora_adapter, export_peft_adapter, iter_adalora_layers
+from anlr_jax.nn.inject import adapter_scope
 
 
 def export_run(run_dir: str, fmt: str, out: str, *, log: Log = say) -> str:
@@ -40,13 +41,26 @@ def export_run(run_dir: str, fmt: str, out: str, *, log: Log = say) -> str:
         f"--format peft: method {config.method} (LoRA-Dash) has no PEFT adapter format (PEFT"
         " cannot hold its amplified directions); export it with --format merged"
     )
+  if fmt == "peft" and spec.uses_adalora and config.model.projector_lr is not None:
+    raise ValueError(
+        f"--format peft: method {config.method} with model.projector_lr has no PEFT adapter"
+        " format here (the AdaLoRA export holds no trained projector); export it with"
+        " --format merged"
+    )
   model, model_config, tokenizer = load_adapted_model(config, run_dir)
   if fmt == "peft" and spec.uses_adalora:
     export_adalora_run(model, config, os.path.join(run_dir, rundir.LORA_FILE), out)
   elif fmt == "peft":
-    export_peft_adapter(model, out, base_model_name_or_path=resolve_path(config.model.path))
+    export_peft_adapter(
+        model,
+        out,
+        base_model_name_or_path=resolve_path(config.model.path),
+        # LLaVA's projector trained in full (model.projector_lr): PEFT's modules_to_save
+        modules_to_save=[model.PROJECTOR] if config.model.projector_lr is not None else [],
+    )
   else:
-    save_hf_model(model, model_config, out, merge_lora=True)
+    save = save_llava_model if isinstance(model, LlavaForConditionalGeneration) else save_hf_model
+    save(model, model_config, out, merge_lora=True)
     _keep_base_config(resolve_path(config.model.path), out)
     tokenizer.save_pretrained(out)
   for folder, _, files in os.walk(out):
@@ -96,7 +110,9 @@ def export_adalora_run(model, config: RunConfig, lora_path: str, out: str) -> No
       out,
       config=adalora_config(config, int(metadata[ADALORA_TOTAL_STEP])),
       base_model_name_or_path=resolve_path(config.model.path),
-      target_modules=list(config.lora.targets),
+      # a model with an adapter scope (LLaVA) names its layers in full: short names would reach
+      # the vision tower's projections of the same names
+      target_modules=None if adapter_scope(model) else list(config.lora.targets),
       rank_pattern=pattern,
   )
 

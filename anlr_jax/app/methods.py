@@ -64,6 +64,8 @@ from anlr_jax.nn import (
     launch_dash,
     lora_scale,
 )
+from anlr_jax.models.llava import PROJECTOR_PATH
+from anlr_jax.nn.trainable import train_in_full, with_full_params
 from anlr_jax.optim import Signal, anlr, loraplus
 from anlr_jax.optim.adalora import AdaLoRAConfig, orth_regularization, rank_allocator
 from anlr_jax.optim.lorapro import lorapro
@@ -346,6 +348,7 @@ def inject_method(model: nnx.Module, config: RunConfig, method: str) -> nnx.Modu
   ``LoRALinear`` (its init/rsLoRA/DoRA), ``AdaLoRALinear`` (initial rank ``lora.rank``) or
   ``LoRADashLinear`` (``loradash.num_directions``, ``loradash.launch_step``)."""
   spec = get_method(method)
+  _train_projector(model, config)
   common = dict(
       target_modules=tuple(config.lora.targets),
       rank=config.lora.rank,
@@ -371,6 +374,19 @@ def inject_method(model: nnx.Module, config: RunConfig, method: str) -> nnx.Modu
           f"loradash.num_directions={config.loradash.num_directions}: {err}"
       ) from None
   return inject_lora(model, **common, **spec.lora_kwargs())
+
+
+def _train_projector(model: nnx.Module, config: RunConfig) -> None:
+  """With ``model.projector_lr`` set, the LLaVA projector's weights become trained
+  (:func:`anlr_jax.nn.train_in_full`); :func:`build_method` gives them that learning rate."""
+  if config.model.projector_lr is None:
+    return
+  if not hasattr(model, "PROJECTOR"):
+    raise ConfigError(
+        f"model.projector_lr={config.model.projector_lr}: {type(model).__name__} has no"
+        " multimodal projector (a LLaVA setting); leave model.projector_lr unset"
+    )
+  train_in_full(model, model.PROJECTOR)
 
 
 # ------------------------------------------------------------------ what a method adds to a run
@@ -541,6 +557,7 @@ def build_method(
   if model is not None:
     inject_method(model, config, name)
   schedule = tc.schedule(total_steps) if learning_rate is None else learning_rate
+  projector_lr = config.model.projector_lr
   tx = method_optimizer(
       spec,
       schedule,
@@ -548,7 +565,7 @@ def build_method(
       b2=tc.b2,
       eps=tc.eps,
       weight_decay=tc.weight_decay,
-      clip_norm=tc.clip_norm,
+      clip_norm=tc.clip_norm if projector_lr is None else None,
       anlr_kwargs=config.anlr.as_kwargs(),
       lr_ratio=config.loraplus.lr_ratio,
       seed=config.seed,
@@ -558,6 +575,18 @@ def build_method(
       lorapro_mode=config.lorapro.mode,
       dash_launch_step=config.loradash.launch_step,
   )
+  if projector_lr is not None:  # LLaVA's projector: AdamW at its own rate, on the same schedule
+    scale = (lambda step: schedule(step) / tc.learning_rate) if callable(schedule) else None
+    tx = with_full_params(
+        tx,
+        (lambda step: projector_lr * scale(step)) if scale else projector_lr,
+        [PROJECTOR_PATH],
+        clip_norm=tc.clip_norm,
+        b1=tc.b1,
+        b2=tc.b2,
+        eps=tc.eps,
+        weight_decay=tc.weight_decay,
+    )
   return MethodRun(spec, tx, schedule, method_hooks(config, name), total_steps)
 
 

@@ -30,7 +30,8 @@ from anlr_jax.app.config import RunConfig, load_config
 from anlr_jax.app.methods import inject_method
 from anlr_jax.app.paths import require_path, resolve_path
 from anlr_jax.fields import DTYPES
-from anlr_jax.models import load_hf_model, load_tokenizer
+from anlr_jax.models import load_hf_model, load_llava_model, load_tokenizer
+from anlr_jax.models.llava import is_llava_config
 from anlr_jax.nn import (
     DashDirections,
     import_adalora_adapter,
@@ -38,13 +39,15 @@ from anlr_jax.nn import (
     iter_adalora_layers,
     iter_lora_layers,
 )
+from anlr_jax.nn.trainable import FullParam
 from anlr_jax.nn.peft_io import ADAPTER_CONFIG_FILE, adapter_peft_type
 
 
 def load_base(config: RunConfig, model_path: str | None = None):
   """``(model, model_config, tokenizer)`` of the base model named by ``model.path``."""
   path = require_path(model_path or config.model.path, "model.path", kind="HF model directory")
-  model, model_config = load_hf_model(
+  load = load_llava_model if is_llava_config(path) else load_hf_model  # config.json model_type
+  model, model_config = load(
       path,
       dtype=DTYPES[config.model.dtype],
       attention_impl=config.model.attention,
@@ -58,6 +61,15 @@ def load_base(config: RunConfig, model_path: str | None = None):
 def _adapter_layers(model: nnx.Module) -> list[tuple[str, nnx.Module]]:
   """``(dotted path, layer)`` of every adapter layer (LoRA and its variants, LoRA-Dash, AdaLoRA)."""
   return sorted([*iter_lora_layers(model), *iter_adalora_layers(model)], key=lambda item: item[0])
+
+
+def _full_params(model: nnx.Module) -> list[tuple[str, str, nnx.Variable]]:
+  """``(module path, name, variable)`` of every base weight trained in full (LLaVA's projector,
+  :class:`~anlr_jax.nn.trainable.FullParam`): saved with the adapters."""
+  return [
+      (rundir.module_name(path[:-1]), str(path[-1]), variable)
+      for path, variable in nnx.to_flat_state(nnx.state(model, FullParam))
+  ]
 
 
 def _adapter_variables(layer: nnx.Module) -> list[tuple[str, nnx.Variable]]:
@@ -93,6 +105,10 @@ def save_lora_params(
       value = np.asarray(jax.device_get(variable[...]))
       dtype = value.dtype if np.issubdtype(value.dtype, np.integer) else np.float32
       tensors[rundir.adapter_key(module_path, name)] = value.astype(dtype)
+  for module_path, name, variable in _full_params(model):
+    tensors[rundir.adapter_key(module_path, name)] = np.asarray(
+        jax.device_get(variable[...]), np.float32
+    )
   if not tensors:
     raise ValueError("the model has no LoRA adapters to save")
   bad = [k for k, v in tensors.items() if not np.isfinite(v).all()]
@@ -149,6 +165,17 @@ def load_lora_params(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
             f"expects {variable[...].shape}"
         )
       getattr(layer, name)[...] = jnp.asarray(tensors[key], variable[...].dtype)
+  for module_path, name, variable in _full_params(model):
+    key = rundir.adapter_key(module_path, name)
+    expected.add(key)
+    if key not in tensors:
+      raise KeyError(f"{path}: missing tensor {key!r} (the run's model.projector_lr differs?)")
+    if tensors[key].shape != variable[...].shape:
+      raise ValueError(
+          f"{path}: tensor {key!r} has shape {tensors[key].shape}, the model "
+          f"expects {variable[...].shape}"
+      )
+    variable[...] = jnp.asarray(tensors[key], variable[...].dtype)
   extra = sorted(set(tensors) - expected)
   if extra:
     raise KeyError(f"{path}: tensors {extra[:4]} match no adapter of the model")

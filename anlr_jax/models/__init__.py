@@ -1,4 +1,4 @@
-"""Flax NNX LLaMA / Qwen2 causal LMs, Hugging Face and GGUF checkpoint I/O and generation."""
+"""Flax NNX LLaMA / Qwen2 causal LMs and LLaVA, Hugging Face and GGUF checkpoint I/O, generation."""
 
 from anlr_jax.models.config import ModelConfig
 from anlr_jax.models.generation import generate
@@ -11,11 +11,20 @@ from anlr_jax.models.hf_io import (
     save_hf_model,
 )
 from anlr_jax.models.llama import LOGICAL_AXES, KVCache, LlamaForCausalLM, init_cache
+from anlr_jax.models.llava import (
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    load_llava_model,
+    preprocess_image,
+    save_llava_model,
+)
 
 __all__ = [
     "LOGICAL_AXES",
     "KVCache",
     "LlamaForCausalLM",
+    "LlavaConfig",
+    "LlavaForConditionalGeneration",
     "ModelConfig",
     "convert_gguf",
     "generate",
@@ -23,8 +32,11 @@ __all__ = [
     "init_cache",
     "load_gguf_tokenizer",
     "load_hf_model",
+    "load_llava_model",
     "load_tokenizer",
     "model_from_hf_tensors",
+    "preprocess_image",
     "read_gguf",
     "save_hf_model",
+    "save_llava_model",
 ]

@@ -80,11 +80,16 @@ _STATIC = ("graphdef", "greedy")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _prefill(graphdef, state, prompt_ids, prompt_mask, cache, rng, params, *, greedy):
-  """Runs the prompt through the model; returns the first new token, cache, done flags, position."""
+def _prefill(
+    graphdef, state, prompt_ids, prompt_mask, cache, rng, params, pixel_values=None, *, greedy
+):
+  """Runs the prompt through the model; returns the first new token, cache, done flags, position.
+
+  ``pixel_values`` (a model taking images, e.g. LLaVA) go with the prompt only."""
   TRACE_COUNTS["prefill"] += 1
   model = nnx.merge(graphdef, state)
-  logits, cache = model(prompt_ids, attention_mask=prompt_mask, cache=cache)
+  images = {} if pixel_values is None else {"pixel_values": pixel_values}
+  logits, cache = model(prompt_ids, attention_mask=prompt_mask, cache=cache, **images)
   done = jnp.zeros(prompt_ids.shape[:1], bool)
   token, done = _next_token(logits[:, -1], done, rng, 0, params, greedy=greedy)
   last_position = jnp.sum(prompt_mask, axis=-1) - 1
@@ -121,6 +126,7 @@ def generate(
     eos_token_id: int | None = None,
     pad_token_id: int = 0,
     rng: jax.Array | None = None,
+    pixel_values: jax.Array | None = None,
 ) -> jax.Array:
   """Generates ``max_new_tokens`` tokens after a left-padded prompt batch.
 
@@ -135,6 +141,8 @@ def generate(
     eos_token_id: after this token a row only emits ``pad_token_id``.
     pad_token_id: filler after end of sequence.
     rng: PRNG key for sampling (required when ``temperature > 0``).
+    pixel_values: ``(num_images, 3, S, S)`` images of the prompts, in order of their image
+      tokens, for a model that takes images (:class:`~anlr_jax.models.llava.LlavaForConditionalGeneration`).
 
   Returns:
     ``(B, N)`` int32 new token ids.
@@ -157,6 +165,11 @@ def generate(
   if temperature > 0 and rng is None:
     raise ValueError("rng is required when temperature > 0.")
   rng = jax.random.key(0) if rng is None else rng
+  if pixel_values is not None:
+    if not hasattr(model, "get_image_features"):
+      raise ValueError(f"pixel_values given, but {type(model).__name__} takes no images.")
+    pixel_values = jnp.asarray(pixel_values, jnp.float32)
+    model.check_image_tokens(prompt_ids, pixel_values)
 
   batch, prompt_len = prompt_ids.shape
   graphdef, state = nnx.split(model)
@@ -177,6 +190,7 @@ def generate(
       cache=cache,
       rng=rng,
       params=params,
+      pixel_values=pixel_values,
       **static,
   )
   tokens = [token]

@@ -104,7 +104,11 @@ class KVCache(NamedTuple):
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> KVCache:
-  """An empty :class:`KVCache` for ``batch_size`` rows of up to ``max_length`` tokens."""
+  """An empty :class:`KVCache` for ``batch_size`` rows of up to ``max_length`` tokens.
+
+  ``config``: the model's :class:`ModelConfig`, or a config holding it as ``text_config`` (LLaVA).
+  """
+  config = getattr(config, "text_config", config)
   if batch_size <= 0 or max_length <= 0:
     raise ValueError(f"batch_size and max_length must be positive, got {batch_size}, {max_length}.")
   dtype = config.dtype if dtype is None else dtype
@@ -323,6 +327,7 @@ class LlamaForCausalLM(nnx.Module):
       positions: jax.Array | None = None,
       attention_mask: jax.Array | None = None,
       cache: KVCache | None = None,
+      inputs_embeds: jax.Array | None = None,
   ):
     """Logits ``(B, T, V)`` float32 for ``input_ids`` ``(B, T)``.
 
@@ -333,6 +338,8 @@ class LlamaForCausalLM(nnx.Module):
         left-padded row gets the same positions as the unpadded one.
       attention_mask: ``(B, T)``, 1 = token, 0 = pad; None means all tokens are real.
       cache: a :class:`KVCache`; the new keys/values are written at ``cache.index``.
+      inputs_embeds: ``(B, T, d)`` input embeddings used instead of looking ``input_ids`` up
+        (LLaVA puts image features at its image tokens); ``input_ids`` still gives the shape.
 
     Returns:
       ``logits`` or, when ``cache`` is given, ``(logits, updated_cache)``.
@@ -366,7 +373,14 @@ class LlamaForCausalLM(nnx.Module):
       # Fused attention: causal + per-row key lengths, exact for right-padded rows.
       allowed, lengths = None, jnp.maximum(jnp.sum(attention_mask, axis=-1), 1).astype(jnp.int32)
 
-    h = self.model.embed_tokens(input_ids.astype(jnp.int32)).astype(config.dtype)
+    if inputs_embeds is None:
+      h = self.model.embed_tokens(input_ids.astype(jnp.int32)).astype(config.dtype)
+    elif inputs_embeds.shape != (b, t, config.hidden_size):
+      raise ValueError(
+          f"inputs_embeds shape {inputs_embeds.shape} != {(b, t, config.hidden_size)}."
+      )
+    else:
+      h = inputs_embeds.astype(config.dtype)
     cos, sin = rope_cos_sin(config.rope_inv_freq(), positions, config.dtype)
     new_keys, new_values = [], []
     for i, layer in enumerate(self.model.layers):

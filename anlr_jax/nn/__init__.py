@@ -32,10 +32,12 @@ from anlr_jax.nn.loradash import (
     validate_dash_config,
 )
 from anlr_jax.nn.peft_io import export_peft_adapter, import_peft_adapter
+from anlr_jax.nn.trainable import FullParam, train_in_full, with_full_params
 
 __all__ = [
     "AdaLoRALinear",
     "DashDirections",
+    "FullParam",
     "LORADASH_DEFAULTS",
     "LORA_INITS",
     "LoRADashLinear",
@@ -62,6 +64,8 @@ __all__ = [
     "low_rank_product",
     "merge_all",
     "select_task_directions",
+    "train_in_full",
     "unmerge_all",
     "validate_dash_config",
+    "with_full_params",
 ]

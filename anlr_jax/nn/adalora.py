@@ -43,7 +43,9 @@ from flax import nnx
 
 from anlr_jax.nn.inject import (
     PAPER_TARGET_MODULES,
+    adapter_scope,
     get_submodule,
+    iter_scope_modules,
     path_str,
     set_submodule,
 )
@@ -173,7 +175,7 @@ def inject_adalora(
   paths = sorted(
       (
           tuple(p)
-          for p, m in nnx.iter_modules(model)
+          for p, m in iter_scope_modules(model)
           if p and isinstance(p[-1], str) and p[-1] in targets and isinstance(m, nnx.Linear)
       ),
       key=path_str,
@@ -216,7 +218,8 @@ def export_adalora_adapter(
     out_dir: directory to create or overwrite files in.
     config: the :class:`~anlr_jax.optim.AdaLoRAConfig` (schedule fields are recorded).
     base_model_name_or_path: recorded in ``adapter_config.json``.
-    target_modules: PEFT's ``target_modules``; default: the sorted last names of the layers' paths.
+    target_modules: PEFT's ``target_modules``; default: the sorted last names of the layers' paths
+      (their full paths for a model with an ``ADAPTER_SCOPE``, e.g. LLaVA's language model).
     rank_pattern: module path -> ``r`` kept flags (e.g. ``anlr_jax.optim.rank_pattern(state)``):
       only the kept triplets are written and the pattern is recorded, as PEFT does after
       allocation. ``None``: all ``r`` triplets, ``rank_pattern: null``. Pruned triplets have
@@ -256,7 +259,9 @@ def export_adalora_adapter(
     tensors[KEY_PREFIX + path + FACTOR_KEYS["lora_e"]] = np.ascontiguousarray(e[:, None])
     tensors[KEY_PREFIX + path + FACTOR_KEYS["lora_b"]] = np.ascontiguousarray(b.T)
 
-  if target_modules is None:
+  if target_modules is None and adapter_scope(model):  # short names would reach out of the scope
+    target_modules = sorted(paths)
+  elif target_modules is None:
     target_modules = sorted({p.rsplit(".", 1)[-1] for p in paths})
   write_adapter(
       out_dir,

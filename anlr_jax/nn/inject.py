@@ -5,6 +5,10 @@ in ``model.layers.3.self_attn.q_proj``) is in ``target_modules`` is replaced in 
 ``LoRALinear(linear, ...)``. Nested modules, ``nnx.List``/``nnx.Dict`` and plain lists or dicts
 marked with ``nnx.data`` are all walked. Paths are ``'.'.join`` of the NNX path, which for the
 project's LLaMA/Qwen2 model equals the Hugging Face module name.
+
+A model may confine adapters to one submodule by naming its path in a class attribute
+``ADAPTER_SCOPE`` (LLaVA: ``('model', 'language_model')``, so the vision tower's ``q_proj`` are
+never targeted); target names are then matched only below it, and paths stay full paths.
 """
 
 from __future__ import annotations
@@ -60,6 +64,18 @@ def set_submodule(model: nnx.Module, path: PathParts, value: nnx.Module) -> None
     parent[key] = value
 
 
+def adapter_scope(model: nnx.Module) -> PathParts:
+  """The path below which adapters go: the model's ``ADAPTER_SCOPE``, or ``()`` (everywhere)."""
+  return tuple(getattr(model, "ADAPTER_SCOPE", ()))
+
+
+def iter_scope_modules(model: nnx.Module) -> tp.Iterator[tuple[PathParts, tp.Any]]:
+  """``(full path, module)`` of every module in the model's :func:`adapter_scope`."""
+  scope = adapter_scope(model)
+  for path, module in nnx.iter_modules(get_submodule(model, scope)):
+    yield (*scope, *path), module
+
+
 def iter_lora_layers(model: nnx.Module) -> tp.Iterator[tuple[str, LoRALinear]]:
   """``(dotted path, layer)`` for every ``LoRALinear`` in ``model``, in a deterministic order."""
   found = [(path_str(p), m) for p, m in nnx.iter_modules(model) if isinstance(m, LoRALinear)]
@@ -70,7 +86,7 @@ def _target_linears(model: nnx.Module, target_modules: tp.Sequence[str]):
   """Paths of the ``nnx.Linear`` to wrap, sorted; each target name must match something."""
   targets = set(target_modules)
   linears, matched = [], set()
-  for path, module in nnx.iter_modules(model):
+  for path, module in iter_scope_modules(model):
     if not path or not isinstance(path[-1], str) or path[-1] not in targets:
       continue
     if isinstance(module, LoRALinear):

@@ -22,6 +22,11 @@ adapter ``A' = [A | A0]``, ``B' = [B ; -B0]`` against ``W0``, with ``r' = 2r`` a
 ``||W0 + c A' B'|| = ||W_res + c A B||``. Importing such a file gives an ordinary rank-``2r`` LoRA
 on the original weights.
 
+Modules trained in full next to the adapters (LLaVA's projector, ``modules_to_save`` in PEFT) are
+written as ``base_model.model.<p>.weight`` (``W = K^T``) and ``.bias`` for every ``nnx.Linear`` at
+``p`` below them, with the last name of each such module in the config's ``modules_to_save``, as
+PEFT writes them; importing loads them back into the base layers.
+
 Tensors are written as the float32 arrays the layers hold; a re-export of an imported adapter is
 byte-identical.
 """
@@ -95,6 +100,7 @@ def export_peft_adapter(
     *,
     base_model_name_or_path: str = "",
     task_type: tp.Optional[str] = "CAUSAL_LM",
+    modules_to_save: tp.Sequence[tp.Sequence[str | int]] = (),
 ) -> None:
   r"""Write the ``LoRALinear`` adapters of ``model`` as a PEFT LoRA adapter directory.
 
@@ -107,9 +113,12 @@ def export_peft_adapter(
     out_dir: directory to create or overwrite files in.
     base_model_name_or_path: recorded in ``adapter_config.json``.
     task_type: PEFT task type (``"CAUSAL_LM"``), or None for a bare ``PeftModel``.
+    modules_to_save: module paths (e.g. ``('model', 'multi_modal_projector')``) whose linear
+      layers were trained in full: saved whole, as PEFT's ``modules_to_save``.
 
   Raises:
-    ValueError: the model has no ``LoRALinear``, or its layers disagree on a setting.
+    ValueError: the model has no ``LoRALinear``, or its layers disagree on a setting, or a
+      module to save holds no ``nnx.Linear``.
   """
   layers = list(iter_lora_layers(model))
   if not layers:
@@ -133,6 +142,24 @@ def export_peft_adapter(
           layer.lora_magnitude[...]
       )
 
+  saved_names = []
+  for module_path in modules_to_save:
+    module_path = tuple(module_path)
+    linears = [
+        (path_str((*module_path, *p)), m)
+        for p, m in nnx.iter_modules(get_submodule(model, module_path))
+        if isinstance(m, nnx.Linear)
+    ]
+    if not linears:
+      raise ValueError(f"modules_to_save: '{path_str(module_path)}' holds no nnx.Linear")
+    for path, linear in linears:
+      tensors[KEY_PREFIX + path + ".weight"] = np.ascontiguousarray(
+          np.asarray(linear.kernel[...], np.float32).T
+      )
+      if linear.bias is not None:
+        tensors[KEY_PREFIX + path + ".bias"] = np.asarray(linear.bias[...], np.float32)
+    saved_names.append(str(module_path[-1]))
+
   write_adapter(
       out_dir,
       tensors,
@@ -148,6 +175,7 @@ def export_peft_adapter(
       lora_bias=False,
       rank_pattern={},
       alpha_pattern={},
+      modules_to_save=sorted(set(saved_names)) or None,
   )
 
 
@@ -244,7 +272,6 @@ def _check_lora_config(config: dict, config_path: str) -> None:
       "alpha_pattern": ({}, None),
       "bias": ("none", None),
       "lora_bias": (False, None),
-      "modules_to_save": (None, []),
       "init_lora_weights": (
           True,
           False,
@@ -368,6 +395,32 @@ def import_peft_adapter(
       layer.lora_magnitude[...] = jnp.asarray(m, layer.lora_magnitude.dtype)
     if layer is not module:
       set_submodule(model, path, layer)
+
+  saved = config.get("modules_to_save") or []
+  for key in sorted(set(tensors) - expected_keys):
+    module_name, _, attr = key[len(KEY_PREFIX) :].rpartition(".")
+    if not key.startswith(KEY_PREFIX) or attr not in ("weight", "bias"):
+      continue
+    parts = tuple(int(p) if p.isdigit() else p for p in module_name.split("."))
+    if not any(name in parts for name in saved):
+      continue
+    try:
+      linear = get_submodule(model, parts)
+    except KeyError:
+      continue
+    if not isinstance(linear, nnx.Linear):
+      continue
+    variable = linear.kernel if attr == "weight" else linear.bias
+    if variable is None:
+      continue
+    value = tensors[key].T if attr == "weight" else tensors[key]
+    if tuple(value.shape) != tuple(variable.shape):
+      raise ValueError(
+          f"{weights_path}: '{key}' has shape {tuple(tensors[key].shape)}, the model's "
+          f"{module_name} expects {tuple(variable.shape)[::-1] if attr == 'weight' else tuple(variable.shape)}"
+      )
+    variable[...] = jnp.asarray(value, variable.dtype)
+    expected_keys.add(key)
 
   leftover = sorted(set(tensors) - expected_keys)
   if leftover:

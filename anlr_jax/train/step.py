@@ -27,6 +27,8 @@ from jax.sharding import PartitionSpec as P
 from anlr_jax.rundir import module_name
 
 BATCH_KEYS = ('input_ids', 'attention_mask', 'loss_mask')
+# Optional: the images of a model that takes them (LLaVA), (B, K, 3, S, S): K image slots per row.
+IMAGE_KEY = 'pixel_values'
 REMAT_POLICIES = {
     'none': None,
     'full': jax.checkpoint_policies.nothing_saveable,
@@ -223,7 +225,8 @@ def make_train_step(
 
   def loss_sum(lora, frozen, extra, batch):
     model = nnx.merge(graphdef, _cast_floats(layout.to_model(lora), compute_dtype), frozen, extra)
-    logits = model(batch['input_ids'], attention_mask=batch['attention_mask'])
+    images = {IMAGE_KEY: batch[IMAGE_KEY]} if IMAGE_KEY in batch else {}
+    logits = model(batch['input_ids'], attention_mask=batch['attention_mask'], **images)
     total, count = next_token_loss_sum(logits, batch['input_ids'], batch['loss_mask'])
     *_, new_extra = nnx.split(model, nnx.LoRAParam, nnx.Param, ...)
     return total, (count, nnx.to_pure_dict(new_extra))
@@ -250,7 +253,7 @@ def make_train_step(
         x = jax.lax.with_sharding_constraint(x, P(None, *batch_spec))
       return x
 
-    micro = {k: interleave(batch[k]) for k in BATCH_KEYS}
+    micro = {k: interleave(batch[k]) for k in BATCH_KEYS + (IMAGE_KEY,) if k in batch}
 
     def accumulate(carry, mb):
       grads, extra, total, count = carry

@@ -50,6 +50,7 @@ from anlr_jax.train.metrics import MetricsWriter
 from anlr_jax.train.schedule import linear_warmup_decay
 from anlr_jax.train.step import (
     BATCH_KEYS,
+    IMAGE_KEY,
     LORA_LAYOUTS,
     REMAT_POLICIES,
     LoraLayout,
@@ -400,7 +401,7 @@ class Trainer:
         in_shardings=(
             self.state_shardings,
             self.frozen_shardings,
-            {k: self.batch_sharding for k in BATCH_KEYS},
+            self.batch_sharding,  # every batch array (pixel_values too) split by rows
         ),
         out_shardings=(self.state_shardings, replicated(self.mesh)),
         donate_argnums=(0,),
@@ -617,11 +618,24 @@ class Trainer:
             f'batches.get_batch({step})[{key!r}] has {np.shape(local[key])[0]} rows, '
             f'expected global_batch/process_count = {rows}'
         )
+    images = local.get(IMAGE_KEY)  # (rows, K, 3, S, S) image slots of a model that takes images
+    if images is not None and np.ndim(images) == 4 and hasattr(self.model, 'images_per_row'):
+      # packed images in order of appearance (+ image_mask): into per-row slots, split by rows
+      images = self.model.images_per_row(
+          local['input_ids'], images, image_mask=local.get('image_mask')
+      )
     local = {
         'input_ids': np.asarray(local['input_ids'], np.int32),
         'attention_mask': np.asarray(local['attention_mask'], np.int32),
         'loss_mask': np.asarray(local['loss_mask'], np.float32),
     }
+    if images is not None:
+      if np.ndim(images) != 5 or np.shape(images)[0] != rows:
+        raise ValueError(
+            f'batches.get_batch({step})[{IMAGE_KEY!r}] has shape {np.shape(images)}, expected'
+            f' ({rows}, images_per_row, 3, size, size) or (images, 3, size, size)'
+        )
+      local[IMAGE_KEY] = np.asarray(images, np.float32)
     return global_batch_array(local, self.batch_sharding, self.config.global_batch)
 
   def train_step(self) -> dict[str, jax.Array]:
