@@ -137,9 +137,9 @@ def test_anlr_train_past_a_corrupt_newest_checkpoint_is_one_line_and_no_tracebac
   in half; the same command again names it, restores checkpoint 2 and finishes."""
   from anlr_jax.app import cli
   from anlr_jax.rundir import LORA_FILE, RESULTS_FILE
-  from tests.test_cli import _tiny_setup
+  from tests.helpers.tiny_run import tiny_run_setup
 
-  config = _tiny_setup(tmp_path)
+  config = tiny_run_setup(tmp_path)
   run = tmp_path / "run"
   args = ["train", "--config", str(config), f"run_dir={run}", "trainer.save_every=2"]
   assert cli.main(args) == 0
@@ -251,9 +251,9 @@ def test_anlr_train_past_a_truncated_unsealed_checkpoint_has_a_clean_stderr(tmp_
   stderr, no traceback from the reads the failed restore dropped, and finishes from checkpoint 2."""
   from anlr_jax.app import cli
   from anlr_jax.rundir import LORA_FILE, RESULTS_FILE
-  from tests.test_cli import _tiny_setup
+  from tests.helpers.tiny_run import tiny_run_setup
 
-  config = _tiny_setup(tmp_path)
+  config = tiny_run_setup(tmp_path)
   run = tmp_path / "run"
   args = ["train", "--config", str(config), f"run_dir={run}", "trainer.save_every=2"]
   assert cli.main(args) == 0

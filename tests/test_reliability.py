@@ -34,7 +34,7 @@ from anlr_jax.train.trainer import (
     TrainerConfig,
 )
 from tests.helpers.toy_lm import ToyBatches, make_toy_model
-from tests.test_cli import _tiny_setup
+from tests.helpers.tiny_run import tiny_run_setup
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,7 +47,7 @@ def _library_warnings_reach_caplog(monkeypatch):
 
 def _config(root: pathlib.Path, **changes) -> pathlib.Path:
   """The tiny CLI setup with a fixed run_dir and extra/changed keys (dotted)."""
-  path = _tiny_setup(root)
+  path = tiny_run_setup(root)
   raw = yaml.safe_load(path.read_text())
   raw["run_dir"] = str(root / "run")
   for key, value in changes.items():
