@@ -17,7 +17,7 @@ from typing import Sequence
 from anlr_jax import rundir
 from anlr_jax.analysis.analyze import analyze
 from anlr_jax.analysis.sweep import Runner, grid, run_sweep, subprocess_runner, write_sweep_report
-from anlr_jax.app.methods import METHOD_NAMES
+from anlr_jax.methods import METHOD_NAMES
 from anlr_jax.app.paths import find_config
 
 __all__ = ['analyze_main', 'sweep_main']

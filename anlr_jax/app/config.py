@@ -37,7 +37,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from anlr_jax.app.methods import METHOD_NAMES, get_method
+from anlr_jax.methods import METHOD_NAMES, get_method
 from anlr_jax.data.chat import TEMPLATES
 from anlr_jax.data.formats import FORMATS
 from anlr_jax.evals.extract import TASKS, get_task
@@ -373,7 +373,7 @@ class RunConfig:
   """One fine-tuning run (or, with `compare`, several runs differing only in the method)."""
 
   method: str = setting(
-      "anlr", "fine-tuning method (see anlr_jax.app.methods)", OneOf(METHOD_NAMES), identity=True
+      "anlr", "fine-tuning method (see anlr_jax.methods)", OneOf(METHOD_NAMES), identity=True
   )
   compare: list[str] = setting(
       help="train these methods one after another (same seed/data/steps) instead of `method`",

@@ -113,7 +113,7 @@ def estimate(config: RunConfig, *, devices: int, preset: str | None = None) -> d
 
   def build():
     model = LlamaForCausalLM(model_config, rngs=nnx.Rngs(0))
-    build_method(config, method, total_steps=total, model=model, check=False)
+    build_method(config, model=model)
     return model
 
   with nnx.use_eager_sharding(False):
@@ -128,7 +128,7 @@ def estimate(config: RunConfig, *, devices: int, preset: str | None = None) -> d
         lambda x: jax.ShapeDtypeStruct(x.shape, base) if np.issubdtype(x.dtype, np.floating) else x,
         frozen_tree,
     )
-  tx = build_method(config, method, total_steps=total, check=False).tx
+  tx = build_method(config, total_steps=total, check=False).tx
   opt = jax.eval_shape(tx.init, lora_tree)
   opt_sh = matching_shardings(opt, lora_tree, lora_sh, mesh)
   out = {

@@ -1,13 +1,13 @@
 """Assembling the model of a run: the base model, its adapter layers, adapter files.
 
 ``load_base`` reads the base model named by ``model.path`` (a Hugging Face directory or a GGUF file)
-and its tokenizer; ``inject_method`` wraps the targeted layers with the adapter layer of the run's
-method (:mod:`anlr_jax.app.methods`); ``save_lora_params`` / ``load_lora_params`` write and read every
-adapter variable as ``<module name>/<variable>`` in ``lora_final.safetensors`` (keys:
+and its tokenizer; ``save_lora_params`` / ``load_lora_params`` write and read every adapter
+variable as ``<module name>/<variable>`` in ``lora_final.safetensors`` (keys:
 :func:`anlr_jax.rundir.adapter_key`; Flax layout: ``lora_a (d_in, r)``, ``lora_b (r, d_out)``,
 ``lora_magnitude`` for DoRA, ``lora_e (r,)`` for AdaLoRA, ``dash_scale`` and the frozen directions
 ``dash_u``, ``dash_v``, ``dash_change_rate``, ``dash_index`` for LoRA-Dash); ``load_adapted_model``
-rebuilds base + adapter from a run directory or a PEFT adapter directory.
+rebuilds base + adapter from a run directory (the run's adapter layers by
+:func:`anlr_jax.app.methods.build_method`) or a PEFT adapter directory.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from safetensors.numpy import save_file
 
 from anlr_jax import rundir
 from anlr_jax.app.config import RunConfig, load_config
-from anlr_jax.app.methods import inject_method
+from anlr_jax.app.methods import build_method
 from anlr_jax.app.paths import require_path, resolve_path
 from anlr_jax.fields import DTYPES
 from anlr_jax.models import load_hf_model, load_tokenizer
@@ -184,7 +184,7 @@ def load_adapted_model(config: RunConfig, adapter: str | None, *, model_path: st
         model=dataclasses.replace(run_config.model, path=model_path or run_config.model.path),
     )
     model, model_config, tokenizer = load_base(run_config)
-    inject_method(model, run_config, run_config.method)
+    build_method(run_config, model=model)
     load_lora_params(model, os.path.join(adapter, rundir.LORA_FILE))
   elif os.path.isfile(os.path.join(adapter, ADAPTER_CONFIG_FILE)):
     model, model_config, tokenizer = load_base(config, model_path)
@@ -202,7 +202,6 @@ def load_adapted_model(config: RunConfig, adapter: str | None, *, model_path: st
 
 
 __all__ = [
-    "inject_method",
     "is_run_dir",
     "load_adapted_model",
     "load_base",

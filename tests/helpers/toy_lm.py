@@ -130,6 +130,6 @@ def method_tx(config, method: str = 'anlr'):
   from anlr_jax.app.config import RunConfig
   from anlr_jax.app.methods import build_method
 
-  config = RunConfig(trainer=config)
-  built = build_method(config, method, total_steps=config.trainer.steps, check=False)
+  config = RunConfig(method=method, trainer=config)
+  built = build_method(config, total_steps=config.trainer.steps, check=False)
   return built.tx, built.schedule
