@@ -146,26 +146,55 @@ def _module_imports() -> dict[str, set[str]]:
   return graph
 
 
+def _first_cycle(edges: dict[str, set[str]]) -> str | None:
+  """``"a -> b -> a"`` for a cycle of the directed graph ``edges``, or None."""
+  state = dict.fromkeys(edges, 0)  # 0 unvisited, 1 on the current path, 2 done
+
+  def visit(node: str, path: list[str]) -> str | None:
+    state[node] = 1
+    for target in sorted(edges[node]):
+      if state[target] == 1:
+        return " -> ".join(
+            path[path.index(target) :] + [node, target] if target in path else [node, target]
+        )
+      if state[target] == 0 and (found := visit(target, path + [node])):
+        return found
+    state[node] = 2
+    return None
+
+  for node in sorted(edges):
+    if state[node] == 0 and (found := visit(node, [])):
+      return found
+  return None
+
+
 def test_no_import_cycle_between_modules():
   """Module A imports B and B (perhaps through others) imports A: a cycle hidden in function-level
   imports is still a cycle. Packages' ``__init__`` files only re-export and are left out."""
   graph = _module_imports()
   packages = {m for m in graph if (ROOT / m.replace(".", "/") / "__init__.py").is_file()}
   library = {m for m in graph if m not in packages}
-  edges = {m: graph[m] & library for m in library}
-  state = dict.fromkeys(library, 0)  # 0 unvisited, 1 on the current path, 2 done
+  assert _first_cycle({m: graph[m] & library for m in library}) is None
 
-  def visit(module: str, path: list[str]) -> None:
-    state[module] = 1
-    for target in sorted(edges[module]):
-      assert state[target] != 1, " -> ".join(path[path.index(target) :] + [module, target])
-      if state[target] == 0:
-        visit(target, path + [module])
-    state[module] = 2
 
-  for module in sorted(library):
-    if state[module] == 0:
-      visit(module, [])
+def test_no_import_cycle_between_packages():
+  """The subpackages (``data``, ``evals``, ``optim``, ...) and top-level modules of ``anlr_jax``
+  form layers: if a module of ``data`` imports one of ``evals`` (even inside a function), no module
+  of ``evals`` imports ``data``."""
+  graph = _module_imports()
+
+  def layer(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+  edges = {}
+  for module, targets in graph.items():
+    if module in ("anlr_jax", "anlr_jax.__main__"):  # the re-exports and the entry point
+      continue
+    edges.setdefault(layer(module), set()).update(layer(t) for t in targets)
+  edges = {
+      node: {t for t in targets if t != node and t in edges} for node, targets in edges.items()
+  }
+  assert _first_cycle(edges) is None
 
 
 def test_the_app_modules_import_in_the_order_their_package_docstring_lists_them():

@@ -25,19 +25,10 @@ from typing import Any
 
 import tqdm
 
-from anlr_jax.data.formats import alpaca_prompt
+from anlr_jax.data.formats import EvalExample, alpaca_prompt
 from anlr_jax.evals.extract import Task, extract_prediction, get_task, is_correct, parse_gold
 
 GenerateFn = Callable[[list[str]], list[str]]
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalExample:
-  """One test item: the `instruction` (and optional `input`) shown to the model, the gold `answer`."""
-
-  instruction: str
-  answer: str
-  input: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
