@@ -347,8 +347,8 @@ def inject_method(
   """Wraps the targeted layers of ``model`` (in place) with the adapter layer of ``method``:
   ``LoRALinear`` with the method's init/rsLoRA/DoRA (:func:`anlr_jax.nn.inject_lora`),
   ``AdaLoRALinear`` of initial rank ``rank`` (:func:`anlr_jax.nn.inject_adalora`) or
-  ``LoRADashLinear`` with ``num_directions`` and ``launch_step`` (:func:`anlr_jax.nn.inject_loradash`).
-  Returns ``model``.
+  ``LoRADashLinear`` with ``num_directions`` and ``launch_step``
+  (:func:`anlr_jax.nn.inject_loradash`). Returns ``model``.
 
   Raises:
     ValueError: an unknown method, or as the ``inject_*`` function of its layer.

@@ -87,6 +87,21 @@ def test_pass_at_k_rejects_impossible_counts():
 # --- the problems file --------------------------------------------------------------------------
 
 
+def test_save_records_writes_one_json_line_per_sample(tmp_path):
+  """``save_records``, as ``EvalResult`` and ``CodeEvalResult`` name it."""
+  samples = (
+      humaneval.SampleResult("HumanEval/0", "return 1", True, "passed"),
+      humaneval.SampleResult("HumanEval/0", "return 2", False, "failed: AssertionError"),
+  )
+  result = humaneval.HumanEvalResult({"pass@1": 0.5}, samples)
+  result.save_records(tmp_path / "samples.jsonl")
+  rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+  assert [(r["completion"], r["passed"], r["result"]) for r in rows] == [
+      ("return 1", True, "passed"),
+      ("return 2", False, "failed: AssertionError"),
+  ]
+
+
 def test_load_problems_reads_the_shipped_file(problems):
   assert len(problems) == 164
   assert list(problems)[:2] == ["HumanEval/0", "HumanEval/1"]

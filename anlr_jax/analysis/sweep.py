@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from anlr_jax import rundir
+from anlr_jax.results import read_results
 from anlr_jax.analysis.tables import write_csv, write_markdown
 
 __all__ = [
@@ -185,7 +186,7 @@ def collect_results(cells: Sequence[SweepCell], out: str) -> list[dict]:
   rows = []
   for cell in cells:
     path = _results_path(out, cell)
-    result = rundir.read_results(cell_dir(out, cell))
+    result = read_results(cell_dir(out, cell))
     if result is None:
       continue
     if isinstance(result.avg, bool) or not isinstance(result.avg, (int, float)):

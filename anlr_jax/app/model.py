@@ -3,7 +3,7 @@
 ``load_base`` reads the base model named by ``model.path`` (a Hugging Face directory or a GGUF file)
 and its tokenizer; ``save_lora_params`` / ``load_lora_params`` write and read every adapter
 variable as ``<module name>/<variable>`` in ``lora_final.safetensors`` (keys:
-:func:`anlr_jax.rundir.adapter_key`; Flax layout: ``lora_a (d_in, r)``, ``lora_b (r, d_out)``,
+:func:`anlr_jax.naming.adapter_key`; Flax layout: ``lora_a (d_in, r)``, ``lora_b (r, d_out)``,
 ``lora_magnitude`` for DoRA, ``lora_e (r,)`` for AdaLoRA, ``dash_scale`` and the frozen directions
 ``dash_u``, ``dash_v``, ``dash_change_rate``, ``dash_index`` for LoRA-Dash); ``load_adapted_model``
 rebuilds base + adapter from a run directory (the run's adapter layers by
@@ -25,7 +25,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from anlr_jax import rundir
+from anlr_jax import naming, rundir
 from anlr_jax.app.config import RunConfig, load_config
 from anlr_jax.app.methods import build_method
 from anlr_jax.app.paths import require_path, resolve_path
@@ -92,7 +92,7 @@ def save_lora_params(
     for name, variable in _adapter_variables(layer):
       value = np.asarray(jax.device_get(variable[...]))
       dtype = value.dtype if np.issubdtype(value.dtype, np.integer) else np.float32
-      tensors[rundir.adapter_key(module_path, name)] = value.astype(dtype)
+      tensors[naming.adapter_key(module_path, name)] = value.astype(dtype)
   if not tensors:
     raise ValueError("the model has no LoRA adapters to save")
   bad = [k for k, v in tensors.items() if not np.isfinite(v).all()]
@@ -139,7 +139,7 @@ def load_lora_params(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
   expected = set()
   for module_path, layer in _adapter_layers(model):
     for name, variable in _adapter_variables(layer):
-      key = rundir.adapter_key(module_path, name)
+      key = naming.adapter_key(module_path, name)
       expected.add(key)
       if key not in tensors:
         raise KeyError(f"{path}: missing tensor {key!r} (the run's method/lora settings differ?)")

@@ -36,7 +36,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from anlr_jax import rundir
-from anlr_jax.rundir import RunResult
+from anlr_jax.results import RunResult, read_results, write_results
 from anlr_jax.app.config import RENAMED_KEYS, RunConfig, save_config
 from anlr_jax.app.identity import check_same_run, run_identity
 from anlr_jax.app.evaluate import evaluate_base, evaluate_tasks, load_eval_sets, accuracy_summary
@@ -139,7 +139,7 @@ def _finish(
         tasks=list(accuracy),
     )
   if is_writer():
-    rundir.write_results(run_dir, result)
+    write_results(run_dir, result)
   return result
 
 
@@ -178,7 +178,7 @@ def _train_method(config: RunConfig, train_path: str, log: Log) -> tuple[RunResu
         data_path=train_path,
     )
     lora_path = os.path.join(run_dir, rundir.LORA_FILE)
-    stored = rundir.read_results(run_dir)
+    stored = read_results(run_dir)
     if stored is not None:
       check_same_run(f"run directory {run_dir}", stored.identity, identity)
       if all(t in stored.accuracy for t in config.eval.tasks):

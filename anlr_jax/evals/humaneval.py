@@ -212,7 +212,7 @@ class HumanEvalResult:
         "results": [dataclasses.asdict(r) for r in self.results],
     }
 
-  def save_results(self, path: str | os.PathLike[str]) -> None:
+  def save_records(self, path: str | os.PathLike[str]) -> None:
     """Writes one JSON object (a `SampleResult`'s fields) per sample, one per line (JSONL)."""
     with open(path, "w", encoding="utf-8") as f:
       for r in self.results:

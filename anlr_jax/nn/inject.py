@@ -14,7 +14,7 @@ import typing as tp
 from flax import nnx
 
 from anlr_jax.nn.lora import LoRALinear
-from anlr_jax.rundir import module_name
+from anlr_jax.naming import module_name
 
 PAPER_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "up_proj", "down_proj")
 """LoRA targets of the paper (App. B): the one source of truth for the default target names."""
@@ -24,7 +24,7 @@ PathParts = tuple[tp.Union[str, int], ...]
 
 def path_str(path: PathParts) -> str:
   """``('model', 'layers', 0, 'q_proj') -> 'model.layers.0.q_proj'``: the project's one module-naming
-  rule, :func:`anlr_jax.rundir.module_name` (the optimizer and the adapter file use it too)."""
+  rule, :func:`anlr_jax.naming.module_name` (the optimizer and the adapter file use it too)."""
   return module_name(path)
 
 

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from anlr_jax.rundir import module_name
+from anlr_jax.naming import module_name
 
 __all__ = [
     "AdaLoRAConfig",

@@ -18,15 +18,19 @@ import jax.numpy as jnp
 
 from anlr_jax.optim.dims import LoraDimsSpec, find_lora_modules
 from anlr_jax.optim.transform import AnLRState
-from anlr_jax.rundir import DIAG_MODULES
 
 __all__ = [
+    "DIAG_MODULES",
     "find_anlr_state",
     "diagnostics",
     "singular_values",
     "effective_rank",
     "cumulative_energy",
 ]
+
+
+DIAG_MODULES = "modules"
+"""Key of the per-module entries of :func:`diagnostics`' tree: ``{module: {field: array}}``."""
 
 
 def _value(x):
@@ -60,7 +64,7 @@ def diagnostics(opt_state) -> dict:
 
   Returns:
     ``{"modules": {name: {...}}, "mean": {...}, "count": t}`` (module names: the ``.``-joined
-    :func:`anlr_jax.rundir.module_name` of :func:`anlr_jax.find_lora_modules`) where each module
+    :func:`anlr_jax.naming.module_name` of :func:`anlr_jax.find_lora_modules`) where each module
     entry has ``velocity_cv``, ``velocity_max_min``, ``multiplier_max_min``, ``multiplier_min``,
     ``multiplier_max`` (averaged over leading batch axes, e.g. stacked layers) and the raw per-rank
     ``nu_bar``, ``snr``, ``multipliers`` arrays; ``mean`` averages the scalar summaries over modules.
@@ -133,7 +137,7 @@ def rank_magnitudes(lora_params, lora_dims: LoraDimsSpec = None) -> dict:
 
   Returns:
     ``{module name: (..., r)}`` in float32, with the module names of :func:`diagnostics`
-    (:func:`anlr_jax.rundir.module_name`).
+    (:func:`anlr_jax.naming.module_name`).
   """
   leaves = [_value(x) for x in jax.tree.leaves(lora_params)]  # the order find_lora_modules indexes
   out = {}

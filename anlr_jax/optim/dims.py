@@ -39,7 +39,7 @@ from typing import Any, Union
 
 import jax
 
-from anlr_jax.rundir import key_name
+from anlr_jax.naming import key_name
 
 __all__ = [
     "LoraDims",
