@@ -21,10 +21,7 @@ from anlr_jax.analysis import load_run, measures
 from anlr_jax.nn.inject import inject_lora, iter_lora_layers
 from anlr_jax.train.metrics import MetricsWriter
 
-try:  # the adapter writer of `anlr train` (anlr_jax.app.model after the app layer moved there)
-  from anlr_jax.app.model import save_lora_params
-except ImportError:  # pragma: no cover - before the move
-  from anlr_jax.run import save_lora_params
+from anlr_jax.app.model import save_lora_params  # the adapter writer of `anlr train`
 
 
 class Attention(nnx.Module):
@@ -224,6 +221,28 @@ def test_atomic_write_leaves_no_partial_file(tmp_path, monkeypatch):
   with pytest.raises(RuntimeError, match='disk full'):
     diagnostics_io.write_diagnostics(run_dir, 3, {'m': {'nu_bar': np.ones(2)}})
   assert os.listdir(os.path.join(run_dir, rundir.DIAGNOSTICS_DIR)) == []
+
+
+def test_every_file_writer_writes_whole_files_or_none(tmp_path, monkeypatch):
+  """The adapter file, the truncated metrics and results.json go through fileio.atomic_write: a
+  crash before the rename leaves the old file and no temporary one."""
+  adapter = tmp_path / rundir.LORA_FILE
+  save_lora_params(_toy(), adapter)
+  before = adapter.read_bytes()
+  metrics = ''.join(json.dumps({'step': step, 'loss': 1.0 / step}) + '\n' for step in (1, 2, 3))
+  (tmp_path / rundir.METRICS_FILE).write_text(metrics)
+  listing = sorted(os.listdir(tmp_path))
+
+  def crash(src, dst):
+    raise OSError('simulated crash')
+
+  monkeypatch.setattr(os, 'replace', crash)
+  with pytest.raises(OSError, match='simulated crash'):
+    save_lora_params(_toy(), adapter)
+  with pytest.raises(OSError, match='simulated crash'):
+    MetricsWriter(str(tmp_path), total_steps=3, start_step=1, is_writer=True, progress=False)
+  assert sorted(os.listdir(tmp_path)) == listing
+  assert adapter.read_bytes() == before and (tmp_path / rundir.METRICS_FILE).read_text() == metrics
 
 
 # --------------------------------------------------------------------------------- diagnostics

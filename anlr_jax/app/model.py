@@ -23,13 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import save as safetensors_bytes
 
 from anlr_jax import naming, rundir
 from anlr_jax.app.config import RunConfig, load_config
 from anlr_jax.app.methods import build_method
 from anlr_jax.app.paths import require_path, resolve_path
 from anlr_jax.fields import DTYPES
+from anlr_jax.fileio import atomic_write
 from anlr_jax.models import load_hf_model, load_tokenizer
 from anlr_jax.nn import (
     DashDirections,
@@ -101,10 +102,9 @@ def save_lora_params(
   meta = {"layout": "flax: lora_a (d_in, r), lora_b (r, d_out)", **dict(metadata or {})}
   if identity is not None:
     meta["identity"] = json.dumps(dict(identity), sort_keys=True)
-  tmp = f"{os.fspath(path)}.tmp"
-  save_file(tensors, tmp, metadata=meta)
-  os.chmod(tmp, 0o644)
-  os.replace(tmp, os.fspath(path))
+  data = safetensors_bytes(tensors, metadata=meta)
+  with atomic_write(path, "wb") as f:
+    f.write(data)
   return sorted(tensors)
 
 

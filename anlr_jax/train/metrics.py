@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from anlr_jax import diagnostics_io
+from anlr_jax.fileio import atomic_write
 from anlr_jax.rundir import METRICS_CSV, METRICS_FILE, TENSORBOARD_DIR
 
 logger = logging.getLogger('anlr_jax.train')
@@ -99,10 +100,8 @@ class MetricsWriter:
     """Rewrites the metric files with the rows up to ``start_step`` only (atomically)."""
     path = os.path.join(self.run_dir, METRICS_FILE)
     if os.path.exists(path):
-      tmp = path + '.tmp'
-      with open(tmp, 'w') as f:
+      with atomic_write(path, 'w') as f:
         f.writelines(json.dumps(row) + '\n' for row in self.rows)
-      os.replace(tmp, path)
     csv_path = os.path.join(self.run_dir, METRICS_CSV)
     if os.path.exists(csv_path):
       os.remove(csv_path)
