@@ -61,21 +61,21 @@ def parse_json(
     expect: type | tuple[type, ...] = dict,
     *,
     what: str = "a JSON object",
-    line: int = 1,
+    line: int | None = None,
     error: type[ValueError] = ValueError,
 ) -> Any:
-  """The JSON document ``text`` read from ``where`` (a file name, starting at its line ``line``),
-  checked to be an ``expect``.
+  """The JSON document ``text`` read from the file ``where`` (the whole file, or its line ``line``
+  of a JSON Lines file), checked to be an ``expect``.
 
   Raises:
     error: ``'<where>:<line>: invalid JSON: ...'`` (the line of the syntax error in the file), or
-      ``'<where>: expected <what>, got <type>'`` (``<where>:<line>`` when ``line`` is not 1).
+      ``'<where>: expected <what>, got <type>'`` (``<where>:<line>`` for a line).
   """
   try:
     value = json.loads(text)
   except json.JSONDecodeError as err:
-    raise error(f"{where}:{line + err.lineno - 1}: invalid JSON: {err.msg}") from None
-  return _check_type(value, expect, where if line == 1 else f"{where}:{line}", what, error)
+    raise error(f"{where}:{(line or 1) + err.lineno - 1}: invalid JSON: {err.msg}") from None
+  return _check_type(value, expect, where if line is None else f"{where}:{line}", what, error)
 
 
 def read_json(

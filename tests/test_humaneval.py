@@ -126,9 +126,12 @@ def test_load_problems_bad_files_raise_one_value_error_naming_them(tmp_path, pro
       "absent.jsonl": (None, "does not exist"),
       "truncated.jsonl.gz": (gz[: len(gz) // 2], "truncated or corrupt"),
       "not_gzip.jsonl.gz": (b"\x1f\x8bnot really gzip", "truncated or corrupt"),
-      "bad_line.jsonl": ((good + "\n" + good[:40] + "\n").encode(), "line 2: not valid JSON"),
+      "bad_line.jsonl": (
+          (good + "\n" + good[:40] + "\n").encode(),
+          "bad_line.jsonl:2: invalid JSON",
+      ),
       "missing_key.jsonl": (missing_key.encode(), r"line 1: missing or non-string \['test'\]"),
-      "list.jsonl": (b"[1, 2]\n", "line 1: expected a JSON object"),
+      "list.jsonl": (b"[1, 2]\n", "list.jsonl:1: expected a JSON object"),
       "twice.jsonl": ((good + "\n" + good).encode(), "line 2: duplicate task_id"),
       "empty.jsonl": (b"\n", "holds no problems"),
   }
