@@ -251,7 +251,9 @@ def test_orth_regulariser_is_added_to_the_loss(lora_layout):
   """One AdaLoRA update equals rank_allocator(adamw) on grad(CE) + grad(R) computed apart; the
   `loss` metric is the cross-entropy alone and `regularizer` is R at the params of the step."""
   weight = 0.5
-  model = inject_adalora(_tiny_llama(), target_modules=TARGETS, rank=2, alpha=4.0, rngs=nnx.Rngs(1))
+  model = inject_adalora(
+      _tiny_llama(), target_modules=TARGETS, rank=2, alpha=4.0, dropout=0.0, rngs=nnx.Rngs(1)
+  )
   batches = _LlamaBatches(global_batch=4, seq_len=8, vocab=32)
   cfg = TrainerConfig(
       steps=4,

@@ -66,16 +66,31 @@ def iter_lora_layers(model: nnx.Module) -> tp.Iterator[tuple[str, LoRALinear]]:
   yield from sorted(found, key=lambda item: item[0])
 
 
-def _target_linears(model: nnx.Module, target_modules: tp.Sequence[str]):
-  """Paths of the ``nnx.Linear`` to wrap, sorted; each target name must match something."""
+def target_linears(model: nnx.Module, target_modules: tp.Sequence[str]) -> list[tuple[tp.Any, ...]]:
+  """The paths of the ``nnx.Linear`` layers of ``model`` named in ``target_modules``, sorted: the
+  layers every ``inject_*`` function wraps, in the order it wraps them (so the random init of each
+  adapter depends only on ``rngs`` and the model structure).
+
+  Raises:
+    ValueError: ``target_modules`` is a string or empty, a name matches no ``nnx.Linear``, or a
+      targeted layer holds an adapter already (an adapter layer is injected once per model).
+  """
+  if isinstance(target_modules, str):
+    raise ValueError(
+        f"target_modules must be a sequence of names, got the string {target_modules!r}"
+    )
+  target_modules = tuple(target_modules)
+  if not target_modules:
+    raise ValueError("target_modules is empty")
   targets = set(target_modules)
   linears, matched = [], set()
   for path, module in nnx.iter_modules(model):
     if not path or not isinstance(path[-1], str) or path[-1] not in targets:
       continue
-    if isinstance(module, LoRALinear):
+    if isinstance(getattr(module, "base", None), nnx.Linear):  # LoRA, LoRA-Dash, AdaLoRA layers
       raise ValueError(
-          f"'{path_str(path)}' already holds a LoRALinear; inject_lora runs once per model"
+          f"'{path_str(path)}' already holds a {type(module).__name__}; an adapter layer is"
+          " injected once per model"
       )
     if isinstance(module, nnx.Linear):
       linears.append(tuple(path))
@@ -130,14 +145,7 @@ def inject_lora(
     >>> type(model.q_proj).__name__, type(model.o_proj).__name__
     ('LoRALinear', 'Linear')
   """
-  if isinstance(target_modules, str):
-    raise ValueError(
-        f"target_modules must be a sequence of names, got the string {target_modules!r}"
-    )
-  target_modules = tuple(target_modules)
-  if not target_modules:
-    raise ValueError("target_modules is empty")
-  for path in _target_linears(model, target_modules):
+  for path in target_linears(model, target_modules):
     linear = get_submodule(model, path)
     set_submodule(
         model,
