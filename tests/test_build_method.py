@@ -29,7 +29,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tiny_model():
-  config = ModelConfig.tiny(
+  config = ModelConfig.preset(
+      "tiny",
       vocab_size=32,
       hidden_size=16,
       intermediate_size=32,

@@ -36,7 +36,8 @@ TARGETS = ("q_proj", "v_proj", "up_proj")
 
 
 def _tiny_llama(seed=0):
-  config = ModelConfig.tiny(
+  config = ModelConfig.preset(
+      "tiny",
       vocab_size=32,
       hidden_size=16,
       intermediate_size=32,

@@ -431,7 +431,7 @@ def test_nan_adapters_are_never_written(tmp_path):
   from anlr_jax.nn import inject_lora
   from anlr_jax.app.model import save_lora_params
 
-  model = LlamaForCausalLM(ModelConfig.tiny(), rngs=nnx.Rngs(0))
+  model = LlamaForCausalLM(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0))
   inject_lora(model, target_modules=("q_proj",), rank=2, alpha=4, rngs=nnx.Rngs(1))
   layer = model.model.layers[0].self_attn.q_proj
   layer.lora_b[...] = jnp.full_like(layer.lora_b[...], jnp.nan)

@@ -37,10 +37,11 @@ from anlr_jax.app.methods import build_method
 from anlr_jax.app.paths import resolve_path
 from anlr_jax.fields import DTYPES, ConfigError
 from anlr_jax.models import LlamaForCausalLM
+from anlr_jax.models.config import PRESETS as MODEL_PRESETS
 from anlr_jax.models.config import ModelConfig
 from anlr_jax.train.mesh import MESH_AXES, matching_shardings, state_shardings
 
-PRESETS = ("llama2_7b", "llama3_8b", "qwen2_5_7b", "qwen2_5_14b")
+PRESETS = tuple(name for name in MODEL_PRESETS if name != "tiny")
 """Model presets of :class:`anlr_jax.models.config.ModelConfig` a dry run can use."""
 
 GIB = 2**30
@@ -67,7 +68,7 @@ def _model_config(config: RunConfig, preset: str | None) -> ModelConfig:
   if preset is not None:
     if preset not in PRESETS:
       raise ConfigError(f"--preset {preset!r}: allowed {', '.join(PRESETS)}")
-    return getattr(ModelConfig, preset)(**dtypes)
+    return ModelConfig.preset(preset, **dtypes)
   path = resolve_path(config.model.path)
   if path is None or not os.path.exists(path):
     raise FileNotFoundError(
