@@ -108,6 +108,18 @@ def test_the_library_never_imports_the_application():
       assert not any(m.startswith("anlr_jax.app") for m in modules), (path, modules)
 
 
+def test_no_module_imports_a_private_name_of_another():
+  """A helper that two modules share is public in the module that owns it (``from anlr_jax.x
+  import _helper`` reaches into another module's internals)."""
+  private = []
+  for path in sorted((ROOT / "anlr_jax").rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+      if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("anlr_jax"):
+        names = [a.name for a in node.names if a.name.startswith("_") and a.name != "__version__"]
+        private += [f"{path.relative_to(ROOT)}: {node.module}.{name}" for name in names]
+  assert not private, private
+
+
 def _module_imports() -> dict[str, set[str]]:
   """``{module: the anlr_jax modules it imports}`` over every import statement, function-local
   ones included and ``if TYPE_CHECKING:`` ones left out; a name imported from a package resolves

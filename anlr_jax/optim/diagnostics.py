@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from anlr_jax.optim.dims import LoraDimsSpec, find_lora_modules
-from anlr_jax.optim.transform import AnLRState
+from anlr_jax.optim.transform import AnLRState, variable_value
 
 __all__ = [
     "DIAG_MODULES",
@@ -33,10 +33,6 @@ DIAG_MODULES = "modules"
 """Key of the per-module entries of :func:`diagnostics`' tree: ``{module: {field: array}}``."""
 
 
-def _value(x):
-  return x.get_value() if hasattr(x, "get_value") else x
-
-
 def find_anlr_state(opt_state) -> AnLRState:
   """The (single) :class:`AnLRState` inside any optimizer state: a chain, a wrapper such as
   ``optax.apply_if_finite`` / ``optax.MultiSteps``, or ``nnx.Optimizer.opt_state``."""
@@ -48,9 +44,9 @@ def find_anlr_state(opt_state) -> AnLRState:
   if len(found) != 1:
     raise ValueError(f"expected exactly one AnLRState in the optimizer state, found {len(found)}")
   s = found[0]
-  unwrap = lambda tree: jax.tree.map(_value, tree, is_leaf=lambda x: hasattr(x, "get_value"))
+  unwrap = lambda tree: jax.tree.map(variable_value, tree, is_leaf=lambda x: hasattr(x, "get_value"))
   return AnLRState(
-      count=_value(s.count),
+      count=variable_value(s.count),
       inner_state=s.inner_state,
       nu_bar=unwrap(s.nu_bar),
       snr=unwrap(s.snr),
@@ -139,7 +135,8 @@ def rank_magnitudes(lora_params, lora_dims: LoraDimsSpec = None) -> dict:
     ``{module name: (..., r)}`` in float32, with the module names of :func:`diagnostics`
     (:func:`anlr_jax.naming.module_name`).
   """
-  leaves = [_value(x) for x in jax.tree.leaves(lora_params)]  # the order find_lora_modules indexes
+  # in the order find_lora_modules indexes them
+  leaves = [variable_value(x) for x in jax.tree.leaves(lora_params)]
   out = {}
   for module in find_lora_modules(lora_params, lora_dims):
     a = jnp.asarray(leaves[module.a_index], jnp.float32)
