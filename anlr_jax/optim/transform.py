@@ -47,20 +47,20 @@ class Signal(enum.StrEnum):
 SIGNALS = tuple(s.value for s in Signal)
 """The signal names :func:`anlr` accepts."""
 
-# One source of truth for the AnLR hyperparameter defaults.
-DEFAULTS = dict(
-    alpha=2.0,  # paper, App. B
-    beta=1.0,  # paper, App. B
-    kappa=3.0,  # paper, App. B
-    # Not given by the paper. rho = 0.95 averages velocity over ~20 steps: long enough to smooth the
-    # per-batch noise of a single-batch gradient estimate, short enough to follow the ordering that the
-    # paper finds is set within the first ~1k of ~30k steps (Sec. 3.2).
-    rho=0.95,
-    # Not given by the paper. 100 steps = 5 EMA horizons at rho=0.95, so the velocity EMA has forgotten
-    # its zero start (0.95^100 < 0.6%) and Adam's second moment has seen ~100 batches before the
-    # multipliers move; it is ~0.3% of the paper's commonsense run (3 epochs of 170K at batch 16).
-    warmup_steps=100,
-)
+DEFAULTS = dict(alpha=2.0, beta=1.0, kappa=3.0, rho=0.95, warmup_steps=100)
+"""The AnLR hyperparameter defaults, in one place (:func:`anlr`, :func:`scale_by_anlr`, the run
+config's ``anlr`` section).
+
+``alpha = 2``, ``beta = 1``, ``kappa = 3`` are the paper's (App. B). The paper gives no ``rho`` and
+no ``warmup_steps``; these are chosen here:
+
+- ``rho = 0.95`` averages the velocity over ~20 steps: long enough to smooth the per-batch noise of
+  a single-batch gradient estimate, short enough to follow the ordering of the rank-one components,
+  which the paper finds is set within the first ~1k of ~30k steps (Sec. 3.2).
+- ``warmup_steps = 100`` is 5 EMA horizons at ``rho = 0.95``: the velocity EMA has forgotten its
+  zero start (``0.95^100 < 0.6%``) and Adam's second moment has seen ~100 batches before the
+  multipliers move; it is ~0.3% of the paper's commonsense run (3 epochs of 170K at batch 16).
+"""
 
 
 class AnLRState(NamedTuple):
