@@ -17,10 +17,9 @@ import pytest
 from anlr_jax.train.checkpoint import CHECKSUM_FILE, TrainCheckpointer
 from anlr_jax.train.metrics import read_metrics
 from anlr_jax.train.trainer import NonFiniteError, Trainer, TrainerConfig
-from tests.helpers.toy_lm import ToyBatches, make_toy_model
+from tests.helpers.toy_lm import ONE_DEVICE, ToyBatches, make_toy_model, make_toy_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ONE_DEVICE = dict(mesh_data=1, mesh_fsdp=1, mesh_tensor=1)
 
 
 @pytest.fixture(autouse=True)
@@ -29,24 +28,12 @@ def _library_warnings_reach_caplog(monkeypatch):
 
 
 def _trainer(tmp_path, steps=6, **kw):
-  cfg = TrainerConfig(
-      steps=steps,
-      global_batch=8,
-      compute_dtype="float32",
-      progress=False,
-      save_every=2,
-      keep=3,
-      **ONE_DEVICE,
-      **kw,
-  )
-  return Trainer(
-      make_toy_model(),
-      ToyBatches(),
-      cfg,
+  return make_toy_trainer(
       optax.adamw(1e-2),
-      checkpoint_dir=str(tmp_path / "ckpt"),
-      log_dir=str(tmp_path / "run"),
-      devices=jax.devices()[:1],
+      one_device=True,
+      checkpoint_dir=tmp_path / "ckpt",
+      log_dir=tmp_path / "run",
+      **{"steps": steps, "save_every": 2, "keep": 3, **kw},
   )
 
 

@@ -28,10 +28,9 @@ from anlr_jax.optim.lorapro import LoraProState
 from anlr_jax.app.model import load_lora_params, save_lora_params
 from anlr_jax.app.identity import run_identity
 from anlr_jax.train.trainer import Trainer, TrainerConfig
-from tests.helpers.toy_lm import ToyBatches
+from tests.helpers.toy_lm import ONE_DEVICE, ToyBatches
 
 BASELINES = ("adalora", "lorapro", "loradash", "anlr+loradash")
-ONE_DEVICE = dict(mesh_data=1, mesh_fsdp=1, mesh_tensor=1)
 TARGETS = ("q_proj", "v_proj", "up_proj")
 
 

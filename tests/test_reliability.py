@@ -33,7 +33,7 @@ from anlr_jax.train.trainer import (
     Trainer,
     TrainerConfig,
 )
-from tests.helpers.toy_lm import ToyBatches, make_toy_model
+from tests.helpers.toy_lm import ToyBatches, make_toy_model, make_toy_trainer
 from tests.helpers.tiny_run import tiny_run_setup
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,14 +171,8 @@ def test_resume_allow_permits_a_longer_schedule(finished, tmp_path, capsys):
 
 def test_trainer_refuses_a_checkpoint_of_another_structure(tmp_path):
   def trainer(rank):
-    cfg = TrainerConfig(steps=2, global_batch=8, compute_dtype="float32", progress=False)
-    return Trainer(
-        make_toy_model(rank=rank),
-        ToyBatches(),
-        cfg,
-        optax.adamw(1e-2),
-        checkpoint_dir=str(tmp_path),
-    )
+    model = make_toy_model(rank=rank)
+    return make_toy_trainer(optax.adamw(1e-2), model=model, checkpoint_dir=tmp_path, steps=2)
 
   first = trainer(4)
   first.run()
