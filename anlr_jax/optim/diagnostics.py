@@ -44,7 +44,9 @@ def find_anlr_state(opt_state) -> AnLRState:
   if len(found) != 1:
     raise ValueError(f"expected exactly one AnLRState in the optimizer state, found {len(found)}")
   s = found[0]
-  unwrap = lambda tree: jax.tree.map(variable_value, tree, is_leaf=lambda x: hasattr(x, "get_value"))
+  unwrap = lambda tree: jax.tree.map(
+      variable_value, tree, is_leaf=lambda x: hasattr(x, "get_value")
+  )
   return AnLRState(
       count=variable_value(s.count),
       inner_state=s.inner_state,
