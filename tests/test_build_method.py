@@ -185,8 +185,24 @@ def test_gpu_mesh_example_refuses_a_bad_method_in_one_line(tmp_path):
 def test_anlr_train_assembles_each_method_once_through_build_method(tmp_path, monkeypatch):
   """``anlr train`` (two methods compared; then again, one of them trained but without results;
   then ``anlr eval`` of a run): each method's config is made and its inputs checked once per
-  command, and every model is adapted by ``build_method`` alone, once."""
+  command, and every model is adapted by ``build_method`` alone, once. The trainer is replaced by
+  one that trains nothing (the CLI tests train for real)."""
   import collections
+
+  class Untrained:  # the Trainer's interface as _train uses it, without a compiled step
+    step = 0
+
+    def __init__(self, model, *args, **kwargs):
+      self.model = model
+
+    def run(self):
+      return [{"step": 1, "loss": 1.0}]
+
+    def close(self):
+      pass
+
+    def updated_model(self):
+      return self.model
 
   from anlr_jax.app import methods as app_methods
   from anlr_jax.app import train as app_train
@@ -210,6 +226,7 @@ def test_anlr_train_assembles_each_method_once_through_build_method(tmp_path, mo
   counted(app_train, "_method_config")
   counted(app_train, "build_method")
   counted(app_methods, "inject_method")  # the layers: build_method's, called by it alone
+  monkeypatch.setattr(app_train, "Trainer", Untrained)
   overrides = ["compare=[lora,anlr]", "trainer.steps=2", "eval.tasks={}"]
   config = load_config(str(tiny_run_setup(tmp_path, n_test=0)), overrides)
   app_train.train_run(config, log=lambda _: None, timestamp="t")
