@@ -6,6 +6,7 @@ newcomer (``grain`` once did).
 """
 
 import ast
+import functools
 import importlib.metadata
 import pathlib
 import re
@@ -120,6 +121,7 @@ def test_no_module_imports_a_private_name_of_another():
   assert not private, private
 
 
+@functools.cache
 def _module_imports() -> dict[str, set[str]]:
   """``{module: the anlr_jax modules it imports}`` over every import statement, function-local
   ones included and ``if TYPE_CHECKING:`` ones left out; a name imported from a package resolves
