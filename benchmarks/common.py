@@ -261,8 +261,8 @@ def build_jax_lora_model(cfg: BenchConfig, *, attention: str = "einsum", max_pos
   (seed 1, no dropout) on ``cfg.targets``, split as :func:`anlr_jax.train.step.split_model` does."""
   from flax import nnx
 
+  from anlr_jax.methods import inject_method
   from anlr_jax.models.llama import LlamaForCausalLM
-  from anlr_jax.nn import inject_lora
   from anlr_jax.train.step import split_model
 
   if cfg.model:
@@ -279,8 +279,9 @@ def build_jax_lora_model(cfg: BenchConfig, *, attention: str = "einsum", max_pos
   else:
     config = model_config(cfg, attention=attention, max_positions=max_positions)
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
-  inject_lora(
+  inject_method(
       model,
+      "lora",
       target_modules=cfg.targets,
       rank=cfg.rank,
       alpha=cfg.alpha,

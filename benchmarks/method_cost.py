@@ -30,6 +30,7 @@ kernel) is timed apart.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -89,10 +90,10 @@ def build_method_step(cfg: BenchConfig, method: str):
   from anlr_jax.nn import launch_dash
   from anlr_jax.train import split_model
 
-  config = run_config(cfg)
+  config = dataclasses.replace(run_config(cfg), method=method)
   model = LlamaForCausalLM(model_config(cfg), rngs=nnx.Rngs(0))
   built = build_method(
-      config, method, total_steps=ADALORA_TOTAL_STEP, model=model, learning_rate=LEARNING_RATE
+      config, total_steps=ADALORA_TOTAL_STEP, model=model, learning_rate=LEARNING_RATE
   )
   info = {}
   if built.spec.uses_loradash:  # launched at once, so every timed forward has the dash term

@@ -110,13 +110,13 @@ def _gradient_shapes() -> list[tuple[int, ...]]:
   from flax import nnx
 
   from anlr_jax.app.config import load_config
-  from anlr_jax.app.methods import inject_method
+  from anlr_jax.app.methods import build_method
   from anlr_jax.app.model import load_base
   from anlr_jax.app.paths import find_config
 
   config = load_config(find_config("quickstart"), ["method=lora", "compare=[]"])
   model, _, _ = load_base(config)
-  inject_method(model, config, "lora")
+  build_method(config, model=model)
   return [tuple(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam))]
 
 

@@ -64,9 +64,7 @@ def parse_args(argv=None):
   p.add_argument("--data", required=True, help="training file (JSON/JSONL, see anlr_jax.data)")
   p.add_argument("--format", default=None, help="dataset format (default: detect)")
   p.add_argument("--out", required=True, help="run directory")
-  p.add_argument(
-      "--method", default="anlr", help="any method of `anlr train` (anlr_jax.app.methods)"
-  )
+  p.add_argument("--method", default="anlr", help="any method of `anlr train` (anlr_jax.methods)")
   p.add_argument("--rank", type=int, default=32)
   p.add_argument("--alpha", type=float, default=64.0)
   p.add_argument("--dropout", type=float, default=0.05)
@@ -155,9 +153,10 @@ def train(args):
   from anlr_jax import rundir
   from anlr_jax.app.config import save_config
   from anlr_jax.app.export import export_adalora_run
-  from anlr_jax.app.methods import ADALORA_TOTAL_STEP, build_method
+  from anlr_jax.app.methods import build_method
   from anlr_jax.app.model import save_lora_params
   from anlr_jax.app.train import training_source
+  from anlr_jax.methods import ADALORA_TOTAL_STEP
   from anlr_jax.models import load_hf_model, load_tokenizer
   from anlr_jax.nn import export_peft_adapter
 

@@ -4,21 +4,20 @@
 
 Loads the Flax LLaMA from the packaged HF checkpoint, wraps q/k/v/up/down with LoRA (r=8, alpha=16),
 trains the adapters on the quickstart task with `anlr_jax.anlr` (or AdamW) under the sharded trainer,
-and scores greedy answers on the held-out test set. `anlr train` does the same from a YAML config.
+and scores greedy answers on the held-out test set. The layers and the optimizer come from the method
+table (`anlr_jax.methods`), as in `anlr train`, which does the same from a YAML config.
 """
 
 import argparse
 
 import numpy as np
-import optax
 from flax import nnx
 
-import anlr_jax
 from anlr_jax import assets
 from anlr_jax.data import make_source
 from anlr_jax.evals import evaluate, load_eval_examples
+from anlr_jax.methods import inject_method, method_optimizer
 from anlr_jax.models import generate, load_hf_model, load_tokenizer
-from anlr_jax.nn import inject_lora
 from anlr_jax.train import Trainer, TrainerConfig
 
 parser = argparse.ArgumentParser()
@@ -29,7 +28,8 @@ args = parser.parse_args()
 root = assets.quickstart_dir()
 tokenizer = load_tokenizer(root)
 model, _ = load_hf_model(root)  # float32 Flax LlamaForCausalLM
-inject_lora(model, rank=8, alpha=16.0, dropout=0.0, rngs=nnx.Rngs(0))  # paper targets q,k,v,up,down
+# LoRA layers on the paper's targets q, k, v, up, down
+inject_method(model, args.method, rank=8, alpha=16.0, dropout=0.0, rngs=nnx.Rngs(0))
 
 data = make_source(
     root / assets.TRAIN_FILE, tokenizer, max_length=128, global_batch=16, seed=0, pad_multiple=16
@@ -45,12 +45,8 @@ config = TrainerConfig(
     progress=True,
 )
 schedule = config.schedule(args.steps)
-inner = (
-    anlr_jax.anlr(schedule, weight_decay=0.0, warmup_steps=warmup)
-    if args.method == "anlr"
-    else optax.adamw(schedule, weight_decay=0.0)
-)
-tx = optax.chain(optax.clip_by_global_norm(1.0), inner)
+# clip_by_global_norm(1.0), then AdamW (lora) or AdamW with AnLR's per-rank multipliers (anlr)
+tx = method_optimizer(args.method, schedule, clip_norm=1.0, anlr_kwargs={"warmup_steps": warmup})
 trainer = Trainer(model, data, config, tx, schedule=schedule)
 rows = trainer.run()
 model = trainer.updated_model()

@@ -128,7 +128,9 @@ def twins(seed=0, random_e=True):
     lin = getattr(torch_base, name)
     getattr(model, name).kernel[...] = jnp.asarray(lin.weight.detach().numpy().T)
     getattr(model, name).bias[...] = jnp.asarray(lin.bias.detach().numpy())
-  inject_adalora(model, target_modules=NAMES, rank=R, alpha=ALPHA, rngs=nnx.Rngs(seed + 1))
+  inject_adalora(
+      model, target_modules=NAMES, rank=R, alpha=ALPHA, dropout=0.0, rngs=nnx.Rngs(seed + 1)
+  )
   set_jax_factors(model, torch_factors(pm))
   return torch_base, pm, model
 

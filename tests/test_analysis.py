@@ -14,7 +14,8 @@ import scipy.stats
 from safetensors.numpy import save_file
 
 import anlr_jax
-from anlr_jax import rundir
+from anlr_jax import naming, rundir
+from anlr_jax.results import RunResult, write_results
 from anlr_jax.analysis import figure_data, load_lora, load_run, measures
 from anlr_jax.app.analysis_cli import analyze_main
 from anlr_jax.train.metrics import MetricsWriter
@@ -175,7 +176,7 @@ def test_energy_shift_and_percentiles():
 
 # ---------------------------------------------------------------- synthetic run directories
 
-MODULES = (  # anlr_jax.rundir.module_name: the optimizer's, the diagnostics' and the adapter's
+MODULES = (  # anlr_jax.naming.module_name: the optimizer's, the diagnostics' and the adapter's
     'layers.0.attn.q_proj',
     'layers.0.attn.v_proj',
     'layers.1.attn.q_proj',
@@ -235,12 +236,12 @@ def _write_run(run_dir, *, method='lora', diag=True, lora=True, magnitudes=True,
     tensors = {}
     for name, sigma in SPECTRA.items():
       a, b = _factors_with_spectrum(rng, sigma)
-      tensors[rundir.adapter_key(name, 'lora_a')] = np.ascontiguousarray(a, np.float32)
-      tensors[rundir.adapter_key(name, 'lora_b')] = np.ascontiguousarray(b, np.float32)
+      tensors[naming.adapter_key(name, 'lora_a')] = np.ascontiguousarray(a, np.float32)
+      tensors[naming.adapter_key(name, 'lora_b')] = np.ascontiguousarray(b, np.float32)
     save_file(tensors, os.path.join(run_dir, rundir.LORA_FILE))
-  rundir.write_results(
+  write_results(
       str(run_dir),
-      rundir.RunResult(method=method, learning_rate=1e-4, seed=seed, accuracy={'t': 0.5}, avg=0.5),
+      RunResult(method=method, learning_rate=1e-4, seed=seed, accuracy={'t': 0.5}, avg=0.5),
   )
   return nu
 

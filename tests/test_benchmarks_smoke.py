@@ -210,7 +210,7 @@ def test_gpu_train_step_flops_count_matches_the_model_parameter_count():
 
   cfg = gpu_train_step.LLAMA2_7B
   fl = gpu_train_step.flops_per_token(cfg)
-  ref = ModelConfig.llama2_7b()
+  ref = ModelConfig.preset("llama2_7b")
   norms = (2 * ref.num_hidden_layers + 1) * ref.hidden_size
   # Every matmul weight = all parameters - embedding table - RMSNorm weights (lm_head included).
   assert fl["matmul_weights"] == ref.num_params() - ref.vocab_size * ref.hidden_size - norms

@@ -17,7 +17,8 @@ from safetensors import safe_open
 
 from anlr_jax import assets
 from anlr_jax.app.config import load_config
-from anlr_jax.app.methods import METHOD_NAMES, build_method, get_method
+from anlr_jax.app.methods import build_method
+from anlr_jax.methods import METHOD_NAMES, get_method
 from anlr_jax.fields import ConfigError
 from anlr_jax.models import LlamaForCausalLM, ModelConfig
 from anlr_jax.nn import iter_adalora_layers, iter_lora_layers
@@ -28,7 +29,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tiny_model():
-  config = ModelConfig.tiny(
+  config = ModelConfig.preset(
+      "tiny",
       vocab_size=32,
       hidden_size=16,
       intermediate_size=32,
@@ -48,9 +50,8 @@ def _config(*overrides):
 @pytest.mark.parametrize("method", METHOD_NAMES)
 def test_build_method_injects_the_layer_and_builds_an_optimizer_for_every_method(method):
   model = _tiny_model()
-  built = build_method(
-      _config("anlr.warmup_steps=1", "loradash.launch_step=1"), method, total_steps=5, model=model
-  )
+  config = _config(f"method={method}", "anlr.warmup_steps=1", "loradash.launch_step=1")
+  built = build_method(config, total_steps=5, model=model)
   spec = get_method(method)
   assert built.spec == spec and built.total_steps == 5
   adapters = dict(iter_adalora_layers(model) if spec.uses_adalora else iter_lora_layers(model))
@@ -71,8 +72,9 @@ def test_build_method_takes_every_constant_from_the_config():
       "trainer.weight_decay=0.1",
       "trainer.clip_norm=0.5",
       "adalora.target_r=2",
+      "method=lora",
   )
-  built = build_method(config, "lora", total_steps=10)
+  built = build_method(config, total_steps=10)
   # the trainer's linear warmup/decay over the run's updates
   np.testing.assert_allclose([built.schedule(t) for t in (0, 1, 2, 6)], [0.0, 0.005, 0.01, 0.005])
   params = {"a": {"lora_a": np.ones((3, 2), np.float32), "lora_b": np.ones((2, 3), np.float32)}}
@@ -91,19 +93,30 @@ def test_build_method_takes_every_constant_from_the_config():
       updates["reference"],
   )
   assert np.any(np.asarray(updates["built"]["a"]["lora_a"]) != 0)
-  fixed = build_method(config, "lora", total_steps=10, learning_rate=0.25)
+  fixed = build_method(config, total_steps=10, learning_rate=0.25)
   assert fixed.schedule == 0.25
 
 
 def test_build_method_refuses_a_phase_that_never_starts():
   with pytest.raises(ConfigError, match="loradash.launch_step=100"):
-    build_method(_config(), "loradash", total_steps=50)
+    build_method(_config("method=loradash"), total_steps=50)
   with pytest.raises(ConfigError, match="anlr.warmup_steps=100"):
-    build_method(_config(), "anlr", total_steps=50)
+    build_method(_config("method=anlr"), total_steps=50)
   notes = []
-  build_method(_config("trainer.lr_warmup_steps=80"), "lora", total_steps=50, log=notes.append)
+  lora = _config("method=lora", "trainer.lr_warmup_steps=80")
+  build_method(lora, total_steps=50, log=notes.append)
   assert notes and "trainer.lr_warmup_steps=80" in notes[0]
-  assert build_method(_config(), "anlr", total_steps=50, check=False).total_steps == 50
+  assert build_method(_config("method=anlr"), total_steps=50, check=False).total_steps == 50
+
+
+def test_build_method_without_total_steps_builds_the_layers_alone():
+  model = _tiny_model()
+  built = build_method(_config("method=dora"), model=model)
+  assert built.tx is None and built.schedule is None and built.hooks == {}
+  layers = dict(iter_lora_layers(model))
+  assert len(layers) == 2 and all(layer.use_dora for layer in layers.values())
+  with pytest.raises(ValueError, match="needs a model"):
+    build_method(_config())
 
 
 def _run_example(args, devices=8):
@@ -167,3 +180,75 @@ def test_gpu_mesh_example_refuses_a_bad_method_in_one_line(tmp_path):
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and "method" in lines[0] and "qlora" in lines[0], proc.stderr
   assert "Traceback" not in proc.stderr
+
+
+def test_anlr_train_assembles_each_method_once_through_build_method(tmp_path, monkeypatch):
+  """``anlr train`` (two methods compared; then again, one of them trained but without results;
+  then ``anlr eval`` of a run): each method's config is made and its inputs checked once per
+  command, and every model is adapted by ``build_method`` alone, once. The trainer is replaced by
+  one that trains nothing (the CLI tests train for real)."""
+  import collections
+
+  class Untrained:  # the Trainer's interface as _train uses it, without a compiled step
+    step = 0
+
+    def __init__(self, model, *args, **kwargs):
+      self.model = model
+
+    def run(self):
+      return [{"step": 1, "loss": 1.0}]
+
+    def close(self):
+      pass
+
+    def updated_model(self):
+      return self.model
+
+  from anlr_jax.app import methods as app_methods
+  from anlr_jax.app import train as app_train
+  from anlr_jax.app.model import load_adapted_model
+  from tests.helpers.tiny_run import tiny_run_setup
+
+  calls = collections.Counter()
+
+  def counted(module, name):
+    original = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+      calls[name] += 1
+      if name == "build_method" and kwargs.get("model") is not None:
+        calls["build_method(model)"] += 1
+      return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+
+  counted(app_train, "_check_inputs")
+  counted(app_train, "_method_config")
+  counted(app_train, "build_method")
+  counted(app_methods, "inject_method")  # the layers: build_method's, called by it alone
+  monkeypatch.setattr(app_train, "Trainer", Untrained)
+  overrides = ["compare=[lora,anlr]", "trainer.steps=2", "eval.tasks={}"]
+  config = load_config(str(tiny_run_setup(tmp_path, n_test=0)), overrides)
+  app_train.train_run(config, log=lambda _: None, timestamp="t")
+  assert calls == {
+      "_check_inputs": 2,
+      "_method_config": 2,
+      "build_method": 2,
+      "build_method(model)": 2,
+      "inject_method": 2,
+  }
+  (run_dir,) = (tmp_path / "runs").iterdir()
+  (run_dir / "lora" / "results.json").unlink()  # lora: trained, its adapter loaded again
+  calls.clear()
+  app_train.train_run(config, log=lambda _: None, timestamp="t")
+  assert calls == {
+      "_check_inputs": 2,
+      "_method_config": 2,
+      "build_method": 1,
+      "build_method(model)": 1,
+      "inject_method": 1,
+  }
+  calls.clear()
+  model, _, _ = load_adapted_model(config, str(run_dir / "anlr"))  # anlr eval --adapter
+  assert calls == {"inject_method": 1}
+  assert len(list(iter_lora_layers(model))) == 2 * 5

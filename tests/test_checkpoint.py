@@ -14,33 +14,18 @@ import pytest
 
 import anlr_jax
 from anlr_jax.train.checkpoint import TrainCheckpointer, flatten_for_checkpoint
-from anlr_jax.train.trainer import Trainer, TrainerConfig
-from tests.helpers.toy_lm import ToyBatches, make_toy_model
+from tests.helpers.toy_lm import make_toy_model, make_toy_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+MESH_2X2X2 = dict(mesh_data=2, mesh_fsdp=2, mesh_tensor=2)
+
+
 def _trainer(ckpt_dir, steps=4, **overrides):
   tx = optax.chain(optax.clip_by_global_norm(1.0), anlr_jax.anlr(1e-2, warmup_steps=1))
-  cfg = dict(
-      steps=steps,
-      global_batch=8,
-      compute_dtype='float32',
-      progress=False,
-      mesh_data=2,
-      mesh_fsdp=2,
-      mesh_tensor=2,
-      save_every=0,
-      keep=2,
-  )
-  cfg.update(overrides)
-  return Trainer(
-      make_toy_model(dropout=0.1),
-      ToyBatches(),
-      TrainerConfig(**cfg),
-      tx,
-      checkpoint_dir=str(ckpt_dir),
-  )
+  config = {**MESH_2X2X2, 'steps': steps, 'save_every': 0, 'keep': 2, **overrides}
+  return make_toy_trainer(tx, model=make_toy_model(dropout=0.1), checkpoint_dir=ckpt_dir, **config)
 
 
 def _host(tree):
@@ -79,23 +64,9 @@ def test_resuming_in_the_other_lora_layout_names_the_setting(tmp_path):
 
 
 def _toy_trainer(ckpt_dir, steps, **overrides):
-  cfg = dict(
-      steps=steps,
-      global_batch=8,
-      compute_dtype='float32',
-      progress=False,
-      mesh_data=2,
-      mesh_fsdp=2,
-      mesh_tensor=2,
-      keep=2,
-  )
-  cfg.update(overrides)
-  return Trainer(
-      make_toy_model(dropout=0.1),
-      ToyBatches(),
-      TrainerConfig(**cfg),
-      optax.adamw(1e-2),
-      checkpoint_dir=str(ckpt_dir),
+  config = {**MESH_2X2X2, 'steps': steps, 'keep': 2, **overrides}
+  return make_toy_trainer(
+      optax.adamw(1e-2), model=make_toy_model(dropout=0.1), checkpoint_dir=ckpt_dir, **config
   )
 
 

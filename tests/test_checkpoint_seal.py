@@ -17,10 +17,9 @@ import pytest
 from anlr_jax.train.checkpoint import CHECKSUM_FILE, TrainCheckpointer
 from anlr_jax.train.metrics import read_metrics
 from anlr_jax.train.trainer import NonFiniteError, Trainer, TrainerConfig
-from tests.helpers.toy_lm import ToyBatches, make_toy_model
+from tests.helpers.toy_lm import ONE_DEVICE, ToyBatches, make_toy_model, make_toy_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ONE_DEVICE = dict(mesh_data=1, mesh_fsdp=1, mesh_tensor=1)
 
 
 @pytest.fixture(autouse=True)
@@ -29,24 +28,12 @@ def _library_warnings_reach_caplog(monkeypatch):
 
 
 def _trainer(tmp_path, steps=6, **kw):
-  cfg = TrainerConfig(
-      steps=steps,
-      global_batch=8,
-      compute_dtype="float32",
-      progress=False,
-      save_every=2,
-      keep=3,
-      **ONE_DEVICE,
-      **kw,
-  )
-  return Trainer(
-      make_toy_model(),
-      ToyBatches(),
-      cfg,
+  return make_toy_trainer(
       optax.adamw(1e-2),
-      checkpoint_dir=str(tmp_path / "ckpt"),
-      log_dir=str(tmp_path / "run"),
-      devices=jax.devices()[:1],
+      one_device=True,
+      checkpoint_dir=tmp_path / "ckpt",
+      log_dir=tmp_path / "run",
+      **{"steps": steps, "save_every": 2, "keep": 3, **kw},
   )
 
 
@@ -137,9 +124,9 @@ def test_anlr_train_past_a_corrupt_newest_checkpoint_is_one_line_and_no_tracebac
   in half; the same command again names it, restores checkpoint 2 and finishes."""
   from anlr_jax.app import cli
   from anlr_jax.rundir import LORA_FILE, RESULTS_FILE
-  from tests.test_cli import _tiny_setup
+  from tests.helpers.tiny_run import tiny_run_setup
 
-  config = _tiny_setup(tmp_path)
+  config = tiny_run_setup(tmp_path)
   run = tmp_path / "run"
   args = ["train", "--config", str(config), f"run_dir={run}", "trainer.save_every=2"]
   assert cli.main(args) == 0
@@ -251,9 +238,9 @@ def test_anlr_train_past_a_truncated_unsealed_checkpoint_has_a_clean_stderr(tmp_
   stderr, no traceback from the reads the failed restore dropped, and finishes from checkpoint 2."""
   from anlr_jax.app import cli
   from anlr_jax.rundir import LORA_FILE, RESULTS_FILE
-  from tests.test_cli import _tiny_setup
+  from tests.helpers.tiny_run import tiny_run_setup
 
-  config = _tiny_setup(tmp_path)
+  config = tiny_run_setup(tmp_path)
   run = tmp_path / "run"
   args = ["train", "--config", str(config), f"run_dir={run}", "trainer.save_every=2"]
   assert cli.main(args) == 0

@@ -2,7 +2,6 @@
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -17,74 +16,13 @@ from safetensors.numpy import load_file
 
 from anlr_jax.app import cli
 from anlr_jax.rundir import LORA_FILE
-from tests.tiny_tokenizer import build_tiny_tokenizer
-
-ANSWERS = ("option1", "option2")
-
-
-def _tiny_setup(root: pathlib.Path, *, n_train=48, n_test=8):
-  """A tiny random LLaMA + tokenizer saved as one HF directory, and a JSONL/JSON MC task."""
-  tokenizer = build_tiny_tokenizer(root / "model")
-  torch.manual_seed(0)
-  hf_config = transformers.LlamaConfig(
-      vocab_size=len(tokenizer),
-      hidden_size=32,
-      intermediate_size=64,
-      num_hidden_layers=2,
-      num_attention_heads=4,
-      num_key_value_heads=2,
-      max_position_embeddings=256,
-      rms_norm_eps=1e-5,
-      pad_token_id=0,
-      bos_token_id=1,
-      eos_token_id=2,
-  )
-  transformers.LlamaForCausalLM(hf_config).save_pretrained(root / "model")
-  rng = np.random.default_rng(0)
-  records = []
-  for i in range(n_train + n_test):
-    answer = ANSWERS[int(rng.integers(2))]
-    records.append(
-        {
-            "instruction": f"{i} + {i}? option1: true option2: false",
-            "input": "",
-            "output": f"the correct answer is {answer}",
-            "answer": answer,
-        }
-    )
-  with open(root / "train.jsonl", "w") as f:
-    for record in records[:n_train]:
-      f.write(json.dumps(record) + "\n")
-  (root / "test.json").write_text(json.dumps(records[n_train:]))
-  config = {
-      "method": "anlr",
-      "run_dir": str(root / "runs" / "{method}-{timestamp}"),
-      "seed": 0,
-      "model": {"path": str(root / "model")},
-      "lora": {"rank": 4, "alpha": 8, "dropout": 0.0},
-      "anlr": {"warmup_steps": 1},
-      "data": {"train": str(root / "train.jsonl"), "max_length": 128, "pad_multiple": 32},
-      "trainer": {
-          "steps": 4,
-          "global_batch": 8,
-          "learning_rate": 5e-3,
-          "compute_dtype": "float32",
-          "progress": False,
-      },
-      "eval": {
-          "tasks": {"winogrande": str(root / "test.json")},
-          "batch_size": 8,
-          "max_new_tokens": 6,
-      },
-  }
-  (root / "tiny.yaml").write_text(yaml.safe_dump(config))
-  return root / "tiny.yaml"
+from tests.helpers.tiny_run import tiny_run_setup
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
   root = tmp_path_factory.mktemp("cli")
-  config = _tiny_setup(root)
+  config = tiny_run_setup(root)
   assert cli.main(["train", "--config", str(config), "method=anlr+dora"]) == 0
   (run_dir,) = list((root / "runs").iterdir())
   return root, config, run_dir

@@ -17,7 +17,7 @@ from anlr_jax.app import cli
 from anlr_jax.app.config import load_config
 from anlr_jax.rundir import LORA_FILE
 from anlr_jax.app.model import load_adapted_model
-from tests.test_cli import _tiny_setup
+from tests.helpers.tiny_run import tiny_run_setup
 
 METHODS = ("lora", "loraplus", "adalora", "lorapro", "loradash", "anlr+loradash")
 STEPS = 6
@@ -36,7 +36,7 @@ def swept(tmp_path_factory):
   """Every method trained by `anlr sweep`, each cell through the `anlr train` command line the
   sweep builds (run in this process instead of a subprocess, to save the imports)."""
   root = tmp_path_factory.mktemp("baselines")
-  config = _tiny_setup(root)
+  config = tiny_run_setup(root)
   commands = []
 
   def call(command, **_):

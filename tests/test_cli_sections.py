@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from anlr_jax import rundir
+from anlr_jax import diagnostics_io, rundir
 from anlr_jax.app import cli
 from tests.test_reliability import _config
 
@@ -37,8 +37,8 @@ def test_loraplus_lr_ratio_sets_the_b_factors_learning_rate(tmp_path):
 
 
 def _last_multipliers(run) -> dict[str, np.ndarray]:
-  last = rundir.diagnostics_steps(str(run))[-1]
-  snapshot = rundir.read_diagnostics(rundir.diagnostics_path(str(run), last))
+  last = diagnostics_io.diagnostics_steps(str(run))[-1]
+  snapshot = diagnostics_io.read_diagnostics(diagnostics_io.diagnostics_path(str(run), last))
   return {name: np.asarray(f["multipliers"]) for name, f in snapshot.modules.items()}
 
 

@@ -9,7 +9,7 @@ import yaml
 from anlr_jax.app import config as cfg
 from anlr_jax.app import paths
 from anlr_jax.fields import field_help, rule_of
-from anlr_jax.app.methods import METHOD_NAMES
+from anlr_jax.methods import METHOD_NAMES
 from anlr_jax.train import TrainerConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -31,6 +31,35 @@ def test_the_readme_optimizer_example_runs(capsys):
   assert all(key in printed for key in ("velocity_cv", "velocity_max_min", "multiplier_max_min"))
 
 
+def _has_docstring(dotted: str) -> bool:
+  """Whether ``anlr_jax.x.NAME`` has a docstring: its ``__doc__`` for a module, class or function;
+  for a value, the string literal after its assignment in the module that assigns it."""
+  import ast
+  import importlib
+  import inspect
+
+  module_name, _, name = dotted.rpartition(".")
+  obj = getattr(importlib.import_module(module_name), name)
+  if inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isroutine(obj):
+    return bool(inspect.getdoc(obj))
+  for path in sorted((ROOT / "anlr_jax").rglob("*.py")):
+    body = ast.parse(path.read_text()).body
+    for node, after in zip(body, body[1:]):
+      targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+      if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+        if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+          return isinstance(after.value.value, str)
+  return False
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_docstring_a_page_points_to_exists(page):
+  """``see `anlr_jax.X`' docstring`` in a page names something whose docstring says it."""
+  named = re.findall(r"`(anlr_jax(?:\.\w+)+)`'s? docstring", page.read_text())
+  missing = [name for name in named if not _has_docstring(name)]
+  assert not missing, f"{page.relative_to(ROOT)} points to missing docstrings: {missing}"
+
+
 def test_the_identity_keys_in_docs_reliability_are_the_codes():
   from anlr_jax.app.identity import identity_keys
 

@@ -69,7 +69,7 @@ def test_a_mesh_divides_the_bytes_per_device():
 
 
 def test_the_activation_estimate_follows_batch_remat_and_tensor_shards():
-  model = ModelConfig.llama2_7b()
+  model = ModelConfig.preset("llama2_7b")
   sizes = {"data": 1, "fsdp": 8, "tensor": 1}
   none = activation_bytes(_config("trainer.remat=none", "trainer.global_batch=16"), model, sizes)
   full = activation_bytes(_config("trainer.remat=full", "trainer.global_batch=16"), model, sizes)
@@ -83,6 +83,18 @@ def test_the_activation_estimate_follows_batch_remat_and_tensor_shards():
   assert double == pytest.approx(2 * full, rel=1e-6) and micro == full
   split = activation_bytes(_config("trainer.remat=none"), model, {**sizes, "tensor": 2})
   assert split < activation_bytes(_config("trainer.remat=none"), model, sizes)
+
+
+def test_model_presets_come_from_one_table():
+  from anlr_jax.app.dryrun import PRESETS
+  from anlr_jax.models.config import PRESETS as TABLE
+
+  assert set(PRESETS) == set(TABLE) - {"tiny"}
+  assert 6.7e9 < ModelConfig.preset("llama2_7b").num_params() < 6.8e9  # LLaMA-2-7B: 6.74B
+  qwen = ModelConfig.preset("qwen2_5_7b", num_hidden_layers=2)
+  assert qwen.attention_bias and qwen.num_key_value_heads == 4 and qwen.num_hidden_layers == 2
+  with pytest.raises(ValueError, match="unknown model preset 'llama9'; presets: llama2_7b"):
+    ModelConfig.preset("llama9")
 
 
 def test_mesh_sizes_take_the_rest_or_name_the_keys():
@@ -104,7 +116,9 @@ def test_cli_dry_run_prints_per_device_bytes_and_writes_nothing(tmp_path, capsys
   assert cli.main(preset + ["--devices", "8", "trainer.mesh_fsdp=8"]) == 0
   out = capsys.readouterr().out
   base = float(out.split("  base params")[1].split("GiB")[0])
-  assert base == pytest.approx(ModelConfig.llama2_7b().num_params() * 2 / 8 / 2**30, rel=0.01)
+  assert base == pytest.approx(
+      ModelConfig.preset("llama2_7b").num_params() * 2 / 8 / 2**30, rel=0.01
+  )
 
 
 def test_cli_dry_run_errors_are_one_line(capsys):

@@ -102,7 +102,7 @@ def test_save_then_transformers_loads_same_logits(tmp_path, kind, shard):
 
 
 def test_save_with_merged_lora(tmp_path):
-  config = ModelConfig.tiny(vocab_size=96, hidden_size=32, intermediate_size=48)
+  config = ModelConfig.preset("tiny", vocab_size=96, hidden_size=32, intermediate_size=48)
   model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
   inject_lora(
       model,
@@ -186,7 +186,7 @@ def test_unexpected_tensors_and_model_type(saved_llama):
 
 
 def test_bad_shard_size_is_rejected(tmp_path):
-  config = ModelConfig.tiny()
+  config = ModelConfig.preset("tiny")
   model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match="max_shard_size"):
     save_hf_model(model, config, tmp_path, max_shard_size="lots")
@@ -194,8 +194,8 @@ def test_bad_shard_size_is_rejected(tmp_path):
 
 def test_param_table_covers_every_model_param():
   for config in (
-      ModelConfig.tiny(),
-      ModelConfig.tiny(attention_bias=True, model_type="qwen2", tie_word_embeddings=True),
+      ModelConfig.preset("tiny"),
+      ModelConfig.preset("tiny", attention_bias=True, model_type="qwen2", tie_word_embeddings=True),
   ):
     model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
     paths = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}

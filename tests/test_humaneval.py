@@ -87,6 +87,21 @@ def test_pass_at_k_rejects_impossible_counts():
 # --- the problems file --------------------------------------------------------------------------
 
 
+def test_save_records_writes_one_json_line_per_sample(tmp_path):
+  """``save_records``, as ``EvalResult`` and ``CodeEvalResult`` name it."""
+  samples = (
+      humaneval.SampleResult("HumanEval/0", "return 1", True, "passed"),
+      humaneval.SampleResult("HumanEval/0", "return 2", False, "failed: AssertionError"),
+  )
+  result = humaneval.HumanEvalResult({"pass@1": 0.5}, samples)
+  result.save_records(tmp_path / "samples.jsonl")
+  rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+  assert [(r["completion"], r["passed"], r["result"]) for r in rows] == [
+      ("return 1", True, "passed"),
+      ("return 2", False, "failed: AssertionError"),
+  ]
+
+
 def test_load_problems_reads_the_shipped_file(problems):
   assert len(problems) == 164
   assert list(problems)[:2] == ["HumanEval/0", "HumanEval/1"]
@@ -111,9 +126,12 @@ def test_load_problems_bad_files_raise_one_value_error_naming_them(tmp_path, pro
       "absent.jsonl": (None, "does not exist"),
       "truncated.jsonl.gz": (gz[: len(gz) // 2], "truncated or corrupt"),
       "not_gzip.jsonl.gz": (b"\x1f\x8bnot really gzip", "truncated or corrupt"),
-      "bad_line.jsonl": ((good + "\n" + good[:40] + "\n").encode(), "line 2: not valid JSON"),
+      "bad_line.jsonl": (
+          (good + "\n" + good[:40] + "\n").encode(),
+          "bad_line.jsonl:2: invalid JSON",
+      ),
       "missing_key.jsonl": (missing_key.encode(), r"line 1: missing or non-string \['test'\]"),
-      "list.jsonl": (b"[1, 2]\n", "line 1: expected a JSON object"),
+      "list.jsonl": (b"[1, 2]\n", "list.jsonl:1: expected a JSON object"),
       "twice.jsonl": ((good + "\n" + good).encode(), "line 2: duplicate task_id"),
       "empty.jsonl": (b"\n", "holds no problems"),
   }

@@ -149,6 +149,33 @@ def test_unknown_target_raises_naming_it():
     inject_lora(model, target_modules=("q_proj",), rank=2, alpha=2.0, rngs=nnx.Rngs(1))
 
 
+@pytest.mark.parametrize("kind", ["lora", "loradash", "adalora"])
+def test_every_injector_checks_its_targets_alike_and_shares_the_dropout_default(kind):
+  """inject_lora, inject_loradash and inject_adalora validate target_modules in one place
+  (target_linears) and default to the paper's dropout 0.05, the run config's lora.dropout."""
+  import inspect
+
+  from anlr_jax.app.config import RunConfig
+  from anlr_jax.nn import inject_adalora, inject_loradash
+
+  inject = {"lora": inject_lora, "loradash": inject_loradash, "adalora": inject_adalora}[kind]
+  kwargs = dict(rank=2, alpha=2.0, rngs=nnx.Rngs(1))
+  if kind == "loradash":
+    kwargs.update(num_directions=2)
+  for targets, message in [
+      ("q_proj", "the string 'q_proj'"),
+      ((), "target_modules is empty"),
+      (("q_proj", "gate_proj"), r"\['gate_proj'\] match no nnx.Linear"),
+  ]:
+    with pytest.raises(ValueError, match=message):
+      inject(ToyModel(nnx.Rngs(0)), target_modules=targets, **kwargs)
+  model = inject(ToyModel(nnx.Rngs(0)), target_modules=("q_proj",), **kwargs)
+  with pytest.raises(ValueError, match="already holds a .*injected once per model"):
+    inject(model, target_modules=("q_proj",), **kwargs)
+  default = inspect.signature(inject).parameters["dropout"].default
+  assert default == RunConfig().lora.dropout == 0.05
+
+
 def test_train_eval_modes_reach_injected_dropout():
   model = inject_lora(ToyModel(nnx.Rngs(0)), rank=2, alpha=2.0, dropout=0.5, rngs=nnx.Rngs(1))
   assert all(layer.dropout.deterministic for _, layer in iter_lora_layers(model))

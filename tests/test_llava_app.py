@@ -1,6 +1,7 @@
 """LLaVA in ``anlr train``'s assembly: the model found from config.json, the projector trained at
 ``model.projector_lr`` and saved with the adapters, and ``--dry_run`` of the shipped config."""
 
+import dataclasses
 import os
 
 import jax
@@ -11,7 +12,7 @@ from flax import nnx
 from anlr_jax import assets
 from anlr_jax.app.config import load_config
 from anlr_jax.app.dryrun import estimate
-from anlr_jax.app.methods import build_method, inject_method
+from anlr_jax.app.methods import build_method
 from anlr_jax.app.model import load_base, load_lora_params, save_lora_params
 from anlr_jax.fields import ConfigError
 from anlr_jax.models import LlavaForConditionalGeneration
@@ -53,14 +54,16 @@ def test_projector_lr_trains_the_projector_and_is_saved(llava_dir, tmp_path):
   config = _config(llava_dir, "model.projector_lr=1e-3")
   model, _, _ = load_base(config)
   assert isinstance(model, LlavaForConditionalGeneration)
-  inject_method(model, config, "anlr")
+  build_method(dataclasses.replace(config, method="anlr"), model=model)
   assert all(n.startswith("model.language_model.") for n, _ in iter_lora_layers(model))
   full = nnx.to_flat_state(nnx.state(model, FullParam))
   assert sorted(".".join(map(str, p)) for p, _ in full) == [
       f"model.multi_modal_projector.linear_{i}.{a}" for i in (1, 2) for a in ("bias", "kernel")
   ]
   # Adam's first step moves every leaf by its learning rate: 1e-2 (adapters), 1e-3 (projector).
-  built = build_method(config, "anlr", total_steps=4, learning_rate=1e-2)
+  built = build_method(
+      dataclasses.replace(config, method="anlr"), total_steps=4, learning_rate=1e-2
+  )
   params = nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam))
   grads = jax.tree.map(lambda x: np.full(x.shape, 0.5, np.float32), params)
   updates, _ = built.tx.update(grads, built.tx.init(params), params)
@@ -74,7 +77,7 @@ def test_projector_lr_trains_the_projector_and_is_saved(llava_dir, tmp_path):
   keys = save_lora_params(model, tmp_path / "lora.safetensors")
   assert "model.multi_modal_projector.linear_1/kernel" in keys
   fresh, _, _ = load_base(config)
-  inject_method(fresh, config, "anlr")
+  build_method(dataclasses.replace(config, method="anlr"), model=fresh)
   load_lora_params(fresh, tmp_path / "lora.safetensors")
   mine = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))}
   theirs = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(fresh, nnx.LoRAParam))}
@@ -86,12 +89,12 @@ def test_projector_lr_trains_the_projector_and_is_saved(llava_dir, tmp_path):
 def test_projector_frozen_by_default_and_refused_on_text_models(llava_dir):
   config = _config(llava_dir)
   model, _, _ = load_base(config)
-  inject_method(model, config, "lora")
+  build_method(dataclasses.replace(config, method="lora"), model=model)
   assert not nnx.to_flat_state(nnx.state(model, FullParam))
   text = load_config(None, [f"model.path={assets.quickstart_dir()}", "model.projector_lr=1e-3"])
   base, _, _ = load_base(text)
   with pytest.raises(ConfigError, match="model.projector_lr=0.001: LlamaForCausalLM has no"):
-    inject_method(base, text, "lora")
+    build_method(dataclasses.replace(text, method="lora"), model=base)
 
 
 def test_dry_run_of_the_shipped_llava_config():
@@ -137,7 +140,8 @@ def test_every_layer_and_optimizer_family_trains_with_the_projector(llava_dir, m
       "adalora.tfinal=1",
   )
   model, _, _ = load_base(config)
-  built = build_method(config, method, total_steps=5, model=model, learning_rate=1e-2)
+  config = dataclasses.replace(config, method=method)
+  built = build_method(config, total_steps=5, model=model, learning_rate=1e-2)
   params = nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam))
   grads = jax.tree.map(lambda x: np.full(x.shape, 0.1, np.float32), params)
   updates, _ = built.tx.update(grads, built.tx.init(params), params)

@@ -126,7 +126,6 @@ def test_model_matmul_dtype_reaches_the_loaded_model_and_the_run_identity(tmp_pa
     identities.append(
         run_identity(
             config,
-            "lora",
             model_path=str(tmp_path / "model"),
             fingerprint="f",
             data_path=str(tmp_path / "train.json"),

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import anlr_jax
-from anlr_jax.app.methods import METHOD_NAMES, METHODS, get_method, method_optimizer
+from anlr_jax.methods import METHOD_NAMES, METHODS, get_method, method_optimizer
 from anlr_jax.nn import inject_lora, iter_lora_layers
 
 PAPER_METHODS = (
@@ -58,7 +58,7 @@ def test_table_holds_exactly_the_documented_methods():
 
 
 def test_layer_optimizer_and_signal_are_enums_that_keep_their_names():
-  from anlr_jax.app.methods import Layer, Method, Optimizer
+  from anlr_jax.methods import Layer, Method, Optimizer
   from anlr_jax.optim import Signal
 
   spec = get_method("anlr+loradash")

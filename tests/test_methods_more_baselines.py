@@ -5,6 +5,7 @@ LoRA-Dash launch hook and the adapter file do for them (the CLI end to end is in
 ``tests/test_cli_baselines.py``).
 """
 
+import dataclasses
 import functools
 
 import chex
@@ -17,25 +18,25 @@ from flax import nnx
 
 import anlr_jax
 from anlr_jax.app.config import ConfigError, help_text, load_config
-from anlr_jax.app.methods import adalora_config, dash_launcher, method_hooks
-from anlr_jax.app.methods import LAYERS, METHOD_NAMES, OPTIMIZERS, get_method, method_optimizer
+from anlr_jax.app.methods import adalora_config, build_method, dash_launcher, method_hooks
+from anlr_jax.methods import LAYERS, METHOD_NAMES, OPTIMIZERS, get_method, method_optimizer
 from anlr_jax.models.config import ModelConfig
 from anlr_jax.models.llama import LlamaForCausalLM
 from anlr_jax.nn import DashDirections, inject_adalora, inject_loradash
 from anlr_jax.optim.adalora import AdaLoRAConfig, AdaLoRAState, orth_regularization
 from anlr_jax.optim.lorapro import LoraProState
-from anlr_jax.app.model import inject_method, load_lora_params, save_lora_params
+from anlr_jax.app.model import load_lora_params, save_lora_params
 from anlr_jax.app.identity import run_identity
 from anlr_jax.train.trainer import Trainer, TrainerConfig
-from tests.helpers.toy_lm import ToyBatches
+from tests.helpers.toy_lm import ONE_DEVICE, ToyBatches
 
 BASELINES = ("adalora", "lorapro", "loradash", "anlr+loradash")
-ONE_DEVICE = dict(mesh_data=1, mesh_fsdp=1, mesh_tensor=1)
 TARGETS = ("q_proj", "v_proj", "up_proj")
 
 
 def _tiny_llama(seed=0):
-  config = ModelConfig.tiny(
+  config = ModelConfig.preset(
+      "tiny",
       vocab_size=32,
       hidden_size=16,
       intermediate_size=32,
@@ -75,7 +76,7 @@ def test_table_holds_the_baselines():
       get_method(n).layer in LAYERS and get_method(n).optimizer in OPTIMIZERS for n in METHOD_NAMES
   )
   for name in BASELINES:  # the docstring table lists every method
-    assert f"\n{name} " in anlr_jax.app.methods.__doc__, name
+    assert f"\n{name} " in anlr_jax.methods.__doc__, name
 
 
 def test_method_optimizer_builds_each_baseline():
@@ -171,7 +172,12 @@ def test_identity_holds_the_sections_of_the_method(tmp_path):
   data.write_text("[]")
   config = _run_config("adalora.target_r=2")
   ids = {
-      m: run_identity(config, m, model_path=str(tmp_path), fingerprint="x", data_path=str(data))
+      m: run_identity(
+          dataclasses.replace(config, method=m),
+          model_path=str(tmp_path),
+          fingerprint="x",
+          data_path=str(data),
+      )
       for m in ("lora", *BASELINES)
   }
   assert (
@@ -184,7 +190,13 @@ def test_identity_holds_the_sections_of_the_method(tmp_path):
   assert not any(k.split(".")[0] in ("adalora", "lorapro", "loradash") for k in ids["lora"])
 
 
-def test_inject_method_builds_each_layer():
+def _adapt(model, config, method):
+  """``model`` with ``method``'s adapter layers as ``anlr train`` builds them."""
+  build_method(dataclasses.replace(config, method=method), model=model)
+  return model
+
+
+def test_build_method_builds_each_layer():
   config = _run_config("lora.targets=[q_proj,v_proj]", "loradash.num_directions=2")
   kinds = {
       "adalora": anlr_jax.nn.AdaLoRALinear,
@@ -192,11 +204,11 @@ def test_inject_method_builds_each_layer():
       "loradash": anlr_jax.nn.LoRADashLinear,
   }
   for method, kind in kinds.items():
-    model = inject_method(_tiny_llama(), config, method)
+    model = _adapt(_tiny_llama(), config, method)
     assert type(model.model.layers[0].self_attn.q_proj) is kind, method
   bad = _run_config("lora.targets=[q_proj]", "loradash.num_directions=17")  # min(16, 16) = 16
   with pytest.raises(ConfigError, match="loradash.num_directions=17: .*exceeds min"):
-    inject_method(_tiny_llama(), bad, "loradash")
+    _adapt(_tiny_llama(), bad, "loradash")
 
 
 # ------------------------------------------------------------------------- adapter files
@@ -239,7 +251,9 @@ def test_orth_regulariser_is_added_to_the_loss(lora_layout):
   """One AdaLoRA update equals rank_allocator(adamw) on grad(CE) + grad(R) computed apart; the
   `loss` metric is the cross-entropy alone and `regularizer` is R at the params of the step."""
   weight = 0.5
-  model = inject_adalora(_tiny_llama(), target_modules=TARGETS, rank=2, alpha=4.0, rngs=nnx.Rngs(1))
+  model = inject_adalora(
+      _tiny_llama(), target_modules=TARGETS, rank=2, alpha=4.0, dropout=0.0, rngs=nnx.Rngs(1)
+  )
   batches = _LlamaBatches(global_batch=4, seq_len=8, vocab=32)
   cfg = TrainerConfig(
       steps=4,
@@ -288,11 +302,12 @@ def test_orth_regulariser_is_added_to_the_loss(lora_layout):
 
 
 def test_method_hooks():
-  assert set(method_hooks(_run_config("adalora.target_r=2"), "adalora")) == {"loss_regularizer"}
-  off = _run_config("adalora.target_r=2", "adalora.orth_reg_weight=0")
-  assert method_hooks(off, "adalora") == {}
-  assert set(method_hooks(_run_config(), "anlr+loradash")) == {"on_step"}
-  assert method_hooks(_run_config(), "lorapro") == {}
+  ada = _run_config("method=adalora", "adalora.target_r=2")
+  assert set(method_hooks(ada)) == {"loss_regularizer"}
+  off = _run_config("method=adalora", "adalora.target_r=2", "adalora.orth_reg_weight=0")
+  assert method_hooks(off) == {}
+  assert set(method_hooks(_run_config("method=anlr+loradash"))) == {"on_step"}
+  assert method_hooks(_run_config("method=lorapro")) == {}
 
 
 # ------------------------------------------------------------------- trainer: dash launch
@@ -486,7 +501,7 @@ def test_stacked_layout_trains_like_per_layer(method):
   )
   out = {}
   for layout in ("stacked", "per-layer"):
-    model = inject_method(_tiny_llama(), config, method)
+    model = _adapt(_tiny_llama(), config, method)
     cfg = TrainerConfig(
         steps=3,
         global_batch=4,
@@ -508,7 +523,7 @@ def test_stacked_layout_trains_like_per_layer(method):
         cfg,
         tx,
         devices=jax.devices()[:1],
-        **method_hooks(config, method),
+        **method_hooks(dataclasses.replace(config, method=method)),
     )
     trainer.run()
     extra = jax.tree.map(_key_data, trainer.state.extra)  # the dash directions and RNG keys

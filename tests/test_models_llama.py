@@ -120,7 +120,7 @@ def test_preset_parameter_counts_match_published_sizes(preset, billions):
 
 
 def test_tiny_preset_is_a_few_hundred_k_params():
-  config = ModelConfig.tiny()
+  config = ModelConfig.preset("tiny")
   model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
   n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   assert n == config.num_params()
@@ -149,7 +149,7 @@ def test_from_hf_config_reads_transformers_configs():
 
 
 def test_from_pretrained_and_round_trip_through_transformers(tmp_path):
-  config = ModelConfig.tiny(rope_scaling=dict(LLAMA3_ROPE))
+  config = ModelConfig.preset("tiny", rope_scaling=dict(LLAMA3_ROPE))
   (tmp_path / "config.json").write_text(json.dumps(config.to_hf_config()))
   assert ModelConfig.from_pretrained(tmp_path) == config
   hf = transformers.AutoConfig.from_pretrained(tmp_path)
@@ -171,7 +171,7 @@ def test_from_pretrained_and_round_trip_through_transformers(tmp_path):
 )
 def test_invalid_config_names_the_field(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    ModelConfig.tiny(**kwargs)
+    ModelConfig.preset("tiny", **kwargs)
 
 
 def test_from_pretrained_errors(tmp_path):
@@ -193,7 +193,7 @@ def test_rope_inv_freq_matches_transformers(rope_scaling):
   ours = ModelConfig.from_hf_config(hf.to_dict()).rope_inv_freq()
   np.testing.assert_allclose(ours, expected.numpy(), rtol=1e-6)
   if rope_scaling:  # the scaling really changes the low frequencies
-    assert not np.allclose(ours, ModelConfig.tiny(head_dim=8).rope_inv_freq())
+    assert not np.allclose(ours, ModelConfig.preset("tiny", head_dim=8).rope_inv_freq())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -233,7 +233,7 @@ def test_module_paths_mirror_hugging_face_names(kind):
 
 
 def test_every_param_has_logical_axes():
-  config = ModelConfig.tiny(attention_bias=True)
+  config = ModelConfig.preset("tiny", attention_bias=True)
   model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     names = var.get_metadata()["out_sharding"]
@@ -294,8 +294,8 @@ def test_fused_attention_path_matches_einsum_on_right_padded_rows():
   real token and the same LoRA-free gradients of a loss masked to real tokens.
   """
   kw = dict(num_hidden_layers=2, vocab_size=64, num_attention_heads=4, num_key_value_heads=2)
-  einsum = LlamaForCausalLM(ModelConfig.tiny(**kw), rngs=nnx.Rngs(5))
-  fused = LlamaForCausalLM(ModelConfig.tiny(attention_impl="xla", **kw), rngs=nnx.Rngs(5))
+  einsum = LlamaForCausalLM(ModelConfig.preset("tiny", **kw), rngs=nnx.Rngs(5))
+  fused = LlamaForCausalLM(ModelConfig.preset("tiny", attention_impl="xla", **kw), rngs=nnx.Rngs(5))
   rng = np.random.default_rng(1)
   ids = jnp.asarray(rng.integers(0, 64, (3, 9)))
   mask = jnp.asarray((np.arange(9)[None, :] < np.array([[9], [5], [1]])).astype(np.int32))
@@ -314,11 +314,11 @@ def test_fused_attention_path_matches_einsum_on_right_padded_rows():
 
 
 def test_remat_gives_same_logits_and_gradients():
-  config = ModelConfig.tiny(num_hidden_layers=1, vocab_size=64)
+  config = ModelConfig.preset("tiny", num_hidden_layers=1, vocab_size=64)
   ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 6)))
   plain = LlamaForCausalLM(config, rngs=nnx.Rngs(3))
   remat = LlamaForCausalLM(
-      ModelConfig.tiny(num_hidden_layers=1, vocab_size=64, remat=True), rngs=nnx.Rngs(3)
+      ModelConfig.preset("tiny", num_hidden_layers=1, vocab_size=64, remat=True), rngs=nnx.Rngs(3)
   )
   loss = lambda m: jnp.mean(jax.nn.log_softmax(m(ids))[..., 0])
   grad = nnx.jit(nnx.grad(loss))
@@ -342,18 +342,20 @@ def test_bf16_compute_dtype(tmp_path):
 def test_auto_attention_resolves_by_backend_and_dtype(monkeypatch):
   from anlr_jax.models import llama
 
-  bf16 = ModelConfig.tiny(attention_impl="auto", dtype=jnp.bfloat16)
-  f32 = ModelConfig.tiny(attention_impl="auto")
+  bf16 = ModelConfig.preset("tiny", attention_impl="auto", dtype=jnp.bfloat16)
+  f32 = ModelConfig.preset("tiny", attention_impl="auto")
   assert llama.resolve_attention_impl(bf16) == "einsum"  # CPU backend here
   monkeypatch.setattr(llama.jax, "default_backend", lambda: "gpu")
   assert llama.resolve_attention_impl(bf16) == "cudnn"
   assert llama.resolve_attention_impl(f32) == "einsum"  # cuDNN flash attention needs 16-bit
-  assert llama.resolve_attention_impl(ModelConfig.tiny(attention_impl="xla")) == "xla"
+  assert llama.resolve_attention_impl(ModelConfig.preset("tiny", attention_impl="xla")) == "xla"
   with pytest.raises(ValueError, match="attention_impl='cudnn'.*float32"):
-    llama.resolve_attention_impl(ModelConfig.tiny(attention_impl="cudnn"))
+    llama.resolve_attention_impl(ModelConfig.preset("tiny", attention_impl="cudnn"))
   monkeypatch.undo()
   with pytest.raises(ValueError, match="attention_impl='cudnn'.*backend 'cpu'"):
-    LlamaForCausalLM(ModelConfig.tiny(attention_impl="cudnn", dtype=jnp.bfloat16), rngs=nnx.Rngs(0))
+    LlamaForCausalLM(
+        ModelConfig.preset("tiny", attention_impl="cudnn", dtype=jnp.bfloat16), rngs=nnx.Rngs(0)
+    )
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (6, 3), (4, 4)])

@@ -23,7 +23,7 @@ import yaml
 from safetensors.numpy import load_file
 
 from anlr_jax.train.lock import DirectoryLock
-from tests.test_cli import _tiny_setup
+from tests.helpers.tiny_run import tiny_run_setup
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = ["trainer.mesh_data=2", "trainer.mesh_fsdp=2", "trainer.mesh_tensor=2"]
@@ -104,7 +104,7 @@ def _losses(run: pathlib.Path) -> np.ndarray:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
   root = tmp_path_factory.mktemp("multihost")
-  config = _tiny_setup(root)
+  config = tiny_run_setup(root)
   raw = yaml.safe_load(config.read_text())
   raw["trainer"].update(save_every=2, log_every=1)
   config.write_text(yaml.safe_dump(raw))

@@ -6,6 +6,7 @@ newcomer (``grain`` once did).
 """
 
 import ast
+import functools
 import importlib.metadata
 import pathlib
 import re
@@ -108,6 +109,19 @@ def test_the_library_never_imports_the_application():
       assert not any(m.startswith("anlr_jax.app") for m in modules), (path, modules)
 
 
+def test_no_module_imports_a_private_name_of_another():
+  """A helper that two modules share is public in the module that owns it (``from anlr_jax.x
+  import _helper`` reaches into another module's internals)."""
+  private = []
+  for path in sorted((ROOT / "anlr_jax").rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+      if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("anlr_jax"):
+        names = [a.name for a in node.names if a.name.startswith("_") and a.name != "__version__"]
+        private += [f"{path.relative_to(ROOT)}: {node.module}.{name}" for name in names]
+  assert not private, private
+
+
+@functools.cache
 def _module_imports() -> dict[str, set[str]]:
   """``{module: the anlr_jax modules it imports}`` over every import statement, function-local
   ones included and ``if TYPE_CHECKING:`` ones left out; a name imported from a package resolves
@@ -146,26 +160,55 @@ def _module_imports() -> dict[str, set[str]]:
   return graph
 
 
+def _first_cycle(edges: dict[str, set[str]]) -> str | None:
+  """``"a -> b -> a"`` for a cycle of the directed graph ``edges``, or None."""
+  state = dict.fromkeys(edges, 0)  # 0 unvisited, 1 on the current path, 2 done
+
+  def visit(node: str, path: list[str]) -> str | None:
+    state[node] = 1
+    for target in sorted(edges[node]):
+      if state[target] == 1:
+        return " -> ".join(
+            path[path.index(target) :] + [node, target] if target in path else [node, target]
+        )
+      if state[target] == 0 and (found := visit(target, path + [node])):
+        return found
+    state[node] = 2
+    return None
+
+  for node in sorted(edges):
+    if state[node] == 0 and (found := visit(node, [])):
+      return found
+  return None
+
+
 def test_no_import_cycle_between_modules():
   """Module A imports B and B (perhaps through others) imports A: a cycle hidden in function-level
   imports is still a cycle. Packages' ``__init__`` files only re-export and are left out."""
   graph = _module_imports()
   packages = {m for m in graph if (ROOT / m.replace(".", "/") / "__init__.py").is_file()}
   library = {m for m in graph if m not in packages}
-  edges = {m: graph[m] & library for m in library}
-  state = dict.fromkeys(library, 0)  # 0 unvisited, 1 on the current path, 2 done
+  assert _first_cycle({m: graph[m] & library for m in library}) is None
 
-  def visit(module: str, path: list[str]) -> None:
-    state[module] = 1
-    for target in sorted(edges[module]):
-      assert state[target] != 1, " -> ".join(path[path.index(target) :] + [module, target])
-      if state[target] == 0:
-        visit(target, path + [module])
-    state[module] = 2
 
-  for module in sorted(library):
-    if state[module] == 0:
-      visit(module, [])
+def test_no_import_cycle_between_packages():
+  """The subpackages (``data``, ``evals``, ``optim``, ...) and top-level modules of ``anlr_jax``
+  form layers: if a module of ``data`` imports one of ``evals`` (even inside a function), no module
+  of ``evals`` imports ``data``."""
+  graph = _module_imports()
+
+  def layer(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+  edges = {}
+  for module, targets in graph.items():
+    if module in ("anlr_jax", "anlr_jax.__main__"):  # the re-exports and the entry point
+      continue
+    edges.setdefault(layer(module), set()).update(layer(t) for t in targets)
+  edges = {
+      node: {t for t in targets if t != node and t in edges} for node, targets in edges.items()
+  }
+  assert _first_cycle(edges) is None
 
 
 def test_the_app_modules_import_in_the_order_their_package_docstring_lists_them():

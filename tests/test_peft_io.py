@@ -439,10 +439,10 @@ def test_read_adapter_names_what_is_wrong_with_the_directory(tmp_path):
     read_adapter(tmp_path, "LORA")
   assert adapter_peft_type(tmp_path) is None
   (tmp_path / "adapter_config.json").write_text("[1, 2]")
-  with pytest.raises(ValueError, match="is not a JSON object"):
+  with pytest.raises(ValueError, match=r"adapter_config.json: expected a JSON object .*, got list"):
     read_adapter(tmp_path, "LORA")
   (tmp_path / "adapter_config.json").write_text("{oops")
-  with pytest.raises(ValueError, match="is not valid JSON"):
+  with pytest.raises(ValueError, match="adapter_config.json:1: invalid JSON"):
     read_adapter(tmp_path, "LORA")
   tensors = {"base_model.model.x.lora_A.weight": np.ones((2, 3), np.float32)}
   write_adapter(

@@ -33,8 +33,8 @@ from anlr_jax.train.trainer import (
     Trainer,
     TrainerConfig,
 )
-from tests.helpers.toy_lm import ToyBatches, make_toy_model
-from tests.test_cli import _tiny_setup
+from tests.helpers.toy_lm import ToyBatches, make_toy_model, make_toy_trainer
+from tests.helpers.tiny_run import tiny_run_setup
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,7 +47,7 @@ def _library_warnings_reach_caplog(monkeypatch):
 
 def _config(root: pathlib.Path, **changes) -> pathlib.Path:
   """The tiny CLI setup with a fixed run_dir and extra/changed keys (dotted)."""
-  path = _tiny_setup(root)
+  path = tiny_run_setup(root)
   raw = yaml.safe_load(path.read_text())
   raw["run_dir"] = str(root / "run")
   for key, value in changes.items():
@@ -171,14 +171,8 @@ def test_resume_allow_permits_a_longer_schedule(finished, tmp_path, capsys):
 
 def test_trainer_refuses_a_checkpoint_of_another_structure(tmp_path):
   def trainer(rank):
-    cfg = TrainerConfig(steps=2, global_batch=8, compute_dtype="float32", progress=False)
-    return Trainer(
-        make_toy_model(rank=rank),
-        ToyBatches(),
-        cfg,
-        optax.adamw(1e-2),
-        checkpoint_dir=str(tmp_path),
-    )
+    model = make_toy_model(rank=rank)
+    return make_toy_trainer(optax.adamw(1e-2), model=model, checkpoint_dir=tmp_path, steps=2)
 
   first = trainer(4)
   first.run()
@@ -431,7 +425,7 @@ def test_nan_adapters_are_never_written(tmp_path):
   from anlr_jax.nn import inject_lora
   from anlr_jax.app.model import save_lora_params
 
-  model = LlamaForCausalLM(ModelConfig.tiny(), rngs=nnx.Rngs(0))
+  model = LlamaForCausalLM(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0))
   inject_lora(model, target_modules=("q_proj",), rank=2, alpha=4, rngs=nnx.Rngs(1))
   layer = model.model.layers[0].self_attn.q_proj
   layer.lora_b[...] = jnp.full_like(layer.lora_b[...], jnp.nan)

@@ -1,6 +1,6 @@
-"""The run-directory contract (anlr_jax.rundir): one module name for the optimizer, the injection,
-the adapter file, the diagnostics and the analysis; results.json and diagnostics round trips; atomic
-writes that never leave a partial file."""
+"""The run-directory contract (anlr_jax.rundir, naming, results, diagnostics_io, fileio): one module
+name for the optimizer, the injection, the adapter file, the diagnostics and the analysis;
+results.json and diagnostics round trips; atomic writes that never leave a partial file."""
 
 import dataclasses
 import json
@@ -15,15 +15,13 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 import anlr_jax
-from anlr_jax import rundir
+from anlr_jax import diagnostics_io, naming, rundir
+from anlr_jax.results import RunResult, read_results, write_results
 from anlr_jax.analysis import load_run, measures
 from anlr_jax.nn.inject import inject_lora, iter_lora_layers
 from anlr_jax.train.metrics import MetricsWriter
 
-try:  # the adapter writer of `anlr train` (anlr_jax.app.model after the app layer moved there)
-  from anlr_jax.app.model import save_lora_params
-except ImportError:  # pragma: no cover - before the move
-  from anlr_jax.run import save_lora_params
+from anlr_jax.app.model import save_lora_params  # the adapter writer of `anlr train`
 
 
 class Attention(nnx.Module):
@@ -90,17 +88,17 @@ EXPECTED = sorted(
 
 
 def test_module_name_is_the_dot_joined_path_for_nnx_and_jax_paths():
-  assert rundir.module_name(('model', 'layers', 0, 'q_proj')) == 'model.layers.0.q_proj'
-  assert rundir.module_name(()) == ''
+  assert naming.module_name(('model', 'layers', 0, 'q_proj')) == 'model.layers.0.q_proj'
+  assert naming.module_name(()) == ''
   tree = {'model': {'layers': [{'q_proj': {'lora_a': 1}}]}}
   [(path, _)] = jax.tree_util.tree_flatten_with_path(tree)[0]
-  assert rundir.module_name(path[:-1]) == 'model.layers.0.q_proj'
+  assert naming.module_name(path[:-1]) == 'model.layers.0.q_proj'
 
   attr_path = (jax.tree_util.GetAttrKey('model'), jax.tree_util.SequenceKey(3))
-  assert rundir.module_name(attr_path) == 'model.3'
-  key = rundir.adapter_key('model.layers.0.q_proj', 'lora_a')
+  assert naming.module_name(attr_path) == 'model.3'
+  key = naming.adapter_key('model.layers.0.q_proj', 'lora_a')
   assert key == 'model.layers.0.q_proj/lora_a'
-  assert rundir.split_adapter_key(key) == ('model.layers.0.q_proj', 'lora_a')
+  assert naming.split_adapter_key(key) == ('model.layers.0.q_proj', 'lora_a')
 
 
 def test_names_agree_across_optimizer_injection_adapter_diagnostics_and_analysis(tmp_path):
@@ -120,22 +118,24 @@ def test_names_agree_across_optimizer_injection_adapter_diagnostics_and_analysis
   updates, state = tx.update(grads, state, lora)
   lora = optax.apply_updates(lora, updates)
   diag = anlr_jax.diagnostics(state)
-  assert sorted(diag[rundir.DIAG_MODULES]) == EXPECTED
+  assert sorted(diag[diagnostics_io.DIAG_MODULES]) == EXPECTED
   assert sorted(measures.rank_magnitudes(lora)) == EXPECTED
 
   # The exported adapter file, written the way `anlr train` writes it.
   run_dir = str(tmp_path)
   nnx.update(model, lora)
   keys = save_lora_params(model, os.path.join(run_dir, rundir.LORA_FILE))
-  exported = sorted({rundir.split_adapter_key(k)[0] for k in keys})
+  exported = sorted({naming.split_adapter_key(k)[0] for k in keys})
   assert exported == EXPECTED
   assert set(load_file(os.path.join(run_dir, rundir.LORA_FILE))) == set(keys)
 
   # The diagnostics file and the analysis reader: the same names, compared with ==.
   writer = MetricsWriter(run_dir, total_steps=1, progress=False, is_writer=True)
-  writer.write_diagnostics(1, {**diag, rundir.DIAG_MAGNITUDES: measures.rank_magnitudes(lora)})
+  writer.write_diagnostics(
+      1, {**diag, diagnostics_io.DIAG_MAGNITUDES: measures.rank_magnitudes(lora)}
+  )
   writer.close()
-  snapshot = rundir.read_diagnostics(rundir.diagnostics_path(run_dir, 1))
+  snapshot = diagnostics_io.read_diagnostics(diagnostics_io.diagnostics_path(run_dir, 1))
   assert sorted(snapshot.modules) == EXPECTED
   run = load_run(run_dir)
   assert sorted(run.nu_bar) == sorted(run.lora) == sorted(run.magnitudes) == EXPECTED
@@ -146,8 +146,8 @@ def test_names_agree_across_optimizer_injection_adapter_diagnostics_and_analysis
 
 def test_results_round_trip(tmp_path):
   run_dir = str(tmp_path / 'run')
-  assert rundir.read_results(run_dir) is None
-  results = rundir.RunResult(
+  assert read_results(run_dir) is None
+  results = RunResult(
       method='anlr',
       learning_rate=2e-4,
       seed=1,
@@ -159,40 +159,40 @@ def test_results_round_trip(tmp_path):
       eval_seconds=1.0,
       identity={'model': 'x', 'rank': 16},
   )
-  path = rundir.write_results(run_dir, results)
+  path = write_results(run_dir, results)
   assert path == os.path.join(run_dir, rundir.RESULTS_FILE)
-  assert rundir.read_results(run_dir) == results
+  assert read_results(run_dir) == results
   with open(path) as f:  # one JSON key per field, in the field order
-    assert list(json.load(f)) == [f.name for f in dataclasses.fields(rundir.RunResult)]
+    assert list(json.load(f)) == [f.name for f in dataclasses.fields(RunResult)]
   results.avg = None
-  rundir.write_results(run_dir, results)
-  assert rundir.read_results(run_dir) == results
+  write_results(run_dir, results)
+  assert read_results(run_dir) == results
   assert os.listdir(run_dir) == [rundir.RESULTS_FILE]
   with open(path, 'w') as f:
     f.write('{"method": "an')
-  with pytest.raises(ValueError, match='results.json: not valid JSON'):
-    rundir.read_results(run_dir)
+  with pytest.raises(ValueError, match='results.json:1: invalid JSON'):
+    read_results(run_dir)
   with open(path, 'w') as f:
     json.dump([1, 2], f)
   with pytest.raises(ValueError, match='expected a JSON object'):
-    rundir.read_results(run_dir)
+    read_results(run_dir)
 
 
 def test_a_results_file_with_fewer_or_other_keys_reads(tmp_path):
   path = tmp_path / rundir.RESULTS_FILE
   path.write_text(json.dumps({'method': 'lora', 'avg': 0.5, 'accuracy': {'t': 0.5}, 'note': 'x'}))
-  result = rundir.read_results(str(tmp_path))
-  assert result == rundir.RunResult(method='lora', avg=0.5, accuracy={'t': 0.5})
+  result = read_results(str(tmp_path))
+  assert result == RunResult(method='lora', avg=0.5, accuracy={'t': 0.5})
 
 
 def test_atomic_write_leaves_no_partial_file(tmp_path, monkeypatch):
   run_dir = str(tmp_path)
-  old = rundir.RunResult(method='lora', avg=0.5)
-  rundir.write_results(run_dir, old)
+  old = RunResult(method='lora', avg=0.5)
+  write_results(run_dir, old)
   # A payload that cannot be serialised: nothing written, the old file intact.
   with pytest.raises(TypeError):
-    rundir.write_results(run_dir, rundir.RunResult(method='anlr', avg=object()))
-  assert rundir.read_results(run_dir) == old
+    write_results(run_dir, RunResult(method='anlr', avg=object()))
+  assert read_results(run_dir) == old
   assert os.listdir(run_dir) == [rundir.RESULTS_FILE]
 
   # A crash after the temporary file is written but before the rename (here: the rename fails).
@@ -203,14 +203,14 @@ def test_atomic_write_leaves_no_partial_file(tmp_path, monkeypatch):
 
   monkeypatch.setattr(os, 'replace', crash)
   with pytest.raises(OSError, match='simulated crash'):
-    rundir.write_results(run_dir, rundir.RunResult(method='anlr', avg=0.9))
+    write_results(run_dir, RunResult(method='anlr', avg=0.9))
   with pytest.raises(OSError, match='simulated crash'):
-    rundir.write_diagnostics(run_dir, 3, {'m': {'nu_bar': np.ones(2)}})
+    diagnostics_io.write_diagnostics(run_dir, 3, {'m': {'nu_bar': np.ones(2)}})
   monkeypatch.setattr(os, 'replace', real_replace)
-  assert rundir.read_results(run_dir) == old
+  assert read_results(run_dir) == old
   assert sorted(os.listdir(run_dir)) == sorted([rundir.RESULTS_FILE, rundir.DIAGNOSTICS_DIR])
   assert os.listdir(os.path.join(run_dir, rundir.DIAGNOSTICS_DIR)) == []
-  assert rundir.diagnostics_steps(run_dir) == []
+  assert diagnostics_io.diagnostics_steps(run_dir) == []
 
   # A crash while the file is being written: the serialiser fails half way through.
   def half_savez(file, **arrays):
@@ -219,8 +219,30 @@ def test_atomic_write_leaves_no_partial_file(tmp_path, monkeypatch):
 
   monkeypatch.setattr(np, 'savez', half_savez)
   with pytest.raises(RuntimeError, match='disk full'):
-    rundir.write_diagnostics(run_dir, 3, {'m': {'nu_bar': np.ones(2)}})
+    diagnostics_io.write_diagnostics(run_dir, 3, {'m': {'nu_bar': np.ones(2)}})
   assert os.listdir(os.path.join(run_dir, rundir.DIAGNOSTICS_DIR)) == []
+
+
+def test_every_file_writer_writes_whole_files_or_none(tmp_path, monkeypatch):
+  """The adapter file, the truncated metrics and results.json go through fileio.atomic_write: a
+  crash before the rename leaves the old file and no temporary one."""
+  adapter = tmp_path / rundir.LORA_FILE
+  save_lora_params(_toy(), adapter)
+  before = adapter.read_bytes()
+  metrics = ''.join(json.dumps({'step': step, 'loss': 1.0 / step}) + '\n' for step in (1, 2, 3))
+  (tmp_path / rundir.METRICS_FILE).write_text(metrics)
+  listing = sorted(os.listdir(tmp_path))
+
+  def crash(src, dst):
+    raise OSError('simulated crash')
+
+  monkeypatch.setattr(os, 'replace', crash)
+  with pytest.raises(OSError, match='simulated crash'):
+    save_lora_params(_toy(), adapter)
+  with pytest.raises(OSError, match='simulated crash'):
+    MetricsWriter(str(tmp_path), total_steps=3, start_step=1, is_writer=True, progress=False)
+  assert sorted(os.listdir(tmp_path)) == listing
+  assert adapter.read_bytes() == before and (tmp_path / rundir.METRICS_FILE).read_text() == metrics
 
 
 # --------------------------------------------------------------------------------- diagnostics
@@ -236,15 +258,18 @@ def test_diagnostics_round_trip(tmp_path):
           'multipliers': rng.random((2, 4)),
           'velocity_cv': np.float32(0.25),
       },
-      "odd['name']/with.dots[0]": {'nu_bar': rng.random(3), rundir.DIAG_MAGNITUDES: rng.random(3)},
+      "odd['name']/with.dots[0]": {
+          'nu_bar': rng.random(3),
+          diagnostics_io.DIAG_MAGNITUDES: rng.random(3),
+      },
       '': {'nu_bar': np.arange(2, dtype=np.int32)},
   }
   summary = {'mean/velocity_cv': np.float32(0.3), 'count': np.int32(7)}
   for step in (30, 10, 20):
-    path = rundir.write_diagnostics(run_dir, step, modules, summary)
-    assert path == rundir.diagnostics_path(run_dir, step)
-  assert rundir.diagnostics_steps(run_dir) == [10, 20, 30]
-  snap = rundir.read_diagnostics(rundir.diagnostics_path(run_dir, 20))
+    path = diagnostics_io.write_diagnostics(run_dir, step, modules, summary)
+    assert path == diagnostics_io.diagnostics_path(run_dir, step)
+  assert diagnostics_io.diagnostics_steps(run_dir) == [10, 20, 30]
+  snap = diagnostics_io.read_diagnostics(diagnostics_io.diagnostics_path(run_dir, 20))
   assert snap.step == 20
   assert list(snap.modules) == list(modules)
   for name, fields in modules.items():
@@ -255,8 +280,8 @@ def test_diagnostics_round_trip(tmp_path):
       np.testing.assert_array_equal(got, value)
   assert set(snap.summary) == set(summary)
   np.testing.assert_array_equal(snap.summary['count'], 7)
-  assert rundir.remove_diagnostics_after(run_dir, 15) == [20, 30]
-  assert rundir.diagnostics_steps(run_dir) == [10]
+  assert diagnostics_io.remove_diagnostics_after(run_dir, 15) == [20, 30]
+  assert diagnostics_io.diagnostics_steps(run_dir) == [10]
 
 
 def test_diagnostics_from_the_optimizer_tree():
@@ -264,11 +289,16 @@ def test_diagnostics_from_the_optimizer_tree():
   tx = anlr_jax.anlr(1e-2, warmup_steps=0)
   state = tx.init(params)
   tree = jax.device_get(
-      {**anlr_jax.diagnostics(state), rundir.DIAG_MAGNITUDES: measures.rank_magnitudes(params)}
+      {
+          **anlr_jax.diagnostics(state),
+          diagnostics_io.DIAG_MAGNITUDES: measures.rank_magnitudes(params),
+      }
   )
-  modules, summary = rundir.diagnostics_from_tree(tree)
+  modules, summary = diagnostics_io.diagnostics_from_tree(tree)
   assert list(modules) == ['layers.q']
-  assert {'nu_bar', 'snr', 'multipliers', rundir.DIAG_MAGNITUDES} <= set(modules['layers.q'])
+  assert {'nu_bar', 'snr', 'multipliers', diagnostics_io.DIAG_MAGNITUDES} <= set(
+      modules['layers.q']
+  )
   assert modules['layers.q']['nu_bar'].shape == (2, 3)
   assert {'count', 'mean/velocity_cv'} <= set(summary)
 
@@ -279,16 +309,16 @@ def test_reader_rejects_files_that_are_not_diagnostics(tmp_path):
   foreign = folder / 'step_00000001.npz'
   np.savez(foreign, **{"['modules']['m']['nu_bar']": np.ones(2)})  # the keystr format of before
   with pytest.raises(ValueError, match='step_00000001.npz: no __index__'):
-    rundir.read_diagnostics(str(foreign))
+    diagnostics_io.read_diagnostics(str(foreign))
   garbage = folder / 'step_00000002.npz'
   garbage.write_bytes(b'not a zip file')
   with pytest.raises(ValueError, match='step_00000002.npz: not a readable'):
-    rundir.read_diagnostics(str(garbage))
+    diagnostics_io.read_diagnostics(str(garbage))
   with pytest.raises(FileNotFoundError):
-    rundir.read_diagnostics(str(folder / 'step_00000003.npz'))
+    diagnostics_io.read_diagnostics(str(folder / 'step_00000003.npz'))
   (folder / 'notes.txt').write_text('x')
   (folder / 'step_x.npz').write_text('x')
-  assert rundir.diagnostics_steps(str(tmp_path)) == [1, 2]
+  assert diagnostics_io.diagnostics_steps(str(tmp_path)) == [1, 2]
 
 
 # --------------------------------------------------------------------------------- names on disk

@@ -19,7 +19,7 @@ VOCAB = 512
 
 
 def tiny_lora_llama(seed=0):
-  model = LlamaForCausalLM(ModelConfig.tiny(vocab_size=VOCAB), rngs=nnx.Rngs(seed))
+  model = LlamaForCausalLM(ModelConfig.preset('tiny', vocab_size=VOCAB), rngs=nnx.Rngs(seed))
   return inject_lora(model, rank=4, alpha=8.0, dropout=0.05, rngs=nnx.Rngs(seed + 1))
 
 

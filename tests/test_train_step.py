@@ -12,27 +12,12 @@ from flax import nnx
 
 from anlr_jax.train.schedule import linear_warmup_decay
 from anlr_jax.train.trainer import Trainer, TrainerConfig
-from tests.helpers.toy_lm import ToyBatches, make_toy_model, method_tx
-
-ONE_DEVICE = dict(mesh_data=1, mesh_fsdp=1, mesh_tensor=1)
+from tests.helpers.toy_lm import ONE_DEVICE, ToyBatches, make_toy_model, make_toy_trainer
 
 
 def _trainer(tx=None, batches=None, log_dir=None, **overrides):
-  cfg = dict(steps=4, global_batch=8, compute_dtype='float32', progress=False, **ONE_DEVICE)
-  cfg.update(overrides)
-  config = TrainerConfig(**cfg)
-  schedule = None
-  if tx is None:  # AnLR on the config's schedule, as a run of method anlr
-    tx, schedule = method_tx(config)
-  return Trainer(
-      make_toy_model(),
-      batches or ToyBatches(),
-      config,
-      tx,
-      log_dir=log_dir,
-      schedule=schedule,
-      devices=jax.devices()[:1],
-  )
+  """tx None: AnLR on the config's schedule, as a run of method anlr."""
+  return make_toy_trainer(tx, batches=batches, log_dir=log_dir, one_device=True, **overrides)
 
 
 def _numpy_loss(logits, batch):

@@ -24,7 +24,7 @@ import os
 
 import numpy as np
 
-from anlr_jax import rundir
+from anlr_jax import naming, rundir
 from anlr_jax.analysis import measures
 from anlr_jax.analysis.logs import RunLogs
 
@@ -120,7 +120,7 @@ def module_spectra(run: RunLogs) -> dict[str, np.ndarray]:
 def velocity_vs_concentration(run: RunLogs, spectra: dict[str, np.ndarray]) -> list[dict]:
   """Fig. 2c rows: ``module, mean_velocity, effective_rank, rank, concentration, top1_energy,
   concentrated`` for every module present in both the diagnostics and ``lora_final`` (the same
-  :func:`anlr_jax.rundir.module_name` in both)."""
+  :func:`anlr_jax.naming.module_name` in both)."""
   rows = []
   for name in sorted(set(run.nu_bar) & set(spectra)):
     sv = spectra[name]

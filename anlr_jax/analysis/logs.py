@@ -3,14 +3,14 @@ r"""Reads what ``anlr train`` leaves in a run directory, for :mod:`anlr_jax.anal
 File names, module names and the file formats are those of :mod:`anlr_jax.rundir`:
 
 * ``diagnostics/step_<t>.npz`` (every ``trainer.diag_every`` steps, read with
-  :func:`anlr_jax.rundir.read_diagnostics`): per module, ``nu_bar``, ``snr``, ``multipliers`` and
-  optionally ``magnitudes`` (from :func:`anlr_jax.analysis.rank_magnitudes`), each ``(..., r)``.
+  :func:`anlr_jax.diagnostics_io.read_diagnostics`): per module, ``nu_bar``, ``snr``,
+  ``multipliers`` and optionally ``magnitudes`` (from :func:`anlr_jax.analysis.rank_magnitudes`), each ``(..., r)``.
   Leading batch axes (stacked layers) are split into separate modules named ``<module>[i]``.
 * ``lora_final.safetensors``: ``<module>/lora_a (..., d_in, r)`` and ``<module>/lora_b (..., r, d_out)``
-  (:func:`anlr_jax.rundir.adapter_key`).
+  (:func:`anlr_jax.naming.adapter_key`).
 * ``results.json`` / ``config.yaml``: the run's label (its ``method``).
 
-Module names are :func:`anlr_jax.rundir.module_name` everywhere, so a module of the diagnostics and
+Module names are :func:`anlr_jax.naming.module_name` everywhere, so a module of the diagnostics and
 the same module of ``lora_final`` have equal names.
 
 Every missing input is recorded in :attr:`RunLogs.missing` as a message naming the file and how to get
@@ -25,7 +25,8 @@ from typing import Mapping
 
 import numpy as np
 
-from anlr_jax import rundir
+from anlr_jax import diagnostics_io, naming, rundir
+from anlr_jax.results import RunResult, read_results
 
 __all__ = [
     'RunLogs',
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 _FIELDS = ('nu_bar', 'snr', 'multipliers')
-_SERIES = _FIELDS + (rundir.DIAG_MAGNITUDES,)
+_SERIES = _FIELDS + (diagnostics_io.DIAG_MAGNITUDES,)
 _LORA_A, _LORA_B = 'lora_a', 'lora_b'
 
 
@@ -63,7 +64,7 @@ class RunLogs:
   multipliers: dict[str, np.ndarray]
   magnitudes: dict[str, np.ndarray]
   lora: dict[str, tuple[np.ndarray, np.ndarray]]
-  results: rundir.RunResult | None
+  results: RunResult | None
   missing: list[str]
 
   @property
@@ -89,7 +90,7 @@ def load_diagnostics(run_dir: str):
       (the message names the file).
   """
   folder = os.path.join(run_dir, rundir.DIAGNOSTICS_DIR)
-  steps = rundir.diagnostics_steps(run_dir)
+  steps = diagnostics_io.diagnostics_steps(run_dir)
   if not steps:
     raise FileNotFoundError(
         f'{folder}/step_*.npz not found: per-rank diagnostics are written only when training with the '
@@ -99,8 +100,8 @@ def load_diagnostics(run_dir: str):
     )
   series: dict[str, dict[str, list]] = {f: {} for f in _SERIES}
   for index, step in enumerate(steps):
-    path = rundir.diagnostics_path(run_dir, step)
-    modules = rundir.read_diagnostics(path).modules
+    path = diagnostics_io.diagnostics_path(run_dir, step)
+    modules = diagnostics_io.read_diagnostics(path).modules
     snapshot: dict[str, dict[str, np.ndarray]] = {f: {} for f in series}
     for name, fields in modules.items():
       for field in _SERIES:
@@ -140,32 +141,33 @@ def load_lora(path: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
   tensors = load_file(path)
   factors: dict[str, dict[str, np.ndarray]] = {}
   for key, value in tensors.items():
-    module, leaf = rundir.split_adapter_key(key)
+    module, leaf = naming.split_adapter_key(key)
     if leaf in (_LORA_A, _LORA_B):
       factors.setdefault(module, {})[leaf] = np.asarray(value, np.float64)
   if not factors:
     raise ValueError(
-        f'{path}: no `{rundir.adapter_key("<module>", _LORA_A)}` / '
-        f'`{rundir.adapter_key("<module>", _LORA_B)}` tensors'
+        f'{path}: no `{naming.adapter_key("<module>", _LORA_A)}` / '
+        f'`{naming.adapter_key("<module>", _LORA_B)}` tensors'
     )
   out = {}
   for module, pair in factors.items():
     for need in (_LORA_A, _LORA_B):
       if need not in pair:
-        have = rundir.adapter_key(module, next(iter(pair)))
-        raise ValueError(f'{path}: key {have} has no sibling {rundir.adapter_key(module, need)}')
+        have = naming.adapter_key(module, next(iter(pair)))
+        raise ValueError(f'{path}: key {have} has no sibling {naming.adapter_key(module, need)}')
     a, b = pair[_LORA_A], pair[_LORA_B]
     if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2] or a.shape[:-2] != b.shape[:-2]:
       raise ValueError(
-          f'{path}: {rundir.adapter_key(module, _LORA_A)} {a.shape} and '
-          f'{rundir.adapter_key(module, _LORA_B)} {b.shape} are not (..., d_in, r) and (..., r, d_out)'
+          f'{path}: {naming.adapter_key(module, _LORA_A)} {a.shape} and'
+          f' {naming.adapter_key(module, _LORA_B)} {b.shape} are not (..., d_in, r) and'
+          ' (..., r, d_out)'
       )
     a_split, b_split = split_batch_axes(module, a, 2), split_batch_axes(module, b, 2)
     out.update({name: (a_split[name], b_split[name]) for name in a_split})
   return out
 
 
-def _label(run_dir: str, results: rundir.RunResult | None) -> str:
+def _label(run_dir: str, results: RunResult | None) -> str:
   if results is not None and results.method:
     return str(results.method)
   config = os.path.join(run_dir, rundir.CONFIG_FILE)
@@ -189,13 +191,13 @@ def load_run(run_dir: str) -> RunLogs:
   if not os.path.isdir(run_dir):
     raise FileNotFoundError(f'run directory {run_dir} does not exist')
   missing = []
-  results = rundir.read_results(run_dir)
+  results = read_results(run_dir)
   try:
     steps, series = load_diagnostics(run_dir)
   except FileNotFoundError as e:
     missing.append(str(e))
     steps, series = np.zeros((0,), np.int64), {f: {} for f in _SERIES}
-  if len(steps) and not series[rundir.DIAG_MAGNITUDES]:
+  if len(steps) and not series[diagnostics_io.DIAG_MAGNITUDES]:
     missing.append(
         f"{os.path.join(run_dir, rundir.DIAGNOSTICS_DIR)}: no 'magnitudes' arrays (per-rank "
         '|A_k||B_k| from anlr_jax.analysis.rank_magnitudes at diagnostic steps); Fig. 2b uses the '
@@ -213,7 +215,7 @@ def load_run(run_dir: str) -> RunLogs:
       nu_bar=series['nu_bar'],
       snr=series['snr'],
       multipliers=series['multipliers'],
-      magnitudes=series[rundir.DIAG_MAGNITUDES],
+      magnitudes=series[diagnostics_io.DIAG_MAGNITUDES],
       lora=lora,
       results=results,
       missing=missing,

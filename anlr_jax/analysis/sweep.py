@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from anlr_jax import rundir
+from anlr_jax.results import read_results
 from anlr_jax.analysis.tables import write_csv, write_markdown
 
 __all__ = [
@@ -241,7 +242,7 @@ def collect_results(cells: Sequence[SweepCell], out: str) -> list[dict]:
   rows = []
   for cell in cells:
     path = _results_path(out, cell)
-    result = rundir.read_results(cell_dir(out, cell))
+    result = read_results(cell_dir(out, cell))
     if result is None:
       continue
     if isinstance(result.avg, bool) or not isinstance(result.avg, (int, float)):
@@ -276,7 +277,7 @@ def aggregate(rows: Sequence[dict], metric: str = 'avg') -> list[dict]:
 
 def base_result(out: str) -> dict | None:
   """The base model's ``{'accuracy': {task: acc}, 'avg': a}`` of ``<out>/base``, or None."""
-  result = rundir.read_results(os.path.join(out, BASE_DIR))
+  result = read_results(os.path.join(out, BASE_DIR))
   if result is None or result.avg is None:
     return None
   return {'accuracy': dict(result.accuracy), 'avg': float(result.avg)}
@@ -341,7 +342,7 @@ def paired_tests(cells: Sequence[SweepCell], out: str, normalization: str) -> li
         pairs = []
         for seed in seeds:
           dir_a, dir_b = finished[(a, lr, seed)], finished[(b, lr, seed)]
-          tasks = rundir.read_results(dir_a).accuracy
+          tasks = read_results(dir_a).accuracy
           for task in tasks:
             right_a = question_outcomes(dir_a, task, normalization)
             right_b = question_outcomes(dir_b, task, normalization)

@@ -3,9 +3,10 @@
 One concern per module, each importing only the library and the modules listed before it (imports
 for type annotations alone excepted):
 
-- :mod:`~anlr_jax.app.methods`: the method table (layer + optimizer of each ``method:``) and the one
-  assembly of a method's run from a config (``build_method``: layers, optimizer, schedule, and what
-  a method adds to a run, AdaLoRA's regulariser, LoRA-Dash's launch);
+- :mod:`~anlr_jax.app.methods`: the one assembly of a method's run from a config (``build_method``:
+  layers, optimizer, schedule, and what a method adds to a run, AdaLoRA's regulariser, LoRA-Dash's
+  launch), over the library's method table (:mod:`anlr_jax.methods`: layer + optimizer of each
+  ``method:``);
 - :mod:`~anlr_jax.app.config`: the typed run config (YAML + ``key=value`` overrides, checked);
 - :mod:`~anlr_jax.app.identity`: a run's identity (the settings that determine its trajectory);
 - :mod:`~anlr_jax.app.paths`: ``asset://`` / ``package://`` paths, placeholders, shipped configs;

@@ -26,7 +26,7 @@ from anlr_jax.analysis.sweep import (
     write_sweep_report,
 )
 from anlr_jax.app.config import ConfigError, load_config
-from anlr_jax.app.methods import METHOD_NAMES
+from anlr_jax.methods import METHOD_NAMES
 from anlr_jax.app.paths import find_config
 
 __all__ = ['analyze_main', 'sweep_main']

@@ -37,7 +37,8 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from anlr_jax.app.methods import METHOD_NAMES, get_method
+from anlr_jax import fileio
+from anlr_jax.methods import METHOD_NAMES, get_method
 from anlr_jax.data.chat import TEMPLATES
 from anlr_jax.data.formats import FORMATS
 from anlr_jax.evals.extract import TASKS, get_task
@@ -386,7 +387,7 @@ class RunConfig:
   """One fine-tuning run (or, with `compare`, several runs differing only in the method)."""
 
   method: str = setting(
-      "anlr", "fine-tuning method (see anlr_jax.app.methods)", OneOf(METHOD_NAMES), identity=True
+      "anlr", "fine-tuning method (see anlr_jax.methods)", OneOf(METHOD_NAMES), identity=True
   )
   compare: list[str] = setting(
       help="train these methods one after another (same seed/data/steps) instead of `method`",
@@ -572,18 +573,9 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"config file not found: {path}")
-  with open(path, encoding="utf-8") as f:
-    try:
-      raw = yaml.safe_load(f)
-    except yaml.YAMLError as err:
-      mark = getattr(err, "problem_mark", None)
-      where = f"{path}:{mark.line + 1}" if mark is not None else path
-      raise ConfigError(f"{where}: invalid YAML: {getattr(err, 'problem', err)}") from None
-  if raw is None:
-    return {}
-  if not isinstance(raw, dict):
-    raise ConfigError(f"{path}: expected a mapping of keys at the top, got {type(raw).__name__}")
-  return raw
+  return fileio.read_yaml(
+      path, dict, what="a mapping of keys at the top", empty={}, error=ConfigError
+  )
 
 
 def load_config(

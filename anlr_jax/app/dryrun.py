@@ -37,11 +37,12 @@ from anlr_jax.app.methods import build_method
 from anlr_jax.app.paths import resolve_path
 from anlr_jax.fields import DTYPES, ConfigError
 from anlr_jax.models import LlamaForCausalLM
+from anlr_jax.models.config import PRESETS as MODEL_PRESETS
 from anlr_jax.models.config import ModelConfig
 from anlr_jax.models.llava import LlavaConfig, LlavaForConditionalGeneration, is_llava_config
 from anlr_jax.train.mesh import MESH_AXES, matching_shardings, state_shardings
 
-PRESETS = ("llama2_7b", "llama3_8b", "qwen2_5_7b", "qwen2_5_14b", "llava1_5_7b")
+PRESETS = (*(name for name in MODEL_PRESETS if name != "tiny"), "llava1_5_7b")
 """Model presets of :class:`anlr_jax.models.config.ModelConfig` a dry run can use."""
 
 GIB = 2**30
@@ -70,7 +71,7 @@ def _model_config(config: RunConfig, preset: str | None) -> ModelConfig | LlavaC
       raise ConfigError(f"--preset {preset!r}: allowed {', '.join(PRESETS)}")
     if preset == "llava1_5_7b":
       return LlavaConfig.llava1_5_7b(dtype=DTYPES[config.model.dtype])
-    return getattr(ModelConfig, preset)(**dtypes)
+    return ModelConfig.preset(preset, **dtypes)
   path = resolve_path(config.model.path)
   if path is None or not os.path.exists(path):
     raise FileNotFoundError(
@@ -136,7 +137,7 @@ def estimate(config: RunConfig, *, devices: int, preset: str | None = None) -> d
         LlavaForConditionalGeneration if isinstance(model_config, LlavaConfig) else LlamaForCausalLM
     )
     model = cls(model_config, rngs=nnx.Rngs(0))
-    build_method(config, method, total_steps=total, model=model, check=False)
+    build_method(config, model=model)
     return model
 
   with nnx.use_eager_sharding(False):
@@ -151,7 +152,7 @@ def estimate(config: RunConfig, *, devices: int, preset: str | None = None) -> d
         lambda x: jax.ShapeDtypeStruct(x.shape, base) if np.issubdtype(x.dtype, np.floating) else x,
         frozen_tree,
     )
-  tx = build_method(config, method, total_steps=total, check=False).tx
+  tx = build_method(config, total_steps=total, check=False).tx
   opt = jax.eval_shape(tx.init, lora_tree)
   opt_sh = matching_shardings(opt, lora_tree, lora_sh, mesh)
   out = {

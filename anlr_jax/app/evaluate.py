@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from anlr_jax import rundir
+from anlr_jax.results import EvalRunResult, write_results
 from anlr_jax.app.config import RunConfig, load_config
 from anlr_jax.app.model import is_run_dir, load_adapted_model, load_base
 from anlr_jax.app.paths import require_path
@@ -242,7 +243,7 @@ def evaluate_base(config: RunConfig, out_dir: str, *, log: Log = say) -> dict[st
 
 def eval_run(
     config: RunConfig, adapter: str | None = None, *, out_dir: str | None = None, log: Log = say
-) -> tuple[rundir.EvalResult, str]:
+) -> tuple[EvalRunResult, str]:
   """``anlr eval``: scores the base model or base + ``adapter``; writes results to ``out_dir``;
   returns the result and ``out_dir``.
 
@@ -270,9 +271,9 @@ def eval_run(
   write_accuracy_table(
       {label: accuracy}, os.path.join(out_dir, rundir.ACCURACY_TABLE), tasks=list(accuracy)
   )
-  result = rundir.EvalResult(adapter=adapter, accuracy=accuracy, avg=avg)
+  result = EvalRunResult(adapter=adapter, accuracy=accuracy, avg=avg)
   if is_writer():
-    rundir.write_results(out_dir, result)
+    write_results(out_dir, result)
   return result, out_dir
 
 

@@ -17,10 +17,11 @@ from safetensors import safe_open
 
 from anlr_jax import rundir
 from anlr_jax.app.config import RunConfig, load_config
-from anlr_jax.app.methods import ADALORA_TOTAL_STEP, adalora_config, get_method
+from anlr_jax.app.methods import adalora_config
 from anlr_jax.app.model import is_run_dir, load_adapted_model
 from anlr_jax.app.paths import resolve_path
 from anlr_jax.app.report import Log, say
+from anlr_jax.methods import ADALORA_TOTAL_STEP, get_method
 from anlr_jax.models import LlavaForConditionalGeneration, save_hf_model, save_llava_model
 from anlr_jax.nn import export_adalora_adapter, export_peft_adapter, iter_adalora_layers
 from anlr_jax.nn.inject import adapter_scope

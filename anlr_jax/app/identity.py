@@ -2,19 +2,18 @@
 
 The keys are the run-config fields declared with ``identity`` (:func:`anlr_jax.fields.setting`) of
 the top level, ``model``, ``lora``, ``data``, ``trainer`` and the method's own sections
-(:attr:`anlr_jax.app.methods.Method.sections`), plus what is measured rather than set
+(:attr:`anlr_jax.methods.Method.sections`), plus what is measured rather than set
 (:data:`MEASURED`). It is stored in every checkpoint, in ``lora_final.safetensors``' metadata and in
 ``results.json``; a run directory whose stored identity differs from the config's is another run's.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any, Mapping
 
 from anlr_jax.app.config import RENAMED_KEYS, SECTIONS, RunConfig
-from anlr_jax.app.methods import METHODS, get_method
+from anlr_jax.methods import METHODS, get_method
 from anlr_jax.fields import identity_fields, identity_of
 from anlr_jax.train.checkpoint import file_sha256
 from anlr_jax.train.trainer import CheckpointMismatchError, identity_changes
@@ -37,13 +36,12 @@ def identity_keys() -> set[str]:
 
 
 def run_identity(
-    config: RunConfig, method: str, *, model_path: str, fingerprint: str, data_path: str
+    config: RunConfig, *, model_path: str, fingerprint: str, data_path: str
 ) -> dict[str, Any]:
-  """The identity of ``method``'s run of ``config`` (``model_path``, ``data_path``: the resolved
-  input paths; ``fingerprint``: :func:`anlr_jax.app.model.model_fingerprint`)."""
-  config = dataclasses.replace(config, method=method)
+  """The identity of the run of ``config.method`` with ``config`` (``model_path``, ``data_path``:
+  the resolved input paths; ``fingerprint``: :func:`anlr_jax.app.model.model_fingerprint`)."""
   identity = identity_of(config, "")
-  for section in (*COMMON_SECTIONS, *get_method(method).sections):
+  for section in (*COMMON_SECTIONS, *get_method(config.method).sections):
     identity.update(identity_of(getattr(config, section), f"{section}."))
   identity.update(
       {

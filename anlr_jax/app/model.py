@@ -1,13 +1,13 @@
 """Assembling the model of a run: the base model, its adapter layers, adapter files.
 
 ``load_base`` reads the base model named by ``model.path`` (a Hugging Face directory or a GGUF file)
-and its tokenizer; ``inject_method`` wraps the targeted layers with the adapter layer of the run's
-method (:mod:`anlr_jax.app.methods`); ``save_lora_params`` / ``load_lora_params`` write and read every
-adapter variable as ``<module name>/<variable>`` in ``lora_final.safetensors`` (keys:
-:func:`anlr_jax.rundir.adapter_key`; Flax layout: ``lora_a (d_in, r)``, ``lora_b (r, d_out)``,
+and its tokenizer; ``save_lora_params`` / ``load_lora_params`` write and read every adapter
+variable as ``<module name>/<variable>`` in ``lora_final.safetensors`` (keys:
+:func:`anlr_jax.naming.adapter_key`; Flax layout: ``lora_a (d_in, r)``, ``lora_b (r, d_out)``,
 ``lora_magnitude`` for DoRA, ``lora_e (r,)`` for AdaLoRA, ``dash_scale`` and the frozen directions
 ``dash_u``, ``dash_v``, ``dash_change_rate``, ``dash_index`` for LoRA-Dash); ``load_adapted_model``
-rebuilds base + adapter from a run directory or a PEFT adapter directory.
+rebuilds base + adapter from a run directory (the run's adapter layers by
+:func:`anlr_jax.app.methods.build_method`) or a PEFT adapter directory.
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import save as safetensors_bytes
 
-from anlr_jax import rundir
+from anlr_jax import naming, rundir
 from anlr_jax.app.config import RunConfig, load_config
-from anlr_jax.app.methods import inject_method
+from anlr_jax.app.methods import build_method
 from anlr_jax.app.paths import require_path, resolve_path
 from anlr_jax.fields import DTYPES
+from anlr_jax.fileio import atomic_write
 from anlr_jax.models import load_hf_model, load_llava_model, load_tokenizer
 from anlr_jax.models.llava import is_llava_config
 from anlr_jax.nn import (
@@ -67,7 +68,7 @@ def _full_params(model: nnx.Module) -> list[tuple[str, str, nnx.Variable]]:
   """``(module path, name, variable)`` of every base weight trained in full (LLaVA's projector,
   :class:`~anlr_jax.nn.trainable.FullParam`): saved with the adapters."""
   return [
-      (rundir.module_name(path[:-1]), str(path[-1]), variable)
+      (naming.module_name(path[:-1]), str(path[-1]), variable)
       for path, variable in nnx.to_flat_state(nnx.state(model, FullParam))
   ]
 
@@ -104,9 +105,9 @@ def save_lora_params(
     for name, variable in _adapter_variables(layer):
       value = np.asarray(jax.device_get(variable[...]))
       dtype = value.dtype if np.issubdtype(value.dtype, np.integer) else np.float32
-      tensors[rundir.adapter_key(module_path, name)] = value.astype(dtype)
+      tensors[naming.adapter_key(module_path, name)] = value.astype(dtype)
   for module_path, name, variable in _full_params(model):
-    tensors[rundir.adapter_key(module_path, name)] = np.asarray(
+    tensors[naming.adapter_key(module_path, name)] = np.asarray(
         jax.device_get(variable[...]), np.float32
     )
   if not tensors:
@@ -117,10 +118,9 @@ def save_lora_params(
   meta = {"layout": "flax: lora_a (d_in, r), lora_b (r, d_out)", **dict(metadata or {})}
   if identity is not None:
     meta["identity"] = json.dumps(dict(identity), sort_keys=True)
-  tmp = f"{os.fspath(path)}.tmp"
-  save_file(tensors, tmp, metadata=meta)
-  os.chmod(tmp, 0o644)
-  os.replace(tmp, os.fspath(path))
+  data = safetensors_bytes(tensors, metadata=meta)
+  with atomic_write(path, "wb") as f:
+    f.write(data)
   return sorted(tensors)
 
 
@@ -155,7 +155,7 @@ def load_lora_params(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
   expected = set()
   for module_path, layer in _adapter_layers(model):
     for name, variable in _adapter_variables(layer):
-      key = rundir.adapter_key(module_path, name)
+      key = naming.adapter_key(module_path, name)
       expected.add(key)
       if key not in tensors:
         raise KeyError(f"{path}: missing tensor {key!r} (the run's method/lora settings differ?)")
@@ -166,7 +166,7 @@ def load_lora_params(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
         )
       getattr(layer, name)[...] = jnp.asarray(tensors[key], variable[...].dtype)
   for module_path, name, variable in _full_params(model):
-    key = rundir.adapter_key(module_path, name)
+    key = naming.adapter_key(module_path, name)
     expected.add(key)
     if key not in tensors:
       raise KeyError(f"{path}: missing tensor {key!r} (the run's model.projector_lr differs?)")
@@ -211,7 +211,7 @@ def load_adapted_model(config: RunConfig, adapter: str | None, *, model_path: st
         model=dataclasses.replace(run_config.model, path=model_path or run_config.model.path),
     )
     model, model_config, tokenizer = load_base(run_config)
-    inject_method(model, run_config, run_config.method)
+    build_method(run_config, model=model)
     load_lora_params(model, os.path.join(adapter, rundir.LORA_FILE))
   elif os.path.isfile(os.path.join(adapter, ADAPTER_CONFIG_FILE)):
     model, model_config, tokenizer = load_base(config, model_path)
@@ -229,7 +229,6 @@ def load_adapted_model(config: RunConfig, adapter: str | None, *, model_path: st
 
 
 __all__ = [
-    "inject_method",
     "is_run_dir",
     "load_adapted_model",
     "load_base",

@@ -13,8 +13,8 @@ import jax
 import matplotlib
 import numpy as np
 
-from anlr_jax import rundir
-from anlr_jax.rundir import RunResult
+from anlr_jax import fileio
+from anlr_jax.results import RunResult
 
 matplotlib.use("Agg")  # files only: no display needed
 
@@ -67,7 +67,7 @@ def is_writer() -> bool:
 def write_json(path: str, payload: Any) -> None:
   """Writes ``payload`` as JSON to ``path`` atomically, on process 0 only."""
   if is_writer():
-    rundir.write_json_atomic(path, payload)
+    fileio.write_json_atomic(path, payload)
 
 
 def final_loss(curve) -> float | None:

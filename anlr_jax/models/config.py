@@ -228,101 +228,16 @@ class ModelConfig:
   # Presets
 
   @classmethod
-  def llama2_7b(cls, **overrides) -> "ModelConfig":
-    """LLaMA-2-7B (``meta-llama/Llama-2-7b-hf``)."""
-    return dataclasses.replace(
-        cls(
-            vocab_size=32000,
-            hidden_size=4096,
-            intermediate_size=11008,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=32,
-            rms_norm_eps=1e-5,
-            rope_theta=10000.0,
-            max_position_embeddings=4096,
-            model_type="llama",
-        ),
-        **overrides,
-    )
+  def preset(cls, name: str, **overrides) -> "ModelConfig":
+    """The architecture of a published model (:data:`PRESETS`), or ``"tiny"`` for tests; fields
+    in ``overrides`` (``dtype``, ``num_hidden_layers``, ...) replace the preset's.
 
-  @classmethod
-  def llama3_8b(cls, **overrides) -> "ModelConfig":
-    """LLaMA-3-8B (``meta-llama/Meta-Llama-3-8B``): GQA with 8 key/value heads."""
-    return dataclasses.replace(
-        cls(
-            vocab_size=128256,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            rms_norm_eps=1e-5,
-            rope_theta=500000.0,
-            max_position_embeddings=8192,
-            model_type="llama",
-        ),
-        **overrides,
-    )
-
-  @classmethod
-  def qwen2_5_7b(cls, **overrides) -> "ModelConfig":
-    """Qwen2.5-7B (``Qwen/Qwen2.5-7B``): q/k/v bias, 4 key/value heads, untied head."""
-    return dataclasses.replace(
-        cls(
-            vocab_size=152064,
-            hidden_size=3584,
-            intermediate_size=18944,
-            num_hidden_layers=28,
-            num_attention_heads=28,
-            num_key_value_heads=4,
-            rms_norm_eps=1e-6,
-            rope_theta=1000000.0,
-            max_position_embeddings=131072,
-            attention_bias=True,
-            model_type="qwen2",
-        ),
-        **overrides,
-    )
-
-  @classmethod
-  def qwen2_5_14b(cls, **overrides) -> "ModelConfig":
-    """Qwen2.5-14B (``Qwen/Qwen2.5-14B``): q/k/v bias, 8 key/value heads, untied head."""
-    return dataclasses.replace(
-        cls(
-            vocab_size=152064,
-            hidden_size=5120,
-            intermediate_size=13824,
-            num_hidden_layers=48,
-            num_attention_heads=40,
-            num_key_value_heads=8,
-            rms_norm_eps=1e-5,
-            rope_theta=1000000.0,
-            max_position_embeddings=131072,
-            attention_bias=True,
-            model_type="qwen2",
-        ),
-        **overrides,
-    )
-
-  @classmethod
-  def tiny(cls, **overrides) -> "ModelConfig":
-    """A ~160K-parameter LLaMA-style model with GQA (4 query / 2 key-value heads) for tests."""
-    return dataclasses.replace(
-        cls(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=192,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            rms_norm_eps=1e-6,
-            rope_theta=10000.0,
-            max_position_embeddings=256,
-            model_type="llama",
-        ),
-        **overrides,
-    )
+    Raises:
+      ValueError: an unknown name (the message lists the presets).
+    """
+    if name not in PRESETS:
+      raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)}")
+    return dataclasses.replace(cls(**PRESETS[name]), **overrides)
 
   # ----------------------------------------------------------------------------------------------
   # Hugging Face config.json
@@ -430,3 +345,75 @@ class ModelConfig:
           "Qwen2 checkpoints always have q/k/v bias; attention_bias=False can't be saved."
       )
     return out
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # LLaMA-2-7B (meta-llama/Llama-2-7b-hf)
+    "llama2_7b": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        model_type="llama",
+    ),
+    # LLaMA-3-8B (meta-llama/Meta-Llama-3-8B): GQA with 8 key/value heads
+    "llama3_8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        model_type="llama",
+    ),
+    # Qwen2.5-7B (Qwen/Qwen2.5-7B): q/k/v bias, 4 key/value heads, untied head
+    "qwen2_5_7b": dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=131072,
+        attention_bias=True,
+        model_type="qwen2",
+    ),
+    # Qwen2.5-14B (Qwen/Qwen2.5-14B): q/k/v bias, 8 key/value heads, untied head
+    "qwen2_5_14b": dict(
+        vocab_size=152064,
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        max_position_embeddings=131072,
+        attention_bias=True,
+        model_type="qwen2",
+    ),
+    # a ~160K-parameter LLaMA-style model with GQA (4 query / 2 key-value heads) for tests
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        model_type="llama",
+    ),
+}
+"""Preset name -> :class:`ModelConfig` fields (:meth:`ModelConfig.preset`)."""

@@ -55,7 +55,7 @@ from anlr_jax.models.hf_files import (
 from anlr_jax.models.llama import LlamaForCausalLM
 
 # Buffers some older checkpoints store next to the weights; they are recomputed, never loaded.
-_IGNORED_KEY = re.compile(r".*rotary_emb\.inv_freq$")
+IGNORED_KEY = re.compile(r".*rotary_emb\.inv_freq$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,14 +108,14 @@ def hf_param_table(config: ModelConfig) -> list[ParamEntry]:
   return entries
 
 
-def _submodule(model: nnx.Module, path: Iterable[str | int]) -> Any:
+def tensor_submodule(model: nnx.Module, path: Iterable[str | int]) -> Any:
   node = model
   for part in path:
     node = node[part] if isinstance(part, int) else getattr(node, part)
   return node
 
 
-def _is_lora_wrapper(module: Any) -> bool:
+def is_lora_wrapper(module: Any) -> bool:
   return all(hasattr(module, a) for a in ("base", "lora_a", "lora_b"))
 
 
@@ -137,7 +137,7 @@ def _place(value: jax.Array, sharding) -> jax.Array:
   return jax.device_put(value, sharding)
 
 
-def _weight_map(path: str) -> dict[str, str]:
+def shard_weight_map(path: str) -> dict[str, str]:
   """HF key -> safetensors file name, from the index when sharded or the single file."""
   index_path = os.path.join(path, INDEX_FILE)
   single_path = os.path.join(path, SINGLE_FILE)
@@ -168,7 +168,7 @@ def _check_tensor_names(
       k
       for k in names
       if k not in expected
-      and not _IGNORED_KEY.match(k)
+      and not IGNORED_KEY.match(k)
       and not (config.tie_word_embeddings and k == "lm_head.weight")
   )
   if unexpected:
@@ -179,23 +179,23 @@ def _check_tensor_names(
     )
 
 
-def _check_shape(entry: ParamEntry, found: tuple[int, ...], source: str) -> None:
+def check_shape(entry: ParamEntry, found: tuple[int, ...], source: str) -> None:
   if found != entry.hf_shape:
     raise ValueError(
         f"{source}: tensor {entry.hf_key!r} has shape {found}, expected {entry.hf_shape}."
     )
 
 
-def _set_tensor(model: LlamaForCausalLM, entry: ParamEntry, array, dtype) -> None:
+def set_tensor(model: LlamaForCausalLM, entry: ParamEntry, array, dtype) -> None:
   """Writes one torch-layout checkpoint tensor into the (abstract) model, placed and cast."""
   if entry.transpose:
     array = array.T
-  variable = getattr(_submodule(model, entry.module_path), entry.attr)
+  variable = getattr(tensor_submodule(model, entry.module_path), entry.attr)
   value = jnp.asarray(array).astype(dtype)
   variable.set_value(_place(value, getattr(variable.get_value(), "sharding", None)))
 
 
-def _check_filled(model: LlamaForCausalLM) -> None:
+def check_filled(model: LlamaForCausalLM) -> None:
   unfilled = [
       ".".join(map(str, p))
       for p, v in nnx.to_flat_state(nnx.state(model))
@@ -245,10 +245,10 @@ def model_from_hf_tensors(
   model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
   for entry in table:
     array = tensors[entry.hf_key]
-    _check_shape(entry, tuple(array.shape), source)
-    _set_tensor(model, entry, array, dtype)
+    check_shape(entry, tuple(array.shape), source)
+    set_tensor(model, entry, array, dtype)
     del array
-  _check_filled(model)
+  check_filled(model)
   return model, config
 
 
@@ -295,7 +295,7 @@ def load_hf_model(
       dtype=dtype if compute_dtype is None else compute_dtype,
       **config_overrides,
   )
-  weight_map = _weight_map(path)
+  weight_map = shard_weight_map(path)
   _check_tensor_names(config, weight_map, path, config_path)
   table = hf_param_table(config)
 
@@ -317,9 +317,9 @@ def load_hf_model(
       for entry in entries:
         if entry.hf_key not in keys:
           raise KeyError(f"Tensor {entry.hf_key!r} not found in {file_path}.")
-        _check_shape(entry, tuple(f.get_slice(entry.hf_key).get_shape()), file_path)
-        _set_tensor(model, entry, f.get_tensor(entry.hf_key), dtype)
-  _check_filled(model)
+        check_shape(entry, tuple(f.get_slice(entry.hf_key).get_shape()), file_path)
+        set_tensor(model, entry, f.get_tensor(entry.hf_key), dtype)
+  check_filled(model)
   return model, config
 
 
@@ -327,12 +327,12 @@ def load_hf_model(
 # Saving
 
 
-def _torch_layout_tensor(
+def torch_layout_tensor(
     model: LlamaForCausalLM, entry: ParamEntry, merge_lora: bool, dtype
 ) -> np.ndarray:
   """The checkpoint tensor of ``entry`` as a contiguous NumPy array in torch layout."""
-  module = _submodule(model, entry.module_path)
-  if _is_lora_wrapper(module):
+  module = tensor_submodule(model, entry.module_path)
+  if is_lora_wrapper(module):
     if merge_lora and entry.attr == "kernel":
       if not hasattr(module, "merged_kernel"):
         raise AttributeError(
@@ -385,14 +385,14 @@ def save_hf_model(
   entries = {entry.hf_key: entry for entry in hf_param_table(config)}
   sizes = {}
   for key, entry in entries.items():
-    module = _submodule(model, entry.module_path)
-    variable = getattr(module.base if _is_lora_wrapper(module) else module, entry.attr)
+    module = tensor_submodule(model, entry.module_path)
+    variable = getattr(module.base if is_lora_wrapper(module) else module, entry.attr)
     itemsize = jnp.dtype(dtype if dtype is not None else variable.get_value().dtype).itemsize
     sizes[key] = math.prod(entry.hf_shape) * itemsize
   names = write_safetensors_shards(
       out_dir,
       sizes,
-      lambda keys: {k: _torch_layout_tensor(model, entries[k], merge_lora, dtype) for k in keys},
+      lambda keys: {k: torch_layout_tensor(model, entries[k], merge_lora, dtype) for k in keys},
       max_shard_size,
   )
 

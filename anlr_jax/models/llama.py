@@ -60,12 +60,12 @@ LOGICAL_AXES = (AXIS_VOCAB, AXIS_EMBED, AXIS_Q_HEADS, AXIS_KV_HEADS, AXIS_MLP, A
 _INIT_STD = 0.02  # transformers' initializer_range
 
 
-def _axes(*names: str) -> dict:
+def logical_axes(*names: str) -> dict:
   """Variable metadata for logical ``names``; eager sharding only when a mesh is active."""
   return {"out_sharding": names, "eager_sharding": not jax.sharding.get_abstract_mesh().empty}
 
 
-def _linear(
+def make_linear(
     config: ModelConfig, d_in: int, d_out: int, axes: tuple[str, str], bias: bool, rngs: nnx.Rngs
 ) -> nnx.Linear:
   extra = (
@@ -80,8 +80,8 @@ def _linear(
       **extra,
       kernel_init=nnx.initializers.normal(_INIT_STD),
       bias_init=nnx.initializers.zeros_init(),
-      kernel_metadata=_axes(*axes),
-      bias_metadata=_axes(axes[1]),
+      kernel_metadata=logical_axes(*axes),
+      bias_metadata=logical_axes(axes[1]),
       rngs=rngs,
   )
 
@@ -126,7 +126,7 @@ class RMSNorm(nnx.Module):
   """``w * x / sqrt(mean(x^2) + eps)``, statistics in float32, result in the compute dtype."""
 
   def __init__(self, dim: int, eps: float, *, dtype, param_dtype):
-    self.weight = nnx.Param(jnp.ones((dim,), param_dtype), **_axes(AXIS_NORM))
+    self.weight = nnx.Param(jnp.ones((dim,), param_dtype), **logical_axes(AXIS_NORM))
     self.eps = eps
     self.dtype = dtype
 
@@ -199,12 +199,12 @@ class Attention(nnx.Module):
     d, dh = config.hidden_size, config.head_dim
     q_dim, kv_dim = config.num_attention_heads * dh, config.num_key_value_heads * dh
     bias = config.attention_bias
-    self.q_proj = _linear(config, d, q_dim, (AXIS_EMBED, AXIS_Q_HEADS), bias, rngs)
-    self.k_proj = _linear(config, d, kv_dim, (AXIS_EMBED, AXIS_KV_HEADS), bias, rngs)
-    self.v_proj = _linear(config, d, kv_dim, (AXIS_EMBED, AXIS_KV_HEADS), bias, rngs)
+    self.q_proj = make_linear(config, d, q_dim, (AXIS_EMBED, AXIS_Q_HEADS), bias, rngs)
+    self.k_proj = make_linear(config, d, kv_dim, (AXIS_EMBED, AXIS_KV_HEADS), bias, rngs)
+    self.v_proj = make_linear(config, d, kv_dim, (AXIS_EMBED, AXIS_KV_HEADS), bias, rngs)
     # LLaMA's attention_bias also covers o_proj; Qwen2 never has an o_proj bias.
     o_bias = bias and config.model_type == "llama"
-    self.o_proj = _linear(config, q_dim, d, (AXIS_Q_HEADS, AXIS_EMBED), o_bias, rngs)
+    self.o_proj = make_linear(config, q_dim, d, (AXIS_Q_HEADS, AXIS_EMBED), o_bias, rngs)
     self.num_heads = config.num_attention_heads
     self.num_kv_heads = config.num_key_value_heads
     self.head_dim = dh
@@ -253,9 +253,9 @@ class MLP(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     d, f = config.hidden_size, config.intermediate_size
-    self.gate_proj = _linear(config, d, f, (AXIS_EMBED, AXIS_MLP), False, rngs)
-    self.up_proj = _linear(config, d, f, (AXIS_EMBED, AXIS_MLP), False, rngs)
-    self.down_proj = _linear(config, f, d, (AXIS_MLP, AXIS_EMBED), False, rngs)
+    self.gate_proj = make_linear(config, d, f, (AXIS_EMBED, AXIS_MLP), False, rngs)
+    self.up_proj = make_linear(config, d, f, (AXIS_EMBED, AXIS_MLP), False, rngs)
+    self.down_proj = make_linear(config, f, d, (AXIS_MLP, AXIS_EMBED), False, rngs)
 
   def __call__(self, x):
     # Projections on (tokens, features): XLA CPU runs 2-D GEMMs faster than (B, T, d) ones, more so
@@ -296,7 +296,7 @@ class LlamaModel(nnx.Module):
         dtype=config.dtype,
         param_dtype=config.param_dtype,
         embedding_init=nnx.initializers.normal(_INIT_STD),
-        embedding_metadata=_axes(AXIS_VOCAB, AXIS_EMBED),
+        embedding_metadata=logical_axes(AXIS_VOCAB, AXIS_EMBED),
         rngs=rngs,
     )
     self.layers = nnx.List(
@@ -316,7 +316,7 @@ class LlamaForCausalLM(nnx.Module):
     self.config = config
     self.model = LlamaModel(config, rngs=rngs)
     if not config.tie_word_embeddings:
-      self.lm_head = _linear(
+      self.lm_head = make_linear(
           config, config.hidden_size, config.vocab_size, (AXIS_EMBED, AXIS_VOCAB), False, rngs
       )
 

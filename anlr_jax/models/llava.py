@@ -49,18 +49,18 @@ from anlr_jax.models.clip import ClipVisionConfig, ClipVisionModel
 from anlr_jax.models.config import ModelConfig
 from anlr_jax.models.hf_files import CONFIG_FILE, parse_size, write_safetensors_shards
 from anlr_jax.models.hf_io import (
-    _IGNORED_KEY,
+    IGNORED_KEY,
     ParamEntry,
-    _check_filled,
-    _check_shape,
-    _is_lora_wrapper,
-    _set_tensor,
-    _submodule,
-    _torch_layout_tensor,
-    _weight_map,
+    check_filled,
+    check_shape,
+    is_lora_wrapper,
+    set_tensor,
+    tensor_submodule,
+    torch_layout_tensor,
+    shard_weight_map,
     hf_param_table,
 )
-from anlr_jax.models.llama import KVCache, LlamaForCausalLM, LlamaModel, _linear
+from anlr_jax.models.llama import KVCache, LlamaForCausalLM, LlamaModel, make_linear
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -173,7 +173,9 @@ class LlavaConfig:
             dtype=compute,
             param_dtype=dtype,
         ),
-        text_config=ModelConfig.llama2_7b(vocab_size=32064, dtype=compute, param_dtype=dtype),
+        text_config=ModelConfig.preset(
+            "llama2_7b", vocab_size=32064, dtype=compute, param_dtype=dtype
+        ),
         image_token_index=32000,
     )
 
@@ -265,8 +267,10 @@ class MultiModalProjector(nnx.Module):
     text = config.text_config
     d_in = config.vision_config.hidden_size * len(config.feature_layers)
     bias = config.multimodal_projector_bias
-    self.linear_1 = _linear(text, d_in, text.hidden_size, (None, "embed"), bias, rngs)
-    self.linear_2 = _linear(text, text.hidden_size, text.hidden_size, (None, "embed"), bias, rngs)
+    self.linear_1 = make_linear(text, d_in, text.hidden_size, (None, "embed"), bias, rngs)
+    self.linear_2 = make_linear(
+        text, text.hidden_size, text.hidden_size, (None, "embed"), bias, rngs
+    )
 
   def __call__(self, features: jax.Array) -> jax.Array:
     h = features.reshape(-1, features.shape[-1])
@@ -379,7 +383,7 @@ class LlavaForConditionalGeneration(nnx.Module):
     self.model = LlavaModel(config, rngs=rngs)
     text = config.text_config
     if not text.tie_word_embeddings:
-      self.lm_head = _linear(
+      self.lm_head = make_linear(
           text, text.hidden_size, text.vocab_size, ("embed", "vocab"), False, rngs
       )
 
@@ -578,8 +582,8 @@ def load_llava_model(
       path, dtype=dtype, compute_dtype=compute_dtype, **text_overrides
   )
   by_key: dict[str, tuple[str, str]] = {}
-  for key, file in _weight_map(path).items():
-    if _IGNORED_KEY.match(key):
+  for key, file in shard_weight_map(path).items():
+    if IGNORED_KEY.match(key):
       continue
     canonical = canonical_key(key)
     if canonical in by_key:
@@ -609,9 +613,9 @@ def load_llava_model(
     file_path = os.path.join(path, file)
     with safe_open(file_path, framework="numpy") as f:
       for entry, key in entries:
-        _check_shape(entry, tuple(f.get_slice(key).get_shape()), file_path)
-        _set_tensor(model, entry, f.get_tensor(key), dtype)
-  _check_filled(model)
+        check_shape(entry, tuple(f.get_slice(key).get_shape()), file_path)
+        set_tensor(model, entry, f.get_tensor(key), dtype)
+  check_filled(model)
   return model, config
 
 
@@ -635,14 +639,14 @@ def save_llava_model(
   entries = {entry.hf_key: entry for entry in llava_param_table(config)}
   sizes = {}
   for key, entry in entries.items():
-    module = _submodule(model, entry.module_path)
-    variable = getattr(module.base if _is_lora_wrapper(module) else module, entry.attr)
+    module = tensor_submodule(model, entry.module_path)
+    variable = getattr(module.base if is_lora_wrapper(module) else module, entry.attr)
     itemsize = jnp.dtype(dtype if dtype is not None else variable.get_value().dtype).itemsize
     sizes[key] = math.prod(entry.hf_shape) * itemsize
   names = write_safetensors_shards(
       out_dir,
       sizes,
-      lambda keys: {k: _torch_layout_tensor(model, entries[k], merge_lora, dtype) for k in keys},
+      lambda keys: {k: torch_layout_tensor(model, entries[k], merge_lora, dtype) for k in keys},
       max_shard_size,
   )
   hf_config = config.to_hf_config()

@@ -45,9 +45,9 @@ from anlr_jax.nn.inject import (
     PAPER_TARGET_MODULES,
     adapter_scope,
     get_submodule,
-    iter_scope_modules,
     path_str,
     set_submodule,
+    target_linears,
 )
 from anlr_jax.nn.lora import ADAPTER_DTYPE, kernel_axes, low_rank_product
 from anlr_jax.nn.peft_io import KEY_PREFIX, read_adapter, write_adapter
@@ -158,33 +158,17 @@ def inject_adalora(
     target_modules: tp.Sequence[str] = PAPER_TARGET_MODULES,
     rank: int,
     alpha: float,
-    dropout: float = 0.0,
+    dropout: float = 0.05,
     rngs: nnx.Rngs,
 ) -> nnx.Module:
   r"""Replace every ``nnx.Linear`` of ``model`` named in ``target_modules`` by an
-  ``AdaLoRALinear(linear, rank, alpha, dropout)``, in place, in sorted path order.
+  ``AdaLoRALinear(linear, rank, alpha, dropout)``, in place, in sorted path order (the layers of
+  :func:`anlr_jax.nn.inject.target_linears`). Returns ``model``.
 
   Raises:
-    ValueError: ``target_modules`` is empty or a string, or a name matches no ``nnx.Linear``.
+    ValueError: as :func:`anlr_jax.nn.inject.target_linears`.
   """
-  if isinstance(target_modules, str) or not target_modules:
-    raise ValueError(
-        f"target_modules must be a non-empty sequence of names, got {target_modules!r}"
-    )
-  targets = set(target_modules)
-  paths = sorted(
-      (
-          tuple(p)
-          for p, m in iter_scope_modules(model)
-          if p and isinstance(p[-1], str) and p[-1] in targets and isinstance(m, nnx.Linear)
-      ),
-      key=path_str,
-  )
-  paths = [p for p in paths if not isinstance(get_submodule(model, p[:-1]), AdaLoRALinear)]
-  missing = sorted(targets - {p[-1] for p in paths})
-  if missing:
-    raise ValueError(f"target_modules {missing} match no nnx.Linear in {type(model).__name__}")
-  for path in paths:
+  for path in target_linears(model, target_modules):
     linear = get_submodule(model, path)
     set_submodule(model, path, AdaLoRALinear(linear, rank, alpha, dropout, rngs=rngs))
   return model

@@ -18,7 +18,7 @@ import typing as tp
 from flax import nnx
 
 from anlr_jax.nn.lora import LoRALinear
-from anlr_jax.rundir import module_name
+from anlr_jax.naming import module_name
 
 PAPER_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "up_proj", "down_proj")
 """LoRA targets of the paper (App. B): the one source of truth for the default target names."""
@@ -28,7 +28,7 @@ PathParts = tuple[tp.Union[str, int], ...]
 
 def path_str(path: PathParts) -> str:
   """``('model', 'layers', 0, 'q_proj') -> 'model.layers.0.q_proj'``: the project's one module-naming
-  rule, :func:`anlr_jax.rundir.module_name` (the optimizer and the adapter file use it too)."""
+  rule, :func:`anlr_jax.naming.module_name` (the optimizer and the adapter file use it too)."""
   return module_name(path)
 
 
@@ -82,16 +82,31 @@ def iter_lora_layers(model: nnx.Module) -> tp.Iterator[tuple[str, LoRALinear]]:
   yield from sorted(found, key=lambda item: item[0])
 
 
-def _target_linears(model: nnx.Module, target_modules: tp.Sequence[str]):
-  """Paths of the ``nnx.Linear`` to wrap, sorted; each target name must match something."""
+def target_linears(model: nnx.Module, target_modules: tp.Sequence[str]) -> list[tuple[tp.Any, ...]]:
+  """The paths of the ``nnx.Linear`` layers of ``model`` named in ``target_modules``, sorted: the
+  layers every ``inject_*`` function wraps, in the order it wraps them (so the random init of each
+  adapter depends only on ``rngs`` and the model structure).
+
+  Raises:
+    ValueError: ``target_modules`` is a string or empty, a name matches no ``nnx.Linear``, or a
+      targeted layer holds an adapter already (an adapter layer is injected once per model).
+  """
+  if isinstance(target_modules, str):
+    raise ValueError(
+        f"target_modules must be a sequence of names, got the string {target_modules!r}"
+    )
+  target_modules = tuple(target_modules)
+  if not target_modules:
+    raise ValueError("target_modules is empty")
   targets = set(target_modules)
   linears, matched = [], set()
   for path, module in iter_scope_modules(model):
     if not path or not isinstance(path[-1], str) or path[-1] not in targets:
       continue
-    if isinstance(module, LoRALinear):
+    if isinstance(getattr(module, "base", None), nnx.Linear):  # LoRA, LoRA-Dash, AdaLoRA layers
       raise ValueError(
-          f"'{path_str(path)}' already holds a LoRALinear; inject_lora runs once per model"
+          f"'{path_str(path)}' already holds a {type(module).__name__}; an adapter layer is"
+          " injected once per model"
       )
     if isinstance(module, nnx.Linear):
       linears.append(tuple(path))
@@ -146,14 +161,7 @@ def inject_lora(
     >>> type(model.q_proj).__name__, type(model.o_proj).__name__
     ('LoRALinear', 'Linear')
   """
-  if isinstance(target_modules, str):
-    raise ValueError(
-        f"target_modules must be a sequence of names, got the string {target_modules!r}"
-    )
-  target_modules = tuple(target_modules)
-  if not target_modules:
-    raise ValueError("target_modules is empty")
-  for path in _target_linears(model, target_modules):
+  for path in target_linears(model, target_modules):
     linear = get_submodule(model, path)
     set_submodule(
         model,

@@ -96,10 +96,10 @@ from flax import nnx
 
 from anlr_jax.nn.inject import (
     PAPER_TARGET_MODULES,
-    _target_linears,
     get_submodule,
     path_str,
     set_submodule,
+    target_linears,
 )
 from anlr_jax.nn.lora import ADAPTER_DTYPE, LoRALinear, kernel_axes, low_rank_product
 
@@ -431,15 +431,8 @@ def inject_loradash(
     ValueError: as ``inject_lora``, or a bad ``num_directions``/``launch_step`` (checked on every
       layer before any is replaced).
   """
-  if isinstance(target_modules, str):
-    raise ValueError(
-        f"target_modules must be a sequence of names, got the string {target_modules!r}"
-    )
-  target_modules = tuple(target_modules)
-  if not target_modules:
-    raise ValueError("target_modules is empty")
   validate_dash_config(num_directions, launch_step)
-  paths = _target_linears(model, target_modules)
+  paths = target_linears(model, target_modules)
   for path in paths:
     d_in, d_out = get_submodule(model, path).kernel.shape
     try:

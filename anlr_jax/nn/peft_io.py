@@ -44,6 +44,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from anlr_jax.fileio import read_json
 from anlr_jax.nn.inject import get_submodule, iter_lora_layers, path_str, set_submodule
 from anlr_jax.nn.lora import LoRALinear
 
@@ -245,13 +246,7 @@ def read_adapter(
   weights_path = os.path.join(adapter_dir, ADAPTER_WEIGHTS_FILE)
   if not os.path.isfile(config_path):
     raise FileNotFoundError(f"adapter config not found: {config_path}")
-  with open(config_path, encoding="utf-8") as f:
-    try:
-      config = json.load(f)
-    except json.JSONDecodeError as err:
-      raise ValueError(f"{config_path} is not valid JSON: {err}") from err
-  if not isinstance(config, dict):
-    raise ValueError(f"{config_path} is not a JSON object")
+  config = read_json(config_path, dict, what="a JSON object (a PEFT adapter config)")
   if config.get("peft_type", "LORA") != peft_type:
     raise ValueError(f"{config_path}: peft_type {config['peft_type']!r} is not {peft_type!r}")
   if not os.path.isfile(weights_path):

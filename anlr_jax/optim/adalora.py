@@ -56,7 +56,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from anlr_jax.rundir import module_name
+from anlr_jax.naming import module_name
+from anlr_jax.optim.transform import variable_value
 
 __all__ = [
     "AdaLoRAConfig",
@@ -179,10 +180,6 @@ def _entry_name(entry) -> Any:
   return str(entry)
 
 
-def _unwrap(x):
-  return x.get_value() if hasattr(x, "get_value") else x
-
-
 def _find_triplets(tree) -> tuple[list[_Triplet], list, Any]:
   """``(triplets, flat leaves, treedef)``: sibling ``lora_a``/``lora_e``/``lora_b`` groups.
 
@@ -199,7 +196,7 @@ def _find_triplets(tree) -> tuple[list[_Triplet], list, Any]:
         key = (tuple(str(n) for n in names[:j]), tuple(str(n) for n in names[j + 1 :]))
         groups.setdefault(key, {})[names[j]] = index
         break
-  leaves = [_unwrap(leaf) for _, leaf in flat]
+  leaves = [variable_value(leaf) for _, leaf in flat]
   triplets = []
   for (parent, _), found in sorted(groups.items()):
     name = module_name(parent) or "<root>"

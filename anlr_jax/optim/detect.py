@@ -17,9 +17,9 @@ from anlr_jax.optim.dims import (
     QWIX,
     LoraDimsSpec,
     LoraModule,
-    _path_names,
-    _shape,
     find_lora_modules,
+    leaf_shape,
+    path_names,
 )
 
 __all__ = ["describe", "require_lora_modules", "PRESETS"]
@@ -33,7 +33,7 @@ _SHOWN = 6  # leaves named in one message
 def _leaf_names(tree) -> list[tuple[str, tuple[int, ...]]]:
   """``(dotted path, shape)`` of every leaf, in flat order."""
   return [
-      (".".join(str(n) for n in _path_names(path)), _shape(leaf))
+      (".".join(str(n) for n in path_names(path)), leaf_shape(leaf))
       for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
   ]
 

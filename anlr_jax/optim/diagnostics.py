@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from anlr_jax.optim.dims import LoraDimsSpec, find_lora_modules
-from anlr_jax.optim.transform import AnLRState
-from anlr_jax.rundir import DIAG_MODULES
+from anlr_jax.optim.transform import AnLRState, variable_value
 
 __all__ = [
+    "DIAG_MODULES",
     "find_anlr_state",
     "diagnostics",
     "singular_values",
@@ -29,8 +29,8 @@ __all__ = [
 ]
 
 
-def _value(x):
-  return x.get_value() if hasattr(x, "get_value") else x
+DIAG_MODULES = "modules"
+"""Key of the per-module entries of :func:`diagnostics`' tree: ``{module: {field: array}}``."""
 
 
 def find_anlr_state(opt_state) -> AnLRState:
@@ -44,9 +44,11 @@ def find_anlr_state(opt_state) -> AnLRState:
   if len(found) != 1:
     raise ValueError(f"expected exactly one AnLRState in the optimizer state, found {len(found)}")
   s = found[0]
-  unwrap = lambda tree: jax.tree.map(_value, tree, is_leaf=lambda x: hasattr(x, "get_value"))
+  unwrap = lambda tree: jax.tree.map(
+      variable_value, tree, is_leaf=lambda x: hasattr(x, "get_value")
+  )
   return AnLRState(
-      count=_value(s.count),
+      count=variable_value(s.count),
       inner_state=s.inner_state,
       nu_bar=unwrap(s.nu_bar),
       snr=unwrap(s.snr),
@@ -60,7 +62,7 @@ def diagnostics(opt_state) -> dict:
 
   Returns:
     ``{"modules": {name: {...}}, "mean": {...}, "count": t}`` (module names: the ``.``-joined
-    :func:`anlr_jax.rundir.module_name` of :func:`anlr_jax.find_lora_modules`) where each module
+    :func:`anlr_jax.naming.module_name` of :func:`anlr_jax.find_lora_modules`) where each module
     entry has ``velocity_cv``, ``velocity_max_min``, ``multiplier_max_min``, ``multiplier_min``,
     ``multiplier_max`` (averaged over leading batch axes, e.g. stacked layers) and the raw per-rank
     ``nu_bar``, ``snr``, ``multipliers`` arrays; ``mean`` averages the scalar summaries over modules.
@@ -133,9 +135,10 @@ def rank_magnitudes(lora_params, lora_dims: LoraDimsSpec = None) -> dict:
 
   Returns:
     ``{module name: (..., r)}`` in float32, with the module names of :func:`diagnostics`
-    (:func:`anlr_jax.rundir.module_name`).
+    (:func:`anlr_jax.naming.module_name`).
   """
-  leaves = [_value(x) for x in jax.tree.leaves(lora_params)]  # the order find_lora_modules indexes
+  # in the order find_lora_modules indexes them
+  leaves = [variable_value(x) for x in jax.tree.leaves(lora_params)]
   out = {}
   for module in find_lora_modules(lora_params, lora_dims):
     a = jnp.asarray(leaves[module.a_index], jnp.float32)

@@ -39,7 +39,7 @@ from typing import Any, Union
 
 import jax
 
-from anlr_jax.rundir import key_name
+from anlr_jax.naming import key_name
 
 __all__ = [
     "LoraDims",
@@ -203,7 +203,7 @@ def find_lora_modules(tree, lora_dims: LoraDimsSpec = None) -> list[LoraModule]:
   # (parent, suffix, dims, stem) -> {"a": index, "b": index}
   groups: dict[tuple, dict[str, int]] = {}
   for index, ((path, _leaf), candidates) in enumerate(zip(leaves_with_path, specs)):
-    names = _path_names(path)
+    names = path_names(path)
     for dims in candidates:
       hit = None
       for j in range(len(names) - 1, -1, -1):
@@ -232,8 +232,8 @@ def find_lora_modules(tree, lora_dims: LoraDimsSpec = None) -> list[LoraModule]:
           f"LoRA module {name!r}: found {present!r} but no sibling {missing!r} "
           f"(lora_dims={dims})"
       )
-    a_shape = _shape(leaves[found["a"]])
-    b_shape = _shape(leaves[found["b"]])
+    a_shape = leaf_shape(leaves[found["a"]])
+    b_shape = leaf_shape(leaves[found["b"]])
     if len(a_shape) < 2 or len(b_shape) < 2:
       raise ValueError(
           f"LoRA module {name!r}: factors must be at least 2-D, got {a_role} {a_shape} "
@@ -251,7 +251,7 @@ def find_lora_modules(tree, lora_dims: LoraDimsSpec = None) -> list[LoraModule]:
   return sorted(modules, key=lambda m: m.a_index)
 
 
-def _path_names(path) -> list:
+def path_names(path) -> list:
   """The names of a key path's entries, a dotted string key counted as its parts."""
   names = []
   for entry in path:
@@ -279,6 +279,7 @@ def _module_axes(a_shape, b_shape, dims: LoraDims):
   return None
 
 
-def _shape(leaf) -> tuple[int, ...]:
+def leaf_shape(leaf) -> tuple[int, ...]:
+  """The shape of a params-tree leaf (an ``nnx.Variable``'s value, an array; ``()`` otherwise)."""
   value = leaf.get_value() if hasattr(leaf, "get_value") else leaf  # nnx.Variable -> array
   return tuple(getattr(value, "shape", ()))

@@ -86,7 +86,7 @@ import optax
 
 from anlr_jax.optim import rank_stats
 from anlr_jax.optim.dims import FLAX, LoraDims, LoraDimsSpec, LoraModule, find_lora_modules
-from anlr_jax.optim.transform import _check, _check_unique, _unwrap
+from anlr_jax.optim.transform import check_hyperparameter, check_unique_names, variable_value
 
 __all__ = [
     "MODES",
@@ -312,15 +312,19 @@ def equivalent_gradient(
 def _validate(learning_rate, scale, b1, b2, eps, weight_decay, ridge, mode, moment_dtype):
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-  _check("learning_rate", learning_rate, lambda v: np.isfinite(v) and v > 0, "a finite number > 0")
+  check_hyperparameter(
+      "learning_rate", learning_rate, lambda v: np.isfinite(v) and v > 0, "a finite number > 0"
+  )
   if scale is None:
     raise ValueError("scale must be a finite number > 0 (the LoRA scale alpha / r), got None")
-  _check("scale", scale, lambda v: np.isfinite(v) and v > 0, "a finite number > 0")
-  _check("b1", b1, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
-  _check("b2", b2, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
-  _check("eps", eps, lambda v: np.isfinite(v) and v >= 0, "a finite number >= 0")
-  _check("weight_decay", weight_decay, lambda v: np.isfinite(v) and v >= 0, "a finite number >= 0")
-  _check("ridge", ridge, lambda v: np.isfinite(v) and v >= 0, "a finite number >= 0")
+  check_hyperparameter("scale", scale, lambda v: np.isfinite(v) and v > 0, "a finite number > 0")
+  check_hyperparameter("b1", b1, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+  check_hyperparameter("b2", b2, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+  check_hyperparameter("eps", eps, lambda v: np.isfinite(v) and v >= 0, "a finite number >= 0")
+  check_hyperparameter(
+      "weight_decay", weight_decay, lambda v: np.isfinite(v) and v >= 0, "a finite number >= 0"
+  )
+  check_hyperparameter("ridge", ridge, lambda v: np.isfinite(v) and v >= 0, "a finite number >= 0")
   if moment_dtype is not None and not jnp.issubdtype(jnp.dtype(moment_dtype), jnp.floating):
     raise ValueError(f"moment_dtype must be None or a floating dtype, got {moment_dtype!r}")
 
@@ -428,7 +432,7 @@ def lorapro(
 
   def split(tree):
     modules = find_lora_modules(tree, lora_dims)
-    _check_unique(modules)
+    check_unique_names(modules)
     for m in modules:
       if isinstance(m.a_feature_axis, tuple) or isinstance(m.b_feature_axis, tuple):
         raise ValueError(
@@ -440,7 +444,7 @@ def lorapro(
 
   def init_fn(params):
     modules, lora_indices = split(params)
-    leaves = [_unwrap(x) for x in jax.tree.leaves(params)]
+    leaves = [variable_value(x) for x in jax.tree.leaves(params)]
     flags = _decay_flags(mask, params, len(leaves))
     mu, nu = {}, {}
     for m in modules:
@@ -462,7 +466,7 @@ def lorapro(
       raise ValueError(optax.NO_PARAMS_MSG)
     modules, lora_indices = split(updates)
     grads, treedef = jax.tree.flatten(updates)
-    flat_params = [_unwrap(p) for p in treedef.flatten_up_to(params)]
+    flat_params = [variable_value(p) for p in treedef.flatten_up_to(params)]
     flags = _decay_flags(mask, params, len(grads))
     adam = rest_adamw(len(grads), flags, lora_indices)
     out, adam_state = adam.update(grads, state.adam_state, flat_params)

@@ -47,20 +47,20 @@ class Signal(enum.StrEnum):
 SIGNALS = tuple(s.value for s in Signal)
 """The signal names :func:`anlr` accepts."""
 
-# One source of truth for the AnLR hyperparameter defaults.
-DEFAULTS = dict(
-    alpha=2.0,  # paper, App. B
-    beta=1.0,  # paper, App. B
-    kappa=3.0,  # paper, App. B
-    # Not given by the paper. rho = 0.95 averages velocity over ~20 steps: long enough to smooth the
-    # per-batch noise of a single-batch gradient estimate, short enough to follow the ordering that the
-    # paper finds is set within the first ~1k of ~30k steps (Sec. 3.2).
-    rho=0.95,
-    # Not given by the paper. 100 steps = 5 EMA horizons at rho=0.95, so the velocity EMA has forgotten
-    # its zero start (0.95^100 < 0.6%) and Adam's second moment has seen ~100 batches before the
-    # multipliers move; it is ~0.3% of the paper's commonsense run (3 epochs of 170K at batch 16).
-    warmup_steps=100,
-)
+DEFAULTS = dict(alpha=2.0, beta=1.0, kappa=3.0, rho=0.95, warmup_steps=100)
+"""The AnLR hyperparameter defaults, in one place (:func:`anlr`, :func:`scale_by_anlr`, the run
+config's ``anlr`` section).
+
+``alpha = 2``, ``beta = 1``, ``kappa = 3`` are the paper's (App. B). The paper gives no ``rho`` and
+no ``warmup_steps``; these are chosen here:
+
+- ``rho = 0.95`` averages the velocity over ~20 steps: long enough to smooth the per-batch noise of
+  a single-batch gradient estimate, short enough to follow the ordering of the rank-one components,
+  which the paper finds is set within the first ~1k of ~30k steps (Sec. 3.2).
+- ``warmup_steps = 100`` is 5 EMA horizons at ``rho = 0.95``: the velocity EMA has forgotten its
+  zero start (``0.95^100 < 0.6%``) and Adam's second moment has seen ~100 batches before the
+  multipliers move; it is ~0.3% of the paper's commonsense run (3 epochs of 170K at batch 16).
+"""
 
 
 class AnLRState(NamedTuple):
@@ -78,8 +78,9 @@ def _is_tracer(x) -> bool:
   return isinstance(x, jax.core.Tracer)
 
 
-def _check(name: str, value, ok: Callable[[float], bool], requirement: str):
-  """Validates a concrete hyperparameter (traced ones, e.g. under inject_hyperparams, pass)."""
+def check_hyperparameter(name: str, value, ok: Callable[[float], bool], requirement: str):
+  """ValueError ``'<name> must be <requirement>, got <value>'`` unless ``ok(value)``; None, a
+  schedule (callable) or a traced value (e.g. under ``optax.inject_hyperparams``) passes."""
   if value is None or callable(value) or _is_tracer(value):
     return
   v = float(np.asarray(value))
@@ -104,8 +105,8 @@ def _make_rule(*, alpha, beta, kappa, rho, warmup_steps, signal, seed) -> "_Rule
     raise ValueError(f"signal must be one of {SIGNALS}, got {signal!r}")
   values = dict(alpha=alpha, beta=beta, kappa=kappa, rho=rho, warmup_steps=warmup_steps)
   for name, rule in RULES.items():
-    _check(name, values[name], rule.allows, str(rule))
-  _check("warmup_steps", warmup_steps, lambda v: v == int(v), "an integer")
+    check_hyperparameter(name, values[name], rule.allows, str(rule))
+  check_hyperparameter("warmup_steps", warmup_steps, lambda v: v == int(v), "an integer")
   signal = Signal(signal)
   if signal is Signal.VELOCITY:
     beta = 0.0
@@ -114,7 +115,8 @@ def _make_rule(*, alpha, beta, kappa, rho, warmup_steps, signal, seed) -> "_Rule
   return _Rule(alpha, beta, kappa, rho, warmup_steps, signal, seed)
 
 
-def _unwrap(x):
+def variable_value(x):
+  """The array of a params-tree leaf: an ``nnx.Variable``'s value, or the leaf itself."""
   return x.get_value() if hasattr(x, "get_value") else x
 
 
@@ -140,7 +142,7 @@ def _per_rank_filled(leaf, feature_axis, value: float):
   """A per-rank array (``leaf``'s shape without its feature axis or axes) filled with ``value``,
   placed like ``leaf``: from the host for a concrete ``leaf`` (no XLA program compiled or run for
   it, as eager ``jnp`` ops would), else reduced from ``leaf`` inside the trace (XLA folds it)."""
-  x = _unwrap(leaf)
+  x = variable_value(leaf)
   dtype = rank_stats.stat_dtype(x)
   axes = tuple(sorted(int(a) % x.ndim for a in np.atleast_1d(feature_axis)))
   sharding = _reduced_sharding(x, axes)
@@ -398,7 +400,7 @@ def _anlr_transform(inner_init, inner_update, rule: _Rule, search: _ModuleSearch
 
   def init_fn(params):
     modules = require_lora_modules(params, lora_dims, who, require_lora=require_lora)
-    _check_unique(modules)
+    check_unique_names(modules)
     leaves = jax.tree.leaves(params)
 
     def per_rank(value):
@@ -481,7 +483,7 @@ def _group_modules(modules, flat_params, batched: bool):
     return [[(i, m)] for i, m in enumerate(modules)]
   groups = {}
   for i, m in enumerate(modules):
-    a, b = _unwrap(flat_params[m.a_index]), _unwrap(flat_params[m.b_index])
+    a, b = variable_value(flat_params[m.a_index]), variable_value(flat_params[m.b_index])
     key = (a.shape, b.shape, a.dtype, b.dtype, m.a_feature_axis, m.b_feature_axis)
     groups.setdefault(key, []).append((i, m))
   return list(groups.values())
@@ -494,7 +496,8 @@ def _scale_along(update, s, feature_axis):
   return scaled.astype(update.dtype)
 
 
-def _check_unique(modules: list[LoraModule]):
+def check_unique_names(modules: list[LoraModule]):
+  """ValueError naming the first module name that two LoRA modules share."""
   seen = set()
   for m in modules:
     if m.name in seen:

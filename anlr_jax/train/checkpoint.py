@@ -36,6 +36,8 @@ import jax
 import orbax.checkpoint as ocp
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
+from anlr_jax.fileio import atomic_write
+
 logger = logging.getLogger('anlr_jax.train')
 
 SEAL_POLL_SECONDS = 0.05
@@ -250,12 +252,8 @@ class TrainCheckpointer:
     start = time.perf_counter()
     folder = self.step_dir(step)
     sums = directory_checksums(folder)
-    tmp = os.path.join(folder, f'.{CHECKSUM_FILE}.tmp')
-    with open(tmp, 'w') as f:
+    with atomic_write(os.path.join(folder, CHECKSUM_FILE), 'w') as f:
       json.dump(sums, f, indent=0)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(folder, CHECKSUM_FILE))
     self.seal_seconds[int(step)] = time.perf_counter() - start
 
   def _seal_when_committed(self, step: int, finished: threading.Event) -> None:

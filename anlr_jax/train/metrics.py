@@ -4,8 +4,8 @@ Per logged step: ``loss``, ``lr``, ``grad_norm``, ``tokens``, ``loss_tokens`` (f
 scalars, fetched only every ``log_every`` steps, so no host sync per step) and
 ``tokens_per_s = sum(tokens) / wall seconds`` over the logging window. AnLR diagnostics (from
 ``anlr_jax.diagnostics(opt_state)`` when the optimizer provides it) go to ``diagnostics/step_<t>.npz``
-(:func:`anlr_jax.rundir.write_diagnostics`) every ``diag_every`` steps, their scalar summaries into
-the same JSONL/CSV/TensorBoard rows. File names: :mod:`anlr_jax.rundir`.
+(:mod:`anlr_jax.diagnostics_io`) every ``diag_every`` steps, their scalar summaries into the same
+JSONL/CSV/TensorBoard rows. File names: :mod:`anlr_jax.rundir`.
 Only process 0 writes; the other processes' writer is inert.
 
 The files are a function of the step: a writer started at step ``s`` (a resumed run) first drops
@@ -31,7 +31,8 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from anlr_jax import rundir
+from anlr_jax import diagnostics_io
+from anlr_jax.fileio import atomic_write
 from anlr_jax.rundir import METRICS_CSV, METRICS_FILE, TENSORBOARD_DIR
 
 logger = logging.getLogger('anlr_jax.train')
@@ -99,10 +100,8 @@ class MetricsWriter:
     """Rewrites the metric files with the rows up to ``start_step`` only (atomically)."""
     path = os.path.join(self.run_dir, METRICS_FILE)
     if os.path.exists(path):
-      tmp = path + '.tmp'
-      with open(tmp, 'w') as f:
+      with atomic_write(path, 'w') as f:
         f.writelines(json.dumps(row) + '\n' for row in self.rows)
-      os.replace(tmp, path)
     csv_path = os.path.join(self.run_dir, METRICS_CSV)
     if os.path.exists(csv_path):
       os.remove(csv_path)
@@ -112,7 +111,7 @@ class MetricsWriter:
         writer = csv.DictWriter(f, self._csv_fields)
         writer.writeheader()
         writer.writerows(self.rows)
-    rundir.remove_diagnostics_after(self.run_dir, start_step)
+    diagnostics_io.remove_diagnostics_after(self.run_dir, start_step)
 
   def start(self, step: int) -> None:
     """Resets the timing window (call before the first step and after a restore)."""
@@ -208,11 +207,13 @@ class MetricsWriter:
   def write_diagnostics(self, step: int, diagnostics: Any) -> None:
     """Saves the full per-module diagnostics tree (``s_k``, ``nu_bar_k``, ``snr_k``...) of
     :func:`anlr_jax.diagnostics` (plus ``magnitudes``) as ``diagnostics/step_<step>.npz``; see
-    :func:`anlr_jax.rundir.diagnostics_from_tree` and :func:`anlr_jax.rundir.write_diagnostics`."""
+    :func:`anlr_jax.diagnostics_io.diagnostics_from_tree` and
+    :func:`anlr_jax.diagnostics_io.write_diagnostics`.
+    """
     if not self.is_writer or self.run_dir is None:
       return
-    modules, summary = rundir.diagnostics_from_tree(jax.device_get(diagnostics))
-    rundir.write_diagnostics(self.run_dir, step, modules, summary)
+    modules, summary = diagnostics_io.diagnostics_from_tree(jax.device_get(diagnostics))
+    diagnostics_io.write_diagnostics(self.run_dir, step, modules, summary)
 
   def close(self) -> None:
     if self._bar is not None:

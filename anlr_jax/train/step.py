@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from anlr_jax.rundir import module_name
+from anlr_jax.naming import module_name
 
 BATCH_KEYS = ('input_ids', 'attention_mask', 'loss_mask')
 # Optional: the images of a model that takes them (LLaVA), (B, K, 3, S, S): K image slots per row.
@@ -129,7 +129,7 @@ def stacked_shardings(stacked, shardings):
 def unstack_module_stats(stats: dict) -> dict:
   """Per-module statistics of a stacked tree (``{'model.layers.*.q': (n, ..., r)}``, e.g. AnLR's
   ``nu_bar``) under the per-layer names ``'model.layers.0.q'`` ... with one slice each (module names:
-  :func:`anlr_jax.rundir.module_name`)."""
+  :func:`anlr_jax.naming.module_name`)."""
   out = {}
   for name, value in stats.items():
     parts = name.split('.')

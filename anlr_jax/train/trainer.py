@@ -153,7 +153,7 @@ class TrainerConfig:
   """Trainer settings; defaults follow the paper's App. B (lr 3e-4, batch 16, 3 epochs, linear).
 
   The optimizer is not a setting: :class:`Trainer` runs the optax transformation it is given
-  (``anlr_jax.app.methods.method_optimizer`` builds a method's from these constants).
+  (``anlr_jax.methods.method_optimizer`` builds a method's from these constants).
   """
 
   steps: int | None = setting(
@@ -265,7 +265,7 @@ class Trainer:
     batches: a batch source (batch contract).
     config: :class:`TrainerConfig`.
     tx: the optax transformation over the LoRA param tree (clipping included), e.g.
-      ``anlr_jax.app.methods.method_optimizer(method, config.schedule(total))``.
+      ``anlr_jax.methods.method_optimizer(method, config.schedule(total))``.
     checkpoint_dir: orbax checkpoint directory (saved per ``config.save_every``, resumed from when
       ``config.resume``); None: no checkpoints.
     log_dir: directory of ``metrics.jsonl``, TensorBoard and diagnostics; None: no files.

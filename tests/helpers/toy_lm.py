@@ -130,6 +130,48 @@ def method_tx(config, method: str = 'anlr'):
   from anlr_jax.app.config import RunConfig
   from anlr_jax.app.methods import build_method
 
-  config = RunConfig(trainer=config)
-  built = build_method(config, method, total_steps=config.trainer.steps, check=False)
+  config = RunConfig(method=method, trainer=config)
+  built = build_method(config, total_steps=config.trainer.steps, check=False)
   return built.tx, built.schedule
+
+
+ONE_DEVICE = dict(mesh_data=1, mesh_fsdp=1, mesh_tensor=1)
+"""Trainer-config keys of a one-device mesh."""
+
+
+def make_toy_trainer(
+    tx=None,
+    *,
+    model=None,
+    batches=None,
+    one_device: bool = False,
+    checkpoint_dir=None,
+    log_dir=None,
+    schedule=None,
+    trainer_kwargs=None,
+    **config,
+):
+  """A ``Trainer`` of the toy LM (``model``, default :func:`make_toy_model`) on ``batches``
+  (default :class:`ToyBatches`): ``TrainerConfig(steps=4, global_batch=8, compute_dtype='float32',
+  progress=False, **config)``; ``tx`` None: AnLR on the config's schedule (:func:`method_tx`).
+  ``one_device``: a one-device mesh on the first device (default: all devices).
+  ``trainer_kwargs``: further ``Trainer`` arguments (hooks)."""
+  from anlr_jax.train.trainer import Trainer, TrainerConfig
+
+  fields = dict(steps=4, global_batch=8, compute_dtype='float32', progress=False)
+  fields.update(ONE_DEVICE if one_device else {})
+  fields.update(config)
+  trainer_config = TrainerConfig(**fields)
+  if tx is None:
+    tx, schedule = method_tx(trainer_config)
+  return Trainer(
+      make_toy_model() if model is None else model,
+      ToyBatches() if batches is None else batches,
+      trainer_config,
+      tx,
+      checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir),
+      log_dir=None if log_dir is None else str(log_dir),
+      schedule=schedule,
+      devices=jax.devices()[:1] if one_device else None,
+      **(trainer_kwargs or {}),
+  )

@@ -1,0 +1,124 @@
+"""Files written whole or not at all, and JSON / YAML files read with their type checked.
+
+:func:`atomic_write` writes to a temporary name in the target's folder and renames it into place
+(``os.replace``), so a reader or a crash sees the old file or the new one, never a partial one.
+:func:`read_json` and :func:`read_yaml` read a document, check that it is of the expected type, and
+name the file (and the line of a syntax error) in every error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from typing import Any
+
+import yaml
+
+__all__ = ["atomic_write", "parse_json", "read_json", "read_yaml", "write_json_atomic"]
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "w", **kwargs):
+  """A file object on a temporary name in ``path``'s folder, renamed to ``path`` when the block
+  ends without an exception (removed otherwise): ``path`` is either the old file or the new one,
+  never a partial one."""
+  folder = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+  try:
+    with os.fdopen(fd, mode, **kwargs) as f:
+      yield f
+      f.flush()
+      os.fsync(f.fileno())
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
+
+
+def write_json_atomic(path: str | os.PathLike, payload: Any) -> str:
+  """Writes ``payload`` as indented JSON to ``path`` atomically (:func:`atomic_write`); returns
+  ``path``. A payload that cannot be serialised raises and leaves ``path`` as it was."""
+  text = json.dumps(payload, indent=2) + "\n"  # serialise first: a TypeError writes nothing
+  with atomic_write(path, "w", encoding="utf-8") as f:
+    f.write(text)
+  return os.fspath(path)
+
+
+def _check_type(value: Any, expect: type | tuple[type, ...], where: str, what: str, error) -> Any:
+  if not isinstance(value, expect):
+    raise error(f"{where}: expected {what}, got {type(value).__name__}")
+  return value
+
+
+def parse_json(
+    text: str,
+    where: str,
+    expect: type | tuple[type, ...] = dict,
+    *,
+    what: str = "a JSON object",
+    line: int | None = None,
+    error: type[ValueError] = ValueError,
+) -> Any:
+  """The JSON document ``text`` read from the file ``where`` (the whole file, or its line ``line``
+  of a JSON Lines file), checked to be an ``expect``.
+
+  Raises:
+    error: ``'<where>:<line>: invalid JSON: ...'`` (the line of the syntax error in the file), or
+      ``'<where>: expected <what>, got <type>'`` (``<where>:<line>`` for a line).
+  """
+  try:
+    value = json.loads(text)
+  except json.JSONDecodeError as err:
+    raise error(f"{where}:{(line or 1) + err.lineno - 1}: invalid JSON: {err.msg}") from None
+  return _check_type(value, expect, where if line is None else f"{where}:{line}", what, error)
+
+
+def read_json(
+    path: str | os.PathLike,
+    expect: type | tuple[type, ...] = dict,
+    *,
+    what: str = "a JSON object",
+    error: type[ValueError] = ValueError,
+) -> Any:
+  """The JSON document in the file ``path``, checked to be an ``expect`` (:func:`parse_json`).
+
+  Raises:
+    FileNotFoundError: no such file. error: not JSON, or another type (the message names the file).
+  """
+  path = os.fspath(path)
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  return parse_json(text, path, expect, what=what, error=error)
+
+
+def read_yaml(
+    path: str | os.PathLike,
+    expect: type | tuple[type, ...] = dict,
+    *,
+    what: str = "a mapping",
+    empty: Any = None,
+    error: type[ValueError] = ValueError,
+) -> Any:
+  """The YAML document in the file ``path`` (``empty`` for an empty file), checked to be an
+  ``expect``.
+
+  Raises:
+    FileNotFoundError: no such file. error: ``'<path>:<line>: invalid YAML: ...'``, or
+      ``'<path>: expected <what>, got <type>'``.
+  """
+  path = os.fspath(path)
+  with open(path, encoding="utf-8") as f:
+    try:
+      value = yaml.safe_load(f)
+    except yaml.YAMLError as err:
+      mark = getattr(err, "problem_mark", None)
+      where = f"{path}:{mark.line + 1}" if mark is not None else path
+      raise error(f"{where}: invalid YAML: {getattr(err, 'problem', err)}") from None
+  if value is None:
+    return empty
+  return _check_type(value, expect, path, what, error)
