@@ -245,6 +245,7 @@ def test_equinox_module_with_peft_fields_equals_the_flax_layout_run():
 def test_quax_lora_array_needs_the_preset_and_the_error_names_it():
   """quax's ``LoraArray`` (``a``, ``b``) is not guessed: init fails naming its leaves and
   ``lora_dims=anlr_jax.QUAX``, which then finds every adapted layer."""
+  pytest.importorskip("quax")
   from quax.examples import lora as quax_lora
 
   mlp = eqx.nn.MLP(4, 3, 8, depth=2, key=jax.random.key(0))
