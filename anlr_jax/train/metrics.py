@@ -42,6 +42,9 @@ from anlr_jax.train import diskfull
 
 logger = logging.getLogger('anlr_jax.train')
 
+TENSORBOARD_QUEUE = 1000
+"""Events TensorBoard's writer queues (more than one row's scalars)."""
+
 
 @contextlib.contextmanager
 def _writing(path: str, what: str):
@@ -106,9 +109,12 @@ class MetricsWriter:
         self._jsonl = open(os.path.join(run_dir, METRICS_FILE), 'a')
         from tensorboardX import SummaryWriter
 
+        # a queue that one row never fills: its writer thread may have died (a full disk) since
+        # the check before the row, and a put into a full queue would wait forever
         self._tb = SummaryWriter(
             os.path.join(run_dir, TENSORBOARD_DIR),
             purge_step=start_step + 1 if start_step else None,
+            max_queue=TENSORBOARD_QUEUE,
         )
     use_bar = sys.stderr.isatty() if progress is None else progress
     if self.is_writer and use_bar:
@@ -188,10 +194,11 @@ class MetricsWriter:
       with _writing(os.path.join(self.run_dir, METRICS_CSV), f"the metrics of step {row['step']}"):
         self._write_csv(row)
     if self._tb is not None:
-      for key, value in row.items():
-        if key != 'step':
-          self._tb.add_scalar(key, value, row['step'])
       self._raise_tensorboard_failure()
+      if self._tensorboard_alive():
+        for key, value in row.items():
+          if key != 'step':
+            self._tb.add_scalar(key, value, row['step'])
     message = (
         f"step {row['step']}/{self.total_steps} loss {row.get('loss', float('nan')):.4f} "
         f"tok/s {row['tokens_per_s']:.0f}"
@@ -203,6 +210,12 @@ class MetricsWriter:
       )
     else:
       logger.info(message)
+
+  def _tensorboard_alive(self) -> bool:
+    """False once TensorBoard's writer thread has ended (its events would queue up unread)."""
+    file_writer = getattr(self._tb, 'file_writer', None)
+    worker = getattr(getattr(file_writer, 'event_writer', None), '_worker', None)
+    return worker is None or worker.is_alive()
 
   def _raise_tensorboard_failure(self) -> None:
     """Raises the disk-full error that ended TensorBoard's writer thread since this writer began."""
