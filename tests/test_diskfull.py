@@ -126,8 +126,8 @@ def test_a_full_disk_under_the_diagnostics_names_them_and_the_checkpoint_kept(
   with DiskFullError naming the snapshot it could not write and the checkpoint kept elsewhere;
   nothing on stderr."""
   mount, fill, _ = small_fs
-  trainer = _toy_trainer(mount / "run", tmp_path / "ck", steps=8, save_every=2, diag_every=1)
-  trainer.run(steps=4)  # checkpoints 2 and 4, diagnostics 1-4
+  trainer = _toy_trainer(mount / "run", tmp_path / "ck", steps=6, save_every=2, diag_every=1)
+  trainer.run(steps=2)  # checkpoint 2, diagnostics 1-2
   trainer.checkpointer.wait()
   fill(free_kib=4)
   with pytest.raises(DiskFullError) as err:
@@ -136,8 +136,8 @@ def test_a_full_disk_under_the_diagnostics_names_them_and_the_checkpoint_kept(
   message = str(err.value)
   assert re.fullmatch(
       rf"the file system at {mount} is full: no space left on device writing the (diagnostics|"
-      rf"metrics) of step 5 \({mount}/run/\S+\); stopped after update 5 of 8; the last complete"
-      rf" checkpoint, step 4 in {tmp_path / 'ck'}, is kept; free space on {mount} and run the same"
+      rf"metrics) of step 3 \({mount}/run/\S+\); stopped after update 3 of 6; the last complete"
+      rf" checkpoint, step 2 in {tmp_path / 'ck'}, is kept; free space on {mount} and run the same"
       r" command again to resume from it",
       message,
   ), message

@@ -107,7 +107,6 @@ def as_disk_full(err: BaseException, path: str, what: str) -> DiskFullError:
 
 
 _LOCK = threading.Lock()
-_installed = False
 _seen: list[BaseException] = []  # disk-full errors met so far (one is enough)
 background_failures: list[BaseException] = []
 """Disk-full errors that ended a background thread (TensorBoard's event writer): the thread's
@@ -132,7 +131,7 @@ class _DropDiskFullRecords(logging.Filter):
 
 
 def quiet_reports_of_disk_full() -> None:
-  """Installs, once, the filters that keep the reports of writes failed for want of space off
+  """Installs the filters that keep the reports of writes failed for want of space off
   stderr, the caller of the write naming the failure in one line instead: orbax's error logs
   (``absl`` and ``orbax`` loggers) and asyncio's 'Task exception was never retrieved' about them;
   an exception that ends a background thread (TensorBoard's event writer: kept in
@@ -140,30 +139,32 @@ def quiet_reports_of_disk_full() -> None:
   cannot flush when collected) and, once the disk has been found full, tensorstore's late
   completions of the writes orbax abandoned ('Event loop is closed'). Every other report passes on
   unchanged."""
-  global _installed
-  with _LOCK:
-    if _installed:
-      return
+  with _LOCK:  # each piece again if someone replaced it since (a test harness restores hooks)
     for name in ('absl', 'orbax', 'asyncio'):
-      logging.getLogger(name).addFilter(_DropDiskFullRecords())
-    previous_thread_hook = threading.excepthook
+      log = logging.getLogger(name)
+      if not any(isinstance(f, _DropDiskFullRecords) for f in log.filters):
+        log.addFilter(_DropDiskFullRecords())
+    if not getattr(threading.excepthook, '_drops_disk_full', False):
+      previous_thread_hook = threading.excepthook
 
-    def thread_hook(args):
-      if _drop(args.exc_value):
-        background_failures.append(args.exc_value)
-      else:
-        previous_thread_hook(args)
+      def thread_hook(args):
+        if _drop(args.exc_value):
+          background_failures.append(args.exc_value)
+        else:
+          previous_thread_hook(args)
 
-    threading.excepthook = thread_hook
-    previous_unraisable = sys.unraisablehook
+      thread_hook._drops_disk_full = True
+      threading.excepthook = thread_hook
+    if not getattr(sys.unraisablehook, '_drops_disk_full', False):
+      previous_unraisable = sys.unraisablehook
 
-    def unraisable_hook(args):
-      if _drop(args.exc_value) or (_seen and _is_closed_loop(args)):
-        return
-      previous_unraisable(args)
+      def unraisable_hook(args):
+        if _drop(args.exc_value) or (_seen and _is_closed_loop(args)):
+          return
+        previous_unraisable(args)
 
-    sys.unraisablehook = unraisable_hook
-    _installed = True
+      unraisable_hook._drops_disk_full = True
+      sys.unraisablehook = unraisable_hook
 
 
 def _is_closed_loop(args) -> bool:
