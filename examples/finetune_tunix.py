@@ -57,7 +57,7 @@ def tiny_gemma(seed: int = 0) -> nnx.Module:
   tokens = jnp.ones((1, SEQ), jnp.int32)
   positions = jnp.arange(SEQ)[None]
   return qwix.apply_lora_to_model(
-      model, lora, tokens, positions, None, jnp.ones((1, SEQ, SEQ), bool)
+      model, lora, tokens, positions, None, jnp.ones((1, SEQ, SEQ), bool), rngs=nnx.Rngs(seed)
   )
 
 

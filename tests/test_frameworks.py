@@ -2,6 +2,7 @@
 composition; factors with several feature axes against the NumPy reference; never a silent AdamW."""
 
 import re
+import warnings
 
 import chex
 import equinox as eqx
@@ -14,7 +15,11 @@ import qwix
 from flax import nnx
 
 import anlr_jax
+from anlr_jax.optim.detect import UnpairedFactorsWarning
 from tests import numpy_anlr
+
+# Every tree here that AnLR trains is found whole: a leaf named like a LoRA factor left out warns.
+pytestmark = pytest.mark.filterwarnings("error::anlr_jax.optim.detect.UnpairedFactorsWarning")
 
 HP = dict(b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.05)
 ANLR = dict(alpha=2.0, beta=1.0, kappa=3.0, rho=0.8)
@@ -130,7 +135,10 @@ def test_qwix_lora_on_linear_einsum_and_conv_trains_with_nnx_optimizer():
   x = jax.random.normal(jax.random.key(0), (2, 4, 4, 3))
   y = jax.random.normal(jax.random.key(1), (2, 16, 16))
   model = qwix.apply_lora_to_model(
-      _Block(nnx.Rngs(0)), qwix.LoraProvider(module_path=".*", rank=4, alpha=4.0), x
+      _Block(nnx.Rngs(0)),
+      qwix.LoraProvider(module_path=".*", rank=4, alpha=4.0),
+      x,
+      rngs=nnx.Rngs(1),
   )
   lora = nnx.state(model, nnx.LoRAParam)
   ranks = {m.name: m.rank for m in anlr_jax.find_lora_modules(lora)}
@@ -242,9 +250,165 @@ def test_equinox_module_with_peft_fields_equals_the_flax_layout_run():
   np.testing.assert_allclose(mult, flax_state.multipliers[""], rtol=1e-5)
 
 
+class _EqxTorchLayoutLora(eqx.Module):
+  """A LoRA layer in torch's layout under Flax's names: ``lora_a (r, d_in)``, ``lora_b (d_out, r)``."""
+
+  weight: jax.Array | None
+  lora_a: jax.Array
+  lora_b: jax.Array
+
+  def __call__(self, x):
+    return x @ self.weight.T + (x @ self.lora_a.T) @ self.lora_b.T
+
+
+def _spec_in(message: str):
+  """The last ``lora_dims=...`` of an error or warning (the one it proposes), evaluated."""
+  found = re.findall(r"lora_dims=(\[.*\]|anlr_jax\.\w+(?:\([^)]*\))?)", message)
+  return eval(found[-1])
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["layer", "stacked"])
+def test_square_layer_in_torch_layout_under_flax_names_is_refused_naming_peft(stacked):
+  """A square 16x16 layer's rank-4 factors in torch's layout under ``lora_a``/``lora_b`` also fit
+  Flax's layout, as rank 16 over 4 features: ``describe`` and ``init`` refuse, naming the module and
+  PEFT's axes; the spec they propose pairs the rank-4 module."""
+  k = jax.random.split(jax.random.key(0), 2)
+  batch = (3,) if stacked else ()
+  layer = _EqxTorchLayoutLora(
+      None, jax.random.normal(k[0], batch + (4, 16)), jax.random.normal(k[1], batch + (16, 4))
+  )
+  params = {"blocks": [layer]}
+  pattern = (
+      r"LoRA module 'blocks\.0': lora_a \(.*4, 16\) and lora_b \(.*16, 4\) pair with rank 16 in the "
+      r"layout of lora_dims=anlr_jax\.FLAX.*anlr_jax\.PEFT's axes"
+  )
+  with pytest.raises(ValueError, match=pattern):
+    anlr_jax.describe(params)
+  with pytest.raises(ValueError, match=pattern) as err:
+    anlr_jax.anlr(1e-3).init(params)
+  assert "\n" not in str(err.value)
+  spec = _spec_in(str(err.value))
+  assert spec == anlr_jax.LoraDims("lora_a", "lora_b", a_rank_axis=-2, b_rank_axis=-1)
+  state = anlr_jax.anlr(1e-3, lora_dims=spec).init(params)
+  assert {n: m.shape for n, m in state.multipliers.items()} == {"blocks.0": batch + (4,)}
+  assert (
+      anlr_jax.describe(params, spec)
+      .splitlines()[1]
+      .endswith("A (3, 4, 16)  B (3, 16, 4)  rank 4  x3 stacked" if stacked else "rank 4")
+  )
+
+
+def test_shapes_that_fit_both_layouts_are_read_by_their_low_rank():
+  """Factors of a square layer fit both layouts; the one the names give is kept when it is the
+  low-rank reading, refused when the other is, and a full-rank square module reads the same either
+  way. Factors only one layout pairs are kept whatever their rank."""
+  z = jnp.zeros
+  flax_square = {"q": {"lora_a": z((16, 4)), "lora_b": z((4, 16))}}
+  assert [m.rank for m in anlr_jax.find_lora_modules(flax_square)] == [4]
+  peft_square = {"q": {"lora_A": z((4, 16)), "lora_B": z((16, 4))}}
+  assert [m.rank for m in anlr_jax.find_lora_modules(peft_square)] == [4]
+  full_rank = {"q": {"lora_a": z((4, 4)), "lora_b": z((4, 4))}}
+  assert [m.rank for m in anlr_jax.find_lora_modules(full_rank)] == [4]
+  wide = {"q": {"lora_a": z((7, 8)), "lora_b": z((8, 2))}}  # only Flax's axes pair these
+  assert [m.rank for m in anlr_jax.find_lora_modules(wide)] == [8]
+  flax_under_peft_names = {"q": {"lora_A": z((16, 4)), "lora_B": z((4, 16))}}
+  with pytest.raises(ValueError, match=r"'q': lora_A \(16, 4\).*rank 16.*anlr_jax\.PEFT,") as err:
+    anlr_jax.find_lora_modules(flax_under_peft_names)
+  spec = _spec_in(str(err.value))
+  assert spec == anlr_jax.LoraDims("lora_A", "lora_B", a_rank_axis=-1, b_rank_axis=-2)
+  assert [m.rank for m in anlr_jax.find_lora_modules(flax_under_peft_names, spec)] == [4]
+  qwix_square = {"q": {"kernel_lora_a": z((2, 8, 16)), "kernel_lora_b": z((2, 16, 8))}}
+  with pytest.raises(ValueError, match=r"'q\.kernel'.*rank 16.*a_rank_axis=-2, b_rank_axis=-1"):
+    anlr_jax.find_lora_modules(qwix_square)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda **kw: anlr_jax.anlr(1e-3, **kw),
+        lambda **kw: anlr_jax.scale_by_anlr(optax.adamw(1e-3), **kw),
+        lambda **kw: anlr_jax.loraplus(1e-3, **kw),
+    ],
+    ids=["anlr", "scale_by_anlr", "loraplus"],
+)
+def test_factors_left_out_of_the_modules_found_warn_once_at_init(make):
+  """A tree where Flax's ``lora_a``/``lora_b`` are found but ``lora_down``/``lora_up``,
+  ``w_down``/``w_up`` and quax's ``a``/``b`` are not warns once at ``init``, naming those leaves and a
+  ``lora_dims`` that pairs them all; with it, nothing is left out and nothing warns."""
+  z = jnp.zeros
+  params = {
+      "q": {"lora_a": z((8, 2)), "lora_b": z((2, 8))},
+      "k": {"lora_down": {"weight": z((2, 8))}, "lora_up": {"weight": z((8, 2))}},
+      "v": {"w_down": z((8, 2)), "w_up": z((2, 8)), "bias": z(8)},
+      "o": {"a": z((8, 2)), "b": z((2, 8))},
+      "head": {"kernel": z((8, 8)), "bias": z(8)},
+  }
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    make().init(params)
+  (warning,) = [w for w in caught if issubclass(w.category, UnpairedFactorsWarning)]
+  msg = str(warning.message)
+  assert "\n" not in msg and "1 LoRA module found" in msg and "plain AdamW" in msg
+  for leaf in ("k.lora_down.weight (2, 8)", "k.lora_up.weight (8, 2)", "v.w_down (8, 2)"):
+    assert leaf in msg
+  assert "o.a (8, 2)" in msg and "o.b (2, 8)" in msg
+  assert "head" not in msg and "v.bias" not in msg
+  spec = _spec_in(msg)
+  assert spec == [
+      anlr_jax.FLAX,
+      anlr_jax.LoraDims("lora_down", "lora_up", a_rank_axis=-2, b_rank_axis=-1),
+      anlr_jax.QUAX,
+      anlr_jax.LoraDims("w_down", "w_up", a_rank_axis=-1, b_rank_axis=-2),
+  ]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", UnpairedFactorsWarning)
+    make(lora_dims=spec).init(params)
+  assert {m.name: m.rank for m in anlr_jax.find_lora_modules(params, spec)} == {
+      "q": 2,
+      "k": 2,
+      "v": 2,
+      "o": 2,
+  }
+
+
+def test_lookalikes_no_preset_pairs_cleanly_warn_with_the_general_form():
+  """A lone ``lora`` leaf, and quax's ``a``/``b`` next to a head whose bias is named ``b`` (where
+  ``anlr_jax.QUAX`` would pair the bias too): the warning names them and the general form."""
+  z = jnp.zeros
+  params = {
+      "q": {"lora_a": z((8, 2)), "lora_b": z((2, 8)), "lora_scale_table": z((2, 2))},
+      "o": {"a": z((8, 2)), "b": z((2, 8))},
+      "head": {"w": z((8, 8)), "b": z(8)},
+  }
+  with pytest.warns(UnpairedFactorsWarning) as record:
+    anlr_jax.anlr(1e-3).init(params)
+  msg = str(record[0].message)
+  assert "o.a (8, 2), o.b (2, 8), q.lora_scale_table (2, 2);" in msg and "head" not in msg
+  assert msg.endswith(
+      "lora_dims=[anlr_jax.FLAX, anlr_jax.LoraDims(a_name, b_name, a_rank_axis, b_rank_axis)]), "
+      "or a prefix pytree of LoraDims/None where names clash"
+  )
+
+
+def test_the_quickstart_model_and_nnx_lora_trees_warn_of_nothing():
+  """The LoRA of the packaged model (q/k/v/up/down, DoRA's magnitudes too) and of ``nnx.LoRA``
+  are found whole: no warning (this module turns one into an error)."""
+  from anlr_jax import assets
+  from anlr_jax.models import load_hf_model
+  from anlr_jax.nn import inject_lora
+
+  model, _ = load_hf_model(assets.quickstart_dir())
+  inject_lora(model, rank=8, alpha=16.0, dropout=0.0, use_dora=True, rngs=nnx.Rngs(0))
+  lora = nnx.state(model, nnx.LoRAParam)
+  assert len(anlr_jax.anlr(1e-3).init(lora).multipliers) >= 5
+  layer = nnx.LoRA(16, 4, 8, rngs=nnx.Rngs(0))
+  assert len(anlr_jax.anlr(1e-3).init(nnx.state(layer, nnx.LoRAParam)).multipliers) == 1
+
+
 def test_quax_lora_array_needs_the_preset_and_the_error_names_it():
   """quax's ``LoraArray`` (``a``, ``b``) is not guessed: init fails naming its leaves and
   ``lora_dims=anlr_jax.QUAX``, which then finds every adapted layer."""
+  pytest.importorskip("quax")
   from quax.examples import lora as quax_lora
 
   mlp = eqx.nn.MLP(4, 3, 8, depth=2, key=jax.random.key(0))

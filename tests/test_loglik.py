@@ -67,6 +67,56 @@ def test_normalisations_rank_as_defined():
   assert result.accuracy == 0.0 and result.accuracies == {"raw": 0.0, "char": 1.0, "token": 1.0}
 
 
+def test_char_and_token_normalisations_divide_by_their_own_counts():
+  """Counts under which dividing by characters and by tokens pick different choices (and raw a
+  third): ``char`` must not divide by tokens, nor ``token`` by characters."""
+  record = loglik.ChoiceRecord(
+      0, "q", 2, (-2.0, -6.0, -9.0), num_tokens=(1, 6, 3), num_chars=(2, 6, 36)
+  )
+  assert record.prediction("raw") == 0  # -2 > -6 > -9
+  assert record.prediction("token") == 1  # -2/1, -6/6, -9/3: -1 is the largest
+  assert record.prediction("char") == 2  # -2/2, -6/6, -9/36: -0.25 is the largest
+  result = loglik.LoglikResult("t", (record,))
+  assert result.accuracies == {"raw": 0.0, "char": 1.0, "token": 0.0}
+
+
+# Continuations whose characters and tokens rank in opposite orders: a word in the tokenizer's
+# vocabulary (many characters, one or two tokens) next to characters it never saw (one byte token
+# each, few characters per token).
+CHAR_VS_TOKEN = [
+    ChoiceQuestion(f"counts {i}", ("Please choose the correct answer:",) * 3, choices, 0)
+    for i, choices in enumerate(
+        [
+            (" appropriately", " ¿¡", " Natalia"),
+            (" ¿¡ÿ", " instruction", " §"),
+            (" response", " ØÞ", " the"),
+            (" ÆÐ", " altogether", " ñ"),
+        ]
+    )
+]
+
+
+def test_char_and_token_normalisations_equal_the_reference_on_real_tokens(tiny):
+  """Through ``evaluate_choices``: each normalisation's prediction is the argmax of transformers'
+  log-likelihoods divided by the continuation's characters (``char``) or tokens (``token``), on
+  questions where the two divisions pick different choices."""
+  model, tok, reference = tiny
+  result = loglik.evaluate_choices(model, tok, CHAR_VS_TOKEN, "t", batch_size=2)
+  differ = 0
+  for q, record in zip(CHAR_VS_TOKEN, result.records):
+    pairs = [
+        loglik.encode_pair(tok, c, x, add_bos=False) for c, x in zip(q.contexts, q.continuations)
+    ]
+    ll = np.asarray([torch_loglik(reference, *pair) for pair in pairs])
+    chars = np.asarray([len(x) for x in q.continuations])
+    tokens = np.asarray([len(cont) for _, cont in pairs])
+    by_char, by_token = int(np.argmax(ll / chars)), int(np.argmax(ll / tokens))
+    assert record.prediction("char") == by_char, q.id
+    assert record.prediction("token") == by_token, q.id
+    differ += by_char != by_token
+  assert differ >= 2  # the questions tell the two divisions apart
+
+
 def test_encode_pair_moves_trailing_space_and_splits_the_whole_text():
   tok = build_tiny_tokenizer()
   ctx, cont = loglik.encode_pair(tok, "The answer is ", "true", add_bos=False)

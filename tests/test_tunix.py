@@ -4,6 +4,7 @@ checkpoints. Needs the ``tunix`` extra (``pip install -e .[tunix]``)."""
 
 import importlib.util
 import os
+import warnings
 
 import chex
 import numpy as np
@@ -32,7 +33,11 @@ def _anlr_state(trainer):
 
 def test_peft_trainer_with_anlr_on_qwix_attention_and_mlp_and_checkpoint_restore(tmp_path):
   steps, warmup = 6, 2
-  model = example.tiny_gemma(seed=0)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    model = example.tiny_gemma(seed=0)  # Qwix is given the rngs it initialises the factors with
+    anlr_jax.anlr(1e-3).init(nnx.state(model, nnx.LoRAParam))  # every factor is found
+  assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
   names = {m.name for m in anlr_jax.find_lora_modules(nnx.state(model, nnx.LoRAParam))}
   assert len(names) == 12 and {n.rsplit(".", 1)[0].split(".")[-1] for n in names} == {
       "q_einsum",

@@ -42,6 +42,7 @@ from anlr_jax.app.paths import QUICKSTART, config_summary, find_config, shipped_
 from anlr_jax.app.report import is_writer
 from anlr_jax.app.train import train_run
 from anlr_jax.models import convert_gguf
+from anlr_jax.train.diskfull import DiskFullError, as_disk_full, is_disk_full
 from anlr_jax.train.lock import DirectoryLockedError
 from anlr_jax.train.trainer import NonFiniteError, TrainingInterrupted
 
@@ -87,7 +88,12 @@ def cmd_train(args) -> int:
     raise ValueError("--devices and --preset belong to --dry_run")
   start = time.perf_counter()
   with distributed_job(config.distributed, what="anlr train"):
-    summary = train_run(config)
+    try:
+      summary = train_run(config)
+    except Exception as err:
+      if not is_disk_full(err) or (isinstance(err, DiskFullError) and err.detail):
+        raise  # not a full disk, or the training loop's, which says what is kept
+      raise _disk_full_outside_the_loop(err, config) from err
     writer = is_writer()
   if not writer:  # process 0 prints the summary
     return 0
@@ -98,6 +104,16 @@ def cmd_train(args) -> int:
     runs = " ".join(f"{summary['run_dir']}/{m}" for m in methods)
     print(f"per-rank analysis (the paper's figures): anlr analyze {runs}", flush=True)
   return 0
+
+
+def _disk_full_outside_the_loop(err: BaseException, config: RunConfig) -> DiskFullError:
+  """A write outside the training loop (``config.yaml``, the adapter, results) that found no space:
+  the training loop's own checkpoints are whole."""
+  full = as_disk_full(err, config.run_dir.split("{")[0] or ".", "the run directory")
+  return full.with_detail(
+      f"the run's complete checkpoints are kept; free space on {full.mount} and run the same"
+      " command again to finish it"
+  )
 
 
 def cmd_eval(args) -> int:
@@ -320,6 +336,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   except NonFiniteError as err:
     print(f"anlr {args.command}: error: {err}", file=sys.stderr)
     return 3
+  except DiskFullError as err:
+    print(f"anlr {args.command}: error: {err}", file=sys.stderr)
+    return 5
   except (
       ConfigError,
       FileNotFoundError,

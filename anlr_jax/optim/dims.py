@@ -34,6 +34,7 @@ followed by the stem for wildcard names (``layers.0.attn.q_einsum.w``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Union
 
@@ -247,8 +248,64 @@ def find_lora_modules(tree, lora_dims: LoraDimsSpec = None) -> list[LoraModule]:
           "common rank over shared leading (batch) axes"
       )
     rank, a_axes, b_axes = axes
+    _check_low_rank(name, a_shape, b_shape, dims, a_role, b_role, axes)
     modules.append(LoraModule(name, found["a"], found["b"], dims, rank, a_axes, b_axes))
   return sorted(modules, key=lambda m: m.a_index)
+
+
+def _feature_sizes(a_shape, b_shape, axes) -> tuple[int, int]:
+  """``(d_in, d_out)``: the products of ``A``'s and ``B``'s feature axes."""
+  _, a_axes, b_axes = axes
+  return math.prod(a_shape[i] for i in a_axes), math.prod(b_shape[i] for i in b_axes)
+
+
+def _check_low_rank(name, a_shape, b_shape, dims: LoraDims, a_role, b_role, axes) -> None:
+  """Refuses a pairing that reads the other layout's factors with their axes swapped.
+
+  A square layer's factors in PEFT's layout, ``A (r, d)`` and ``B (d, r)``, fit Flax's layout too,
+  with rank ``d`` over ``r`` features: the names cannot tell the layouts apart, the shapes can. A
+  pairing whose rank is not smaller than both feature sizes while the other layout pairs the same
+  shapes with a smaller rank is refused. Factors only this layout pairs are kept whatever their
+  rank (a rank above both feature sizes is a well-defined, if wasteful, module), and so is the
+  square full-rank case (``r = d_in = d_out``), which reads the same in every layout.
+  """
+  rank = axes[0]
+  d_in, d_out = _feature_sizes(a_shape, b_shape, axes)
+  if rank < d_in or rank < d_out or rank == d_in == d_out:
+    return
+  flipped = dataclasses.replace(
+      dims, a_rank_axis=-3 - dims.a_rank_axis, b_rank_axis=-3 - dims.b_rank_axis
+  )
+  other = _module_axes(a_shape, b_shape, flipped)
+  if other is None or other[0] >= rank:
+    return
+  axes_of = "PEFT" if flipped.a_rank_axis == -2 else "FLAX"
+  layout = "A (r, d_in), B (d_out, r)" if axes_of == "PEFT" else "A (d_in, r), B (r, d_out)"
+  raise ValueError(
+      f"LoRA module {name or '<root>'!r}: {a_role} {a_shape} and {b_role} {b_shape} pair with rank "
+      f"{rank} in the layout of lora_dims={spec_repr(dims)}, not smaller than their feature sizes "
+      f"{d_in} and {d_out} (each feature would get its own multiplier); read in {axes_of}'s layout "
+      f"({layout}) they pair with rank {other[0]}: if that is theirs, pass "
+      f"lora_dims={spec_repr(flipped)}"
+      + ("" if _preset_name(flipped) else f" (anlr_jax.{axes_of}'s axes under these names)")
+  )
+
+
+def spec_repr(dims: LoraDims) -> str:
+  preset = _preset_name(dims)
+  if preset:
+    return f"anlr_jax.{preset}"
+  return (
+      f"anlr_jax.LoraDims({dims.a_name!r}, {dims.b_name!r}, a_rank_axis={dims.a_rank_axis}, "
+      f"b_rank_axis={dims.b_rank_axis})"
+  )
+
+
+def _preset_name(dims: LoraDims) -> str | None:
+  for name, preset in (("FLAX", FLAX), ("QWIX", QWIX), ("PEFT", PEFT), ("QUAX", QUAX)):
+    if dims == preset:
+      return name
+  return None
 
 
 def path_names(path) -> list:

@@ -16,6 +16,12 @@ joins those threads. :meth:`TrainCheckpointer.verify` recomputes the sums; the t
 newest checkpoint that verifies, restores and holds only finite values, and names each one it
 skips in one line.
 
+A full file system: a save that finds no space (at once, or in the background after the training
+loop moved on) raises :class:`~anlr_jax.train.diskfull.DiskFullError` naming the checkpoint and the
+file system, from the next :meth:`TrainCheckpointer.save` or :meth:`TrainCheckpointer.wait`; the
+partial checkpoint is removed (the complete ones stay), and orbax's own reports of the failure are
+kept off stderr.
+
 Trees are stored as flat ``{"a.b.0.c": array}`` dicts (integer layer keys and NamedTuple optimizer
 states survive unchanged), typed PRNG keys as their raw ``uint32`` data. Restore always goes into
 an abstract target (``jax.ShapeDtypeStruct`` with the live shardings), never target-less.
@@ -27,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -37,6 +44,12 @@ import orbax.checkpoint as ocp
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from anlr_jax.fileio import atomic_write
+from anlr_jax.train.diskfull import (
+    DiskFullError,
+    as_disk_full,
+    is_disk_full,
+    quiet_reports_of_disk_full,
+)
 
 logger = logging.getLogger('anlr_jax.train')
 
@@ -232,8 +245,13 @@ class TrainCheckpointer:
         enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True,
     )
+    quiet_reports_of_disk_full()  # orbax's threads report a save that finds no space, at length
     self.manager = ocp.CheckpointManager(self.directory, options=options)
+    self._saving: int | None = None  # the step of the save in flight
+    self.failure: DiskFullError | None = None
+    """The save that found no space, once one has (then nothing more is saved)."""
     self._sealers: list[tuple[threading.Thread, threading.Event]] = []  # process 0's, one a save
+    self._seal_failure: DiskFullError | None = None
     self.seal_seconds: dict[int, float] = {}
     """Step -> seconds its checksums took (this process's seals), for the benchmarks."""
 
@@ -270,7 +288,12 @@ class TrainCheckpointer:
     try:
       if not os.path.exists(os.path.join(folder, CHECKSUM_FILE)):
         self._write_checksums(step)
-    except OSError as err:  # e.g. removed by keep-last-K meanwhile: the next save is sealed
+    except OSError as err:
+      if is_disk_full(err):  # the complete checkpoint stays, unsealed; the run stops
+        _remove_quietly(os.path.join(folder, f'.{CHECKSUM_FILE}.tmp'))
+        self._seal_failure = as_disk_full(err, folder, f'the checksums of checkpoint {step}')
+        return
+      # e.g. removed by keep-last-K meanwhile: the next save is sealed
       logger.warning('checkpoint %d in %s: checksums not written (%s)', step, self.directory, err)
 
   def _join_sealers(self) -> None:
@@ -278,6 +301,27 @@ class TrainCheckpointer:
     for thread, finished in sealers:
       finished.set()
       thread.join()
+    failure, self._seal_failure = self._seal_failure, None
+    if failure is not None:
+      self.failure = failure
+      raise failure
+
+  def _orbax(self, call, step: int | None):
+    """``call()`` of the manager; a save (of ``step``) that found no space raises
+    :class:`DiskFullError` and its partial directory is removed."""
+    try:
+      return call()
+    except Exception as err:
+      if not is_disk_full(err):
+        raise
+      what = 'a checkpoint' if step is None else f'checkpoint {step}'
+      self.failure = as_disk_full(err, self.directory, what)
+      self._saving = None
+      if jax.process_index() == 0:
+        for name in os.listdir(self.directory):
+          if '.orbax-checkpoint-tmp' in name:  # the partial save; the complete ones stay
+            shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+      raise self.failure from err
 
   def verify(self, step: int) -> str | None:
     """None if checkpoint ``step``'s files match their checksums (or it has none yet), else what
@@ -306,6 +350,8 @@ class TrainCheckpointer:
     """Starts a (collective, async) save of ``state`` and ``meta`` at ``step``; True if started."""
     if not force and not self.should_save(step):
       return False
+    if self.failure is not None:
+      raise self.failure
     if step in self.manager.all_steps():
       return False
     items = {
@@ -314,8 +360,12 @@ class TrainCheckpointer:
     }
     if frozen is not None:
       items['frozen'] = ocp.args.StandardSave(flatten_for_checkpoint(frozen))
-    self.manager.wait_until_finished()  # orbax joins the previous save here anyway
-    started = self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+    # orbax joins the previous save here anyway
+    self._orbax(self.manager.wait_until_finished, self._saving)
+    self._saving = int(step)
+    started = self._orbax(
+        lambda: self.manager.save(step, args=ocp.args.Composite(**items), force=True), step
+    )
     if started and jax.process_index() == 0:
       finished = threading.Event()
       thread = threading.Thread(
@@ -375,12 +425,35 @@ class TrainCheckpointer:
 
   def wait(self) -> None:
     """Waits for the save in flight and for its checksums."""
-    self.manager.wait_until_finished()
+    if self.failure is not None:  # that save is over
+      self._join_sealers()
+      return
+    self._orbax(self.manager.wait_until_finished, self._saving)
+    self._saving = None
     self._join_sealers()
 
   def close(self) -> None:
-    self.wait()
-    self.manager.close()
+    """Waits for the save in flight and closes the manager; a save that found no space is raised
+    once: not again by a close after it."""
+    known = self.failure
+    try:
+      self.wait()
+    except DiskFullError:
+      if known is None:
+        raise
+    finally:
+      try:
+        self.manager.close()
+      except Exception as err:  # noqa: BLE001
+        if self.failure is None or not is_disk_full(err):
+          raise
+
+
+def _remove_quietly(path: str) -> None:
+  try:
+    os.remove(path)
+  except OSError:
+    pass
 
 
 __all__ = [

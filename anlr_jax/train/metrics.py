@@ -16,10 +16,15 @@ exactly one row per logged step; :attr:`MetricsWriter.rows` is then the complete
 Updates that the step skipped because the loss or a gradient was not finite (metric ``skipped``)
 are counted: each row carries ``skipped_total``, and :attr:`MetricsWriter.consecutive_skipped`
 tells the trainer how many of the latest updates in a row were skipped.
+
+A write that finds no space (the JSONL/CSV rows, TensorBoard's events, written by its own thread,
+a diagnostics snapshot) raises :class:`~anlr_jax.train.diskfull.DiskFullError` naming the file and
+the file system; the trainer stops on it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import logging
@@ -34,8 +39,23 @@ import numpy as np
 from anlr_jax import diagnostics_io
 from anlr_jax.fileio import atomic_write
 from anlr_jax.rundir import METRICS_CSV, METRICS_FILE, TENSORBOARD_DIR
+from anlr_jax.train import diskfull
 
 logger = logging.getLogger('anlr_jax.train')
+
+TENSORBOARD_QUEUE = 1000
+"""Events TensorBoard's writer queues (more than one row's scalars)."""
+
+
+@contextlib.contextmanager
+def _writing(path: str, what: str):
+  """Raises a write's disk-full error as :class:`~anlr_jax.train.diskfull.DiskFullError`."""
+  try:
+    yield
+  except Exception as err:
+    if diskfull.is_disk_full(err):
+      raise diskfull.as_disk_full(err, path, what) from err
+    raise
 
 
 def _scalar_items(tree: Mapping[str, Any], prefix: str = '') -> dict[str, float]:
@@ -82,14 +102,21 @@ class MetricsWriter:
       if self.rows:
         self.skipped_total = int(self.rows[-1].get('skipped_total', 0))
     if self.is_writer and run_dir is not None:
-      os.makedirs(run_dir, exist_ok=True)
-      self._truncate_files(start_step)
-      self._jsonl = open(os.path.join(run_dir, METRICS_FILE), 'a')
-      from tensorboardX import SummaryWriter
+      diskfull.quiet_reports_of_disk_full()  # TensorBoard's thread reports a full disk at length
+      self._background_failures = len(diskfull.background_failures)
+      with _writing(run_dir, 'the metrics'):
+        os.makedirs(run_dir, exist_ok=True)
+        self._truncate_files(start_step)
+        self._jsonl = open(os.path.join(run_dir, METRICS_FILE), 'a')
+        from tensorboardX import SummaryWriter
 
-      self._tb = SummaryWriter(
-          os.path.join(run_dir, TENSORBOARD_DIR), purge_step=start_step + 1 if start_step else None
-      )
+        # a queue that one row never fills: its writer thread may have died (a full disk) since
+        # the check before the row, and a put into a full queue would wait forever
+        self._tb = SummaryWriter(
+            os.path.join(run_dir, TENSORBOARD_DIR),
+            purge_step=start_step + 1 if start_step else None,
+            max_queue=TENSORBOARD_QUEUE,
+        )
     use_bar = sys.stderr.isatty() if progress is None else progress
     if self.is_writer and use_bar:
       from tqdm.auto import tqdm
@@ -160,13 +187,17 @@ class MetricsWriter:
     if not self.is_writer:
       return
     if self._jsonl is not None:
-      self._jsonl.write(json.dumps(row) + '\n')
-      self._jsonl.flush()
-      self._write_csv(row)
+      with _writing(os.path.join(self.run_dir, METRICS_FILE), f"the metrics of step {row['step']}"):
+        self._jsonl.write(json.dumps(row) + '\n')
+        self._jsonl.flush()
+      with _writing(os.path.join(self.run_dir, METRICS_CSV), f"the metrics of step {row['step']}"):
+        self._write_csv(row)
     if self._tb is not None:
-      for key, value in row.items():
-        if key != 'step':
-          self._tb.add_scalar(key, value, row['step'])
+      self._raise_tensorboard_failure()
+      if self._tensorboard_alive():
+        for key, value in row.items():
+          if key != 'step':
+            self._tb.add_scalar(key, value, row['step'])
     message = (
         f"step {row['step']}/{self.total_steps} loss {row.get('loss', float('nan')):.4f} "
         f"tok/s {row['tokens_per_s']:.0f}"
@@ -178,6 +209,19 @@ class MetricsWriter:
       )
     else:
       logger.info(message)
+
+  def _tensorboard_alive(self) -> bool:
+    """False once TensorBoard's writer thread has ended (its events would queue up unread)."""
+    file_writer = getattr(self._tb, 'file_writer', None)
+    worker = getattr(getattr(file_writer, 'event_writer', None), '_worker', None)
+    return worker is None or worker.is_alive()
+
+  def _raise_tensorboard_failure(self) -> None:
+    """Raises the disk-full error that ended TensorBoard's writer thread since this writer began."""
+    failures = diskfull.background_failures[self._background_failures :]
+    if failures:
+      path = os.path.join(self.run_dir, TENSORBOARD_DIR)
+      raise diskfull.as_disk_full(failures[0], path, 'the TensorBoard events') from failures[0]
 
   def _write_csv(self, row: dict[str, float]) -> None:
     path = os.path.join(self.run_dir, METRICS_CSV)
@@ -213,15 +257,28 @@ class MetricsWriter:
     if not self.is_writer or self.run_dir is None:
       return
     modules, summary = diagnostics_io.diagnostics_from_tree(jax.device_get(diagnostics))
-    diagnostics_io.write_diagnostics(self.run_dir, step, modules, summary)
+    path = diagnostics_io.diagnostics_path(self.run_dir, step)
+    with _writing(path, f'the diagnostics of step {step}'):
+      diagnostics_io.write_diagnostics(self.run_dir, step, modules, summary)
 
   def close(self) -> None:
+    """Flushes and closes the files (each one, even when another fails, the first failure raised)."""
     if self._bar is not None:
       self._bar.close()
-    if self._tb is not None:
-      self._tb.close()
-    if self._jsonl is not None:
-      self._jsonl.close()
+    with contextlib.ExitStack() as stack:
+      if self._jsonl is not None:
+        jsonl, self._jsonl = self._jsonl, None
+        stack.callback(self._close, jsonl, os.path.join(self.run_dir, METRICS_FILE), 'the metrics')
+      if self._tb is not None:
+        tb, self._tb = self._tb, None
+        path = os.path.join(self.run_dir, TENSORBOARD_DIR)
+        stack.callback(self._close, tb, path, 'the TensorBoard events')
+
+  def _close(self, closable, path: str, what: str) -> None:
+    with _writing(path, what):
+      closable.close()
+      if what == 'the TensorBoard events':
+        self._raise_tensorboard_failure()
 
 
 def read_metrics(run_dir: str, *, until_step: int | None = None) -> list[dict[str, float]]:

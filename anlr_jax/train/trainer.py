@@ -35,6 +35,7 @@ from anlr_jax.train.checkpoint import (
     TrainCheckpointer,
     abstract_for_checkpoint,
 )
+from anlr_jax.train.diskfull import DiskFullError, as_disk_full, is_disk_full
 from anlr_jax.train.distributed import global_batch_array, put_global
 from anlr_jax.train.mesh import (
     BATCH_AXES,
@@ -653,7 +654,9 @@ class Trainer:
 
     SIGINT/SIGTERM during the loop finish the update in flight, save a checkpoint (when
     ``checkpoint_dir`` is set) and raise :class:`TrainingInterrupted`. ``max_nonfinite`` consecutive
-    skipped updates (non-finite loss or gradient) raise :class:`NonFiniteError`.
+    skipped updates (non-finite loss or gradient) raise :class:`NonFiniteError`. A checkpoint,
+    metrics or diagnostics write that finds no space raises
+    :class:`~anlr_jax.train.diskfull.DiskFullError`, naming the file system and the checkpoint kept.
     """
     end = self.total_steps if steps is None else min(steps, self.total_steps)
     diagnostics = self.diagnostics_fn()
@@ -662,6 +665,7 @@ class Trainer:
     stuck = 0
     if self.on_step is not None:
       self.on_step(self, step)
+    failed = False
     try:
       with _deferred_signals() as caught:
         while step < end:
@@ -709,9 +713,39 @@ class Trainer:
           self.checkpointer.wait()
         if caught:
           raise self._interrupted(caught[0], step)
+    except Exception as err:
+      failed = True
+      if is_disk_full(err):
+        raise self._disk_full(err, step) from err
+      raise
     finally:
-      writer.close()
+      try:
+        writer.close()
+      except Exception as err:
+        if not failed:  # else the error in flight is the one to report
+          if is_disk_full(err):
+            raise self._disk_full(err, step) from err
+          raise
     return writer.rows
+
+  def _disk_full(self, err: BaseException, step: int) -> DiskFullError:
+    """``err`` (no space left) as the one line to stop with: the file system, what could not be
+    written, and the checkpoint kept (once the save in flight, if any, is over)."""
+    err = as_disk_full(err, self.log_dir or self.checkpoint_dir or '.', 'the run directory')
+    saved = []
+    if self.checkpointer is not None:
+      with contextlib.suppress(DiskFullError):  # that save found no space too: it is not kept
+        self.checkpointer.wait()
+      saved = self.checkpointer.all_steps()
+    kept = (
+        f'the last complete checkpoint, step {saved[-1]} in {self.checkpoint_dir}, is kept'
+        if saved
+        else 'no checkpoint was written'
+    )
+    return err.with_detail(
+        f'stopped after update {step} of {self.total_steps}; {kept}; free space on {err.mount}'
+        ' and run the same command again to ' + ('resume from it' if saved else 'start again')
+    )
 
   def _metrics_writer(self, step: int) -> MetricsWriter:
     """The metrics writer of a loop starting after ``step`` updates (later rows dropped)."""
