@@ -177,6 +177,10 @@ def test_bad_llava_inputs_give_one_line(setup, capsys, tmp_path):
       (["data.template=alpaca"], r"data.template=alpaca: LLaVA data takes chat or vicuna_v1"),
       (["data.format=sharegpt"], r"data.format=sharegpt: model.path .* is a LLaVA model"),
       (
+          ["data.train=benchmark://boolq/tune"],
+          r"data.train: benchmark://boolq/tune holds text records; model.path .* is a LLaVA",
+      ),
+      (
           [f"eval.tasks.boolq={boolq}"],
           r"eval.tasks: the text tasks are prompted in data.template",
       ),

@@ -226,6 +226,11 @@ def training_source(
   data = config.data
   llava = isinstance(model_config, LlavaConfig)
   fmt = data.format or ("llava" if llava else None)
+  if llava and benchmarks.is_benchmark_uri(data.train):
+    raise ConfigError(
+        f"data.train: {data.train} holds text records; model.path {config.model.path} is a LLaVA"
+        " model, which trains on LLaVA data (data.format=llava)"
+    )
   if llava != (fmt == "llava"):
     model = config.model.path
     raise ConfigError(
