@@ -309,8 +309,9 @@ class DataSection:
   )
   format: str | None = setting(
       None,
-      "dataset format; None: detect from the first record",
-      OneOf((*FORMATS, None)),
+      "dataset format; 'llava': LLaVA's visual instruction records (a LLaVA model.path only);"
+      " None: 'llava' for a LLaVA model, else detected from the first record",
+      OneOf((*FORMATS, "llava", None)),
       identity=True,
   )
   max_length: int = setting(
@@ -324,8 +325,15 @@ class DataSection:
   )
   template: str = setting(
       "alpaca",
-      "prompt format (train and eval): 'alpaca' or 'chat' (the tokenizer's chat template)",
-      OneOf(TEMPLATES),
+      "prompt format (train and eval): 'alpaca' or 'chat' (the tokenizer's chat template); LLaVA"
+      " data: 'chat' or 'vicuna_v1' (LLaVA-1.5's conversation format)",
+      OneOf((*TEMPLATES, "vicuna_v1")),
+      identity="unless-default",
+  )
+  image_folder: str | None = setting(
+      None,
+      "LLaVA data: the folder its records' image paths are relative to; None: the data file's"
+      " folder",
       identity="unless-default",
   )
 

@@ -166,6 +166,8 @@ def evaluate_tasks(
   the code is taken from its reply (:mod:`anlr_jax.evals.code`).
   """
   sets = load_eval_sets(config, tasks)
+  if not sets:
+    return {}
   if config.eval.code_prompt == "chat" and any(get_task(t).kind == "code" for t in sets):
     if not getattr(tokenizer, "chat_template", None):
       raise ValueError(

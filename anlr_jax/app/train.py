@@ -29,6 +29,7 @@ that the run is complete. A different identity stops with one line naming each d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Any, Mapping
@@ -61,11 +62,13 @@ from anlr_jax.app.report import (
     table_text,
     write_json,
 )
-from anlr_jax.data import benchmarks, make_source
+from anlr_jax.data import TEMPLATES, benchmarks, make_source
+from anlr_jax.data.llava import IMAGE_TOKEN, LLAVA_TEMPLATES, image_token_id, make_llava_source
 from anlr_jax.data.source import LengthBucketedSource
 from anlr_jax.fields import ConfigError
 from anlr_jax.evals import write_accuracy_table
 from anlr_jax.methods import ADALORA_TOTAL_STEP
+from anlr_jax.models.llava import LlavaConfig, preprocess_image
 from anlr_jax.train import Trainer
 from anlr_jax.train.distributed import process0_value
 from anlr_jax.train.lock import DirectoryLock
@@ -215,20 +218,87 @@ def _train_method(config: RunConfig, train_path: str, log: Log) -> tuple[RunResu
     return _finish(config, run_dir, model, tokenizer, identity, result, log), curve
 
 
-def training_source(config: RunConfig, path: str, tokenizer) -> LengthBucketedSource:
+def training_source(
+    config: RunConfig, path: str, tokenizer, *, model_config=None
+) -> LengthBucketedSource:
   """The training batches of a run: ``path`` read, tokenised and batched as the ``data`` section,
-  ``trainer.global_batch`` and ``seed`` of ``config`` say (``anlr train`` and the examples)."""
+  ``trainer.global_batch`` and ``seed`` of ``config`` say (``anlr train`` and the examples).
+
+  A LLaVA model (``model_config`` a :class:`~anlr_jax.models.llava.LlavaConfig`) trains on LLaVA
+  data (``data.format: llava``, the default for it): its images, from ``data.image_folder``, made
+  into the vision tower's pixel values; other models on the text formats."""
   data = config.data
-  return make_source(
+  llava = isinstance(model_config, LlavaConfig)
+  fmt = data.format or ("llava" if llava else None)
+  if llava and benchmarks.is_benchmark_uri(data.train):
+    raise ConfigError(
+        f"data.train: {data.train} holds text records; model.path {config.model.path} is a LLaVA"
+        " model, which trains on LLaVA data (data.format=llava)"
+    )
+  if llava != (fmt == "llava"):
+    model = config.model.path
+    raise ConfigError(
+        f"data.format={fmt}: model.path {model} is a LLaVA model, which trains on LLaVA data: set"
+        " data.format=llava or leave it out"
+        if llava
+        else f"data.format=llava: model.path {model} is not a LLaVA model (config.json model_type"
+        " llava); LLaVA data trains a LLaVA model only"
+    )
+  if not llava:
+    if data.image_folder is not None:
+      raise ConfigError("data.image_folder: only LLaVA data (data.format=llava) has images")
+    if data.template not in TEMPLATES:
+      raise ConfigError(
+          f"data.template={data.template}: LLaVA-1.5's format, for LLaVA data only; text data"
+          f" takes {' or '.join(TEMPLATES)}"
+      )
+    return make_source(
+        path,
+        tokenizer,
+        format=fmt,
+        max_length=data.max_length,
+        global_batch=config.trainer.global_batch,
+        seed=config.seed,
+        on_error=data.on_error,
+        pad_multiple=data.pad_multiple,
+        template=data.template,
+    )
+  if data.template not in LLAVA_TEMPLATES:
+    raise ConfigError(
+        f"data.template={data.template}: LLaVA data takes {' or '.join(LLAVA_TEMPLATES)}"
+        " (vicuna_v1: LLaVA-1.5's conversation format)"
+    )
+  if data.template == "vicuna_v1" and config.eval.tasks:
+    raise ConfigError(
+        "eval.tasks: the text tasks are prompted in data.template, which is vicuna_v1 (LLaVA"
+        " data only): leave eval.tasks out or train with data.template=chat"
+    )
+  folder = None
+  if data.image_folder is not None:
+    folder = require_path(data.image_folder, "data.image_folder", kind="image folder")
+    if not os.path.isdir(folder):
+      raise ConfigError(f"data.image_folder: {folder} is not a folder")
+  try:
+    token = image_token_id(tokenizer)
+  except ValueError as err:
+    raise ConfigError(f"model.tokenizer: {err}") from None
+  if token != model_config.image_token_index:
+    raise ConfigError(
+        f"model.tokenizer: {IMAGE_TOKEN} is token {token}, the model's image_token_index is"
+        f" {model_config.image_token_index}: the tokenizer does not belong to the model"
+    )
+  return make_llava_source(
       path,
       tokenizer,
-      format=data.format,
+      preprocess=functools.partial(preprocess_image, config=model_config),
+      num_image_tokens=model_config.num_image_tokens,
       max_length=data.max_length,
       global_batch=config.trainer.global_batch,
       seed=config.seed,
+      image_folder=folder,
+      template=data.template,
       on_error=data.on_error,
       pad_multiple=data.pad_multiple,
-      template=data.template,
   )
 
 
@@ -245,7 +315,9 @@ def _train(
   ``config.run_dir`` (resuming from its newest checkpoint) and writes the adapter file and loss
   plot; returns the trained model, its result (not yet evaluated) and its loss curve."""
   method, run_dir, tc = config.method, config.run_dir, config.trainer
-  source = training_source(config, train_path, tokenizer)
+  source = training_source(
+      config, train_path, tokenizer, model_config=getattr(model, "config", None)
+  )
   log(f"[{method}] data: {_describe_data(source, train_path, config)}")
   _check_vocab(source, vocab_size, config)
   total = tc.total_steps(len(source))
