@@ -59,6 +59,14 @@ LOGICAL_AXES = (AXIS_VOCAB, AXIS_EMBED, AXIS_Q_HEADS, AXIS_KV_HEADS, AXIS_MLP, A
 
 _INIT_STD = 0.02  # transformers' initializer_range
 
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+"""Per-decoder-layer rematerialisation (``ModelConfig.remat``, ``trainer.remat``): the
+``jax.checkpoint`` policy of each layer's region; ``'none'``: no region."""
+
 
 def _axes(*names: str) -> dict:
   """Variable metadata for logical ``names``; eager sharding only when a mesh is active."""
@@ -323,6 +331,7 @@ class LlamaForCausalLM(nnx.Module):
       positions: jax.Array | None = None,
       attention_mask: jax.Array | None = None,
       cache: KVCache | None = None,
+      remat: str | None = None,
   ):
     """Logits ``(B, T, V)`` float32 for ``input_ids`` ``(B, T)``.
 
@@ -333,11 +342,59 @@ class LlamaForCausalLM(nnx.Module):
         left-padded row gets the same positions as the unpadded one.
       attention_mask: ``(B, T)``, 1 = token, 0 = pad; None means all tokens are real.
       cache: a :class:`KVCache`; the new keys/values are written at ``cache.index``.
+      remat: per-layer rematerialisation of the cache-free pass, ``'none'``, ``'full'`` or
+        ``'dots'`` (:data:`REMAT_POLICIES`); None: ``config.remat``.
 
     Returns:
       ``logits`` or, when ``cache`` is given, ``(logits, updated_cache)``.
     """
+    h, new_cache = self._forward(input_ids, positions, attention_mask, cache, remat)
+    logits = self.logits(h)
+    return logits if cache is None else (logits, new_cache)
+
+  def hidden_states(
+      self,
+      input_ids: jax.Array,
+      *,
+      positions: jax.Array | None = None,
+      attention_mask: jax.Array | None = None,
+      remat: str | None = None,
+  ) -> jax.Array:
+    """The final normed hidden states ``RMSNorm(x_L)`` ``(B, T, d)`` in the compute dtype: what the
+    output matrix (:meth:`output_matrix`) multiplies into the logits. Arguments as ``__call__``."""
+    return self._forward(input_ids, positions, attention_mask, None, remat)[0]
+
+  def output_matrix(self) -> tuple[jax.Array, bool] | None:
+    """``(W, transposed)`` with ``logits = h @ W`` (``lm_head.kernel``, ``(d, V)``) or, tied,
+    ``h @ W.T`` (``embed_tokens.embedding``, ``(V, d)``), both in the compute dtype before the
+    product (:meth:`logits`; ``config.matmul_dtype`` rounds the operands further). None when the
+    head is not a plain ``nnx.Linear`` (e.g. an adapter wraps ``lm_head``): then only
+    :meth:`logits` computes it."""
+    if self.config.tie_word_embeddings:
+      return self.model.embed_tokens.embedding[...], True
+    if type(self.lm_head) is not nnx.Linear:
+      return None
+    return self.lm_head.kernel[...], False
+
+  def logits(self, h: jax.Array) -> jax.Array:
+    """Float32 logits ``(..., V)`` of the final normed hidden states ``h`` ``(..., d)``."""
     config = self.config
+    flat = h.reshape(-1, h.shape[-1])  # 2-D GEMM (see MLP)
+    if config.tie_word_embeddings and config.matmul_dtype is not None:
+      embedding = self.model.embed_tokens.embedding[...].astype(config.dtype)
+      logits = lowp_matmul(flat, embedding, config.matmul_dtype, transpose_w=True)
+    elif config.tie_word_embeddings:
+      logits = self.model.embed_tokens.attend(flat)
+    else:
+      logits = self.lm_head(flat)
+    return logits.reshape(*h.shape[:-1], logits.shape[-1]).astype(jnp.float32)
+
+  def _forward(self, input_ids, positions, attention_mask, cache, remat):
+    """``(RMSNorm(x_L), updated cache or None)``."""
+    config = self.config
+    remat = config.remat if remat is None else remat
+    if remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={remat!r} must be one of {tuple(REMAT_POLICIES)}.")
     if input_ids.ndim != 2:
       raise ValueError(f"input_ids must have shape (B, T), got {input_ids.shape}.")
     b, t = input_ids.shape
@@ -368,28 +425,21 @@ class LlamaForCausalLM(nnx.Module):
 
     h = self.model.embed_tokens(input_ids.astype(jnp.int32)).astype(config.dtype)
     cos, sin = rope_cos_sin(config.rope_inv_freq(), positions, config.dtype)
+    forward = _layer_forward
+    if remat != "none":  # one rematerialised region per decoder layer
+      forward = nnx.remat(_layer_forward, policy=REMAT_POLICIES[remat])
     new_keys, new_values = [], []
     for i, layer in enumerate(self.model.layers):
       if cache is None:
-        forward = nnx.remat(_layer_forward) if config.remat else _layer_forward
         h = forward(layer, h, cos, sin, allowed, lengths)
       else:
         h, (k, v) = layer(h, cos, sin, allowed, (cache.keys[i], cache.values[i]), cache.index)
         new_keys.append(k)
         new_values.append(v)
     h = self.model.norm(h)
-    flat = h.reshape(-1, h.shape[-1])  # 2-D GEMM (see MLP)
-    if config.tie_word_embeddings and config.matmul_dtype is not None:
-      embedding = self.model.embed_tokens.embedding[...].astype(config.dtype)
-      logits = lowp_matmul(flat, embedding, config.matmul_dtype, transpose_w=True)
-    elif config.tie_word_embeddings:
-      logits = self.model.embed_tokens.attend(flat)
-    else:
-      logits = self.lm_head(flat)
-    logits = logits.reshape(*h.shape[:-1], logits.shape[-1]).astype(jnp.float32)
     if cache is None:
-      return logits
+      return h, None
     new_cache = KVCache(
         keys=tuple(new_keys), values=tuple(new_values), mask=key_mask, index=cache.index + t
     )
-    return logits, new_cache
+    return h, new_cache

@@ -51,6 +51,7 @@ from anlr_jax.train.schedule import linear_warmup_decay
 from anlr_jax.train.step import (
     BATCH_KEYS,
     LORA_LAYOUTS,
+    LOSS_CHUNK,
     REMAT_POLICIES,
     LoraLayout,
     init_train_state,
@@ -207,7 +208,18 @@ class TrainerConfig:
       'storage dtype of the frozen base weights; None: as built',
       OneOf((*DTYPES, None)),
   )
-  remat: str = setting('none', 'rematerialisation of each layer', OneOf(tuple(REMAT_POLICIES)))
+  remat: str = setting(
+      'none',
+      "per-decoder-layer rematerialisation: 'full' recomputes each layer's activations in the"
+      " backward pass, 'dots' keeps its matmul outputs",
+      OneOf(tuple(REMAT_POLICIES)),
+  )
+  loss_chunk: int = setting(
+      LOSS_CHUNK,
+      'tokens per chunk of the loss: the (batch, length, vocab) logits are never held whole; 0:'
+      ' whole logits',
+      Range(0),
+  )
   lora_layout: str = setting(
       'stacked',
       "LoRA params in the train state: 'stacked' (one optimizer module per projection, the"
@@ -385,6 +397,7 @@ class Trainer:
         micro_batches=self.config.micro_batches,
         compute_dtype=DTYPES[self.config.compute_dtype],
         remat=self.config.remat,
+        loss_chunk=self.config.loss_chunk,
         batch_spec=jax.sharding.PartitionSpec(BATCH_AXES),
         stacked_layers=self.layout.stacked,
         loss_regularizer=loss_regularizer,
