@@ -39,7 +39,8 @@ layer, a ``(B, S)`` slot mask and the next write index, so a jitted step keeps o
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -290,6 +291,54 @@ def _layer_forward(layer: DecoderLayer, x, cos, sin, allowed, lengths):
   return layer(x, cos, sin, allowed, lengths=lengths)[0]
 
 
+def _after_cotangent(fun: Callable, policy) -> Callable:
+  """``jax.checkpoint(fun, policy=policy)`` whose backward pass recomputes only once the
+  cotangent of ``fun``'s first output has arrived.
+
+  The saved residuals pass through ``r + 0 * g`` (``g`` one element of that cotangent) before the
+  recomputation reads them. Without this data dependency nothing orders the recomputation after
+  the layers above it: XLA's CPU backend drops ``jax.checkpoint``'s optimisation barriers and merges
+  the recomputation with the forward pass, so every activation stays alive (no memory saved).
+  A non-finite ``g`` makes the layer's gradients NaN, as they would be anyway.
+  """
+
+  @jax.custom_vjp
+  def wrapped(*args):
+    return fun(*args)
+
+  def fwd(*args):
+    return jax.vjp(jax.checkpoint(fun, policy=policy), *args)
+
+  def bwd(vjp_fn, ct):
+    g = jax.tree.leaves(ct)[0]
+    zero = 0 * g.reshape(-1)[0].astype(jnp.float32)
+
+    def tie(r):
+      if hasattr(r, "dtype") and jnp.issubdtype(r.dtype, jnp.floating):
+        return r + zero.astype(r.dtype)
+      return r
+
+    return jax.tree.map(tie, vjp_fn)(ct)
+
+  wrapped.defvjp(fwd, bwd)
+  return wrapped
+
+
+def _remat_layer_forward(policy, layer: DecoderLayer, x, cos, sin, allowed, lengths):
+  """:func:`_layer_forward` as one rematerialised region (:func:`_after_cotangent`); the layer's
+  non-parameter state (LoRA dropout's RNG counts) is carried out of the region and updated."""
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+  def pure(params, rest, x, cos, sin, allowed, lengths):
+    module = nnx.merge(graphdef, params, rest)
+    y = _layer_forward(module, x, cos, sin, allowed, lengths)
+    return y, nnx.state(module, nnx.Not(nnx.Param))
+
+  y, new_rest = _after_cotangent(pure, policy)(params, rest, x, cos, sin, allowed, lengths)
+  nnx.update(layer, new_rest)
+  return y
+
+
 class LlamaModel(nnx.Module):
   """Embedding, decoder stack and final norm (Hugging Face's ``model`` submodule)."""
 
@@ -427,7 +476,7 @@ class LlamaForCausalLM(nnx.Module):
     cos, sin = rope_cos_sin(config.rope_inv_freq(), positions, config.dtype)
     forward = _layer_forward
     if remat != "none":  # one rematerialised region per decoder layer
-      forward = nnx.remat(_layer_forward, policy=REMAT_POLICIES[remat])
+      forward = functools.partial(_remat_layer_forward, REMAT_POLICIES[remat])
     new_keys, new_values = [], []
     for i, layer in enumerate(self.model.layers):
       if cache is None:
