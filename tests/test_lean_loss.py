@@ -209,10 +209,11 @@ def test_remat_needs_a_model_with_per_layer_regions():
     make_train_step(graphdef, tx, loss_chunk=-1)
 
 
-def test_sharded_chunked_loss_equals_the_whole_logits_loss():
-  """On a (data=2, fsdp=2, tensor=2) mesh of 8 CPU devices, two updates with two micro-batches."""
+def test_sharded_chunked_loss_and_remat_equal_the_whole_logits_loss():
+  """On a (data=2, fsdp=2, tensor=2) mesh of 8 CPU devices, two updates with two micro-batches and
+  LoRA dropout: the chunked loss with per-layer remat against the whole logits without."""
 
-  def run(loss_chunk):
+  def run(loss_chunk, remat):
     cfg = TrainerConfig(
         steps=2,
         global_batch=8,
@@ -223,6 +224,7 @@ def test_sharded_chunked_loss_equals_the_whole_logits_loss():
         mesh_fsdp=2,
         mesh_tensor=2,
         loss_chunk=loss_chunk,
+        remat=remat,
     )
     model = inject_lora(
         LlamaForCausalLM(ModelConfig.tiny(vocab_size=512), rngs=nnx.Rngs(0)),
@@ -234,7 +236,7 @@ def test_sharded_chunked_loss_equals_the_whole_logits_loss():
     losses = [float(trainer.train_step()['loss']) for _ in range(2)]
     return losses, jax.device_get(trainer.state.lora)
 
-  whole, whole_lora = run(0)
-  chunked, lora = run(24)
+  whole, whole_lora = run(0, 'none')
+  chunked, lora = run(24, 'full')
   np.testing.assert_allclose(chunked, whole, rtol=1e-6)
   _assert_relative(lora, whole_lora, 1e-5)
