@@ -31,7 +31,7 @@ from anlr_jax.rundir import module_name
 
 BATCH_KEYS = ('input_ids', 'attention_mask', 'loss_mask')
 LOSS_CHUNK = 1024
-"""Default tokens per chunk of :func:`chunked_next_token_loss_sum` in the train step."""
+"""Default tokens per chunk of :func:`chunked_next_token_loss_sum` (the lean configs' setting)."""
 
 
 class TrainState(NamedTuple):
@@ -314,7 +314,7 @@ def make_train_step(
     micro_batches: int = 1,
     compute_dtype: Any = None,
     remat: str = 'none',
-    loss_chunk: int = LOSS_CHUNK,
+    loss_chunk: int = 0,
     batch_spec: P | None = None,
     stacked_layers: bool = False,
     skip_nonfinite: bool = True,

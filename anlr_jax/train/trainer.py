@@ -215,9 +215,9 @@ class TrainerConfig:
       OneOf(tuple(REMAT_POLICIES)),
   )
   loss_chunk: int = setting(
-      LOSS_CHUNK,
-      'tokens per chunk of the loss: the (batch, length, vocab) logits are never held whole; 0:'
-      ' whole logits',
+      0,
+      f'tokens per chunk of the loss (e.g. {LOSS_CHUNK}): the (batch, length, vocab) logits are'
+      ' never held whole; 0: whole logits',
       Range(0),
   )
   lora_layout: str = setting(
