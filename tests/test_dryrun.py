@@ -2,6 +2,7 @@
 (exact, against sums from the model's own files and the LoRA equations) and the activation
 estimate's behaviour; the CLI prints it without training or writing anything."""
 
+import dataclasses
 import json
 import math
 
@@ -16,6 +17,8 @@ from anlr_jax.fields import ConfigError
 from anlr_jax.models.config import ModelConfig
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
+CPU_CASES = [("none", 256), ("full", 256), ("dots", 256)]  # (trainer.remat, trainer.loss_chunk)
+LOGITS_CASES = [("none", 0), ("none", 256), ("full", 0)]
 
 
 def _config(*overrides):
@@ -89,12 +92,47 @@ def test_model_presets_come_from_one_table():
   from anlr_jax.app.dryrun import PRESETS
   from anlr_jax.models.config import PRESETS as TABLE
 
-  assert set(PRESETS) == set(TABLE) - {"tiny"}
+  assert set(PRESETS) == (set(TABLE) - {"tiny"}) | {"llava1_5_7b"}  # LLaVA's has a vision tower
   assert 6.7e9 < ModelConfig.preset("llama2_7b").num_params() < 6.8e9  # LLaMA-2-7B: 6.74B
   qwen = ModelConfig.preset("qwen2_5_7b", num_hidden_layers=2)
   assert qwen.attention_bias and qwen.num_key_value_heads == 4 and qwen.num_hidden_layers == 2
   with pytest.raises(ValueError, match="unknown model preset 'llama9'; presets: llama2_7b"):
     ModelConfig.preset("llama9")
+
+
+@pytest.mark.parametrize("vocab, cases", [(None, CPU_CASES), (4000, LOGITS_CASES)])
+def test_the_activation_estimate_matches_xla_cpu_memory_analysis(vocab, cases):
+  """On CPU the estimate is within 25 % of the compiled train step's temporary memory for every
+  remat setting and with the whole and the chunked loss (the quickstart model; with ``vocab``,
+  the same shapes with a larger vocabulary, where the loss's logits weigh)."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+
+  from anlr_jax.app.dryrun import _model_config
+  from anlr_jax.models.llama import LlamaForCausalLM
+  from anlr_jax.nn.inject import inject_lora
+  from anlr_jax.train.step import init_train_state, make_train_step, split_model, stack_layers
+
+  base = ["trainer.compute_dtype=float32", "trainer.global_batch=8", "data.max_length=128"]
+  model_config = _model_config(_config(*base), None)
+  if vocab:
+    model_config = dataclasses.replace(model_config, vocab_size=vocab)
+  model = LlamaForCausalLM(model_config, rngs=nnx.Rngs(0))
+  inject_lora(model, target_modules=TARGETS, rank=8, alpha=16.0, dropout=0.0, rngs=nnx.Rngs(1))
+  graphdef, lora, frozen, extra = split_model(model)
+  tx = optax.adamw(1e-3)
+  state = init_train_state(stack_layers(lora), extra, tx)
+  batch = {k: jnp.ones((8, 128), jnp.int32) for k in ("input_ids", "attention_mask", "loss_mask")}
+  ratios = {}
+  for remat, chunk in cases:
+    config = _config(*base, f"trainer.remat={remat}", f"trainer.loss_chunk={chunk}")
+    estimate_ = activation_bytes(config, model_config, {"data": 1, "fsdp": 1, "tensor": 1})
+    step = make_train_step(graphdef, tx, remat=remat, loss_chunk=chunk, stacked_layers=True)
+    compiled = jax.jit(step).lower(state, frozen, batch).compile()
+    ratios[remat, chunk] = estimate_ / compiled.memory_analysis().temp_size_in_bytes
+  assert all(0.75 <= r <= 1.25 for r in ratios.values()), ratios
 
 
 def test_mesh_sizes_take_the_rest_or_name_the_keys():

@@ -1,5 +1,5 @@
 """Single-device train step: loss of the batch contract, LoRA-only AdamW update, gradient
-accumulation, one compilation, schedule, dtypes, remat, bad input."""
+accumulation, one compilation, schedule, dtypes, bad input (remat: tests/test_lean_loss.py)."""
 
 import chex
 import jax
@@ -140,15 +140,6 @@ def test_bf16_compute_keeps_float32_params_and_state():
       if jnp.issubdtype(x.dtype, jnp.floating)
   )
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(bf16.frozen))
-
-
-@pytest.mark.parametrize('remat', ['full', 'dots'])
-def test_remat_gives_the_same_step(remat):
-  plain, rematted = _trainer(optax.adamw(1e-2)), _trainer(optax.adamw(1e-2), remat=remat)
-  np.testing.assert_allclose(rematted.train_step()['loss'], plain.train_step()['loss'], rtol=1e-6)
-  chex.assert_trees_all_close(
-      jax.device_get(rematted.state.lora), jax.device_get(plain.state.lora), atol=1e-6
-  )
 
 
 class _MissingKey(ToyBatches):

@@ -31,6 +31,8 @@ import numpy as np
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "auto")
+REMAT_MODES = ("none", "full", "dots")
+"""Per-decoder-layer rematerialisation: none, everything recomputed, or only matmul outputs kept."""
 _LLAMA3_ROPE_KEYS = (
     "factor",
     "low_freq_factor",
@@ -88,7 +90,11 @@ class ModelConfig:
     model_type: ``'llama'`` or ``'qwen2'``.
     dtype: compute dtype (activations, matmuls); float32 or bfloat16.
     param_dtype: storage dtype of the parameters.
-    remat: wrap every decoder layer in ``nnx.remat`` (recompute activations in the backward pass).
+    remat: per-decoder-layer rematerialisation of the cache-free forward pass (each layer wrapped
+      in ``nnx.remat``: its activations are recomputed in the backward pass): ``'none'``,
+      ``'full'`` (only the layer's input is kept) or ``'dots'`` (matmul outputs are kept too);
+      ``True``/``False`` mean ``'full'``/``'none'``. The trainer's ``trainer.remat`` overrides it
+      for training (the forward's ``remat=`` argument).
     attention_impl: how the cache-free forward pass (training, scoring) computes attention:
       ``'einsum'`` (explicit scores and mask; fastest on CPU), ``'xla'`` or ``'cudnn'``
       (``jax.nn.dot_product_attention`` with a causal mask and per-row key lengths; ``'cudnn'`` is
@@ -118,7 +124,7 @@ class ModelConfig:
   model_type: str = "llama"
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
-  remat: bool = False
+  remat: str = "none"
   attention_impl: str = "einsum"
   matmul_dtype: Any = None
 
@@ -157,6 +163,10 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}.")
     if not self.rope_theta > 0:
       raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}.")
+    if isinstance(self.remat, (bool, np.bool_)):
+      object.__setattr__(self, "remat", "full" if self.remat else "none")
+    if self.remat not in REMAT_MODES:
+      raise ValueError(f"ModelConfig.remat={self.remat!r} must be one of {REMAT_MODES} or a bool.")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(
           f"ModelConfig.attention_impl={self.attention_impl!r} must be one of {ATTENTION_IMPLS}."

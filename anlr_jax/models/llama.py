@@ -39,7 +39,8 @@ layer, a ``(B, S)`` slot mask and the next write index, so a jitted step keeps o
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,14 @@ AXIS_NORM = "norm"
 LOGICAL_AXES = (AXIS_VOCAB, AXIS_EMBED, AXIS_Q_HEADS, AXIS_KV_HEADS, AXIS_MLP, AXIS_NORM)
 
 _INIT_STD = 0.02  # transformers' initializer_range
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+"""Per-decoder-layer rematerialisation (``ModelConfig.remat``, ``trainer.remat``): the
+``jax.checkpoint`` policy of each layer's region; ``'none'``: no region."""
 
 
 def logical_axes(*names: str) -> dict:
@@ -286,6 +295,54 @@ def _layer_forward(layer: DecoderLayer, x, cos, sin, allowed, lengths):
   return layer(x, cos, sin, allowed, lengths=lengths)[0]
 
 
+def _after_cotangent(fun: Callable, policy) -> Callable:
+  """``jax.checkpoint(fun, policy=policy)`` whose backward pass recomputes only once the
+  cotangent of ``fun``'s first output has arrived.
+
+  The saved residuals pass through ``r + 0 * g`` (``g`` one element of that cotangent) before the
+  recomputation reads them. Without this data dependency nothing orders the recomputation after
+  the layers above it: XLA's CPU backend drops ``jax.checkpoint``'s optimisation barriers and merges
+  the recomputation with the forward pass, so every activation stays alive (no memory saved).
+  A non-finite ``g`` makes the layer's gradients NaN, as they would be anyway.
+  """
+
+  @jax.custom_vjp
+  def wrapped(*args):
+    return fun(*args)
+
+  def fwd(*args):
+    return jax.vjp(jax.checkpoint(fun, policy=policy), *args)
+
+  def bwd(vjp_fn, ct):
+    g = jax.tree.leaves(ct)[0]
+    zero = 0 * g.reshape(-1)[0].astype(jnp.float32)
+
+    def tie(r):
+      if hasattr(r, "dtype") and jnp.issubdtype(r.dtype, jnp.floating):
+        return r + zero.astype(r.dtype)
+      return r
+
+    return jax.tree.map(tie, vjp_fn)(ct)
+
+  wrapped.defvjp(fwd, bwd)
+  return wrapped
+
+
+def _remat_layer_forward(policy, layer: DecoderLayer, x, cos, sin, allowed, lengths):
+  """:func:`_layer_forward` as one rematerialised region (:func:`_after_cotangent`); the layer's
+  non-parameter state (LoRA dropout's RNG counts) is carried out of the region and updated."""
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+  def pure(params, rest, x, cos, sin, allowed, lengths):
+    module = nnx.merge(graphdef, params, rest)
+    y = _layer_forward(module, x, cos, sin, allowed, lengths)
+    return y, nnx.state(module, nnx.Not(nnx.Param))
+
+  y, new_rest = _after_cotangent(pure, policy)(params, rest, x, cos, sin, allowed, lengths)
+  nnx.update(layer, new_rest)
+  return y
+
+
 class LlamaModel(nnx.Module):
   """Embedding, decoder stack and final norm (Hugging Face's ``model`` submodule)."""
 
@@ -328,6 +385,7 @@ class LlamaForCausalLM(nnx.Module):
       attention_mask: jax.Array | None = None,
       cache: KVCache | None = None,
       inputs_embeds: jax.Array | None = None,
+      remat: str | None = None,
   ):
     """Logits ``(B, T, V)`` float32 for ``input_ids`` ``(B, T)``.
 
@@ -340,11 +398,60 @@ class LlamaForCausalLM(nnx.Module):
       cache: a :class:`KVCache`; the new keys/values are written at ``cache.index``.
       inputs_embeds: ``(B, T, d)`` input embeddings used instead of looking ``input_ids`` up
         (LLaVA puts image features at its image tokens); ``input_ids`` still gives the shape.
+      remat: per-layer rematerialisation of the cache-free pass, ``'none'``, ``'full'`` or
+        ``'dots'`` (:data:`REMAT_POLICIES`); None: ``config.remat``.
 
     Returns:
       ``logits`` or, when ``cache`` is given, ``(logits, updated_cache)``.
     """
+    h, new_cache = self._forward(input_ids, positions, attention_mask, cache, remat, inputs_embeds)
+    logits = self.logits(h)
+    return logits if cache is None else (logits, new_cache)
+
+  def hidden_states(
+      self,
+      input_ids: jax.Array,
+      *,
+      positions: jax.Array | None = None,
+      attention_mask: jax.Array | None = None,
+      inputs_embeds: jax.Array | None = None,
+      remat: str | None = None,
+  ) -> jax.Array:
+    """The final normed hidden states ``RMSNorm(x_L)`` ``(B, T, d)`` in the compute dtype: what the
+    output matrix (:meth:`output_matrix`) multiplies into the logits. Arguments as ``__call__``."""
+    return self._forward(input_ids, positions, attention_mask, None, remat, inputs_embeds)[0]
+
+  def output_matrix(self) -> tuple[jax.Array, bool] | None:
+    """``(W, transposed)`` with ``logits = h @ W`` (``lm_head.kernel``, ``(d, V)``) or, tied,
+    ``h @ W.T`` (``embed_tokens.embedding``, ``(V, d)``), both in the compute dtype before the
+    product (:meth:`logits`; ``config.matmul_dtype`` rounds the operands further). None when the
+    head is not a plain ``nnx.Linear`` (e.g. an adapter wraps ``lm_head``): then only
+    :meth:`logits` computes it."""
+    if self.config.tie_word_embeddings:
+      return self.model.embed_tokens.embedding[...], True
+    if type(self.lm_head) is not nnx.Linear:
+      return None
+    return self.lm_head.kernel[...], False
+
+  def logits(self, h: jax.Array) -> jax.Array:
+    """Float32 logits ``(..., V)`` of the final normed hidden states ``h`` ``(..., d)``."""
     config = self.config
+    flat = h.reshape(-1, h.shape[-1])  # 2-D GEMM (see MLP)
+    if config.tie_word_embeddings and config.matmul_dtype is not None:
+      embedding = self.model.embed_tokens.embedding[...].astype(config.dtype)
+      logits = lowp_matmul(flat, embedding, config.matmul_dtype, transpose_w=True)
+    elif config.tie_word_embeddings:
+      logits = self.model.embed_tokens.attend(flat)
+    else:
+      logits = self.lm_head(flat)
+    return logits.reshape(*h.shape[:-1], logits.shape[-1]).astype(jnp.float32)
+
+  def _forward(self, input_ids, positions, attention_mask, cache, remat, inputs_embeds=None):
+    """``(RMSNorm(x_L), updated cache or None)``."""
+    config = self.config
+    remat = config.remat if remat is None else remat
+    if remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={remat!r} must be one of {tuple(REMAT_POLICIES)}.")
     if input_ids.ndim != 2:
       raise ValueError(f"input_ids must have shape (B, T), got {input_ids.shape}.")
     b, t = input_ids.shape
@@ -382,28 +489,21 @@ class LlamaForCausalLM(nnx.Module):
     else:
       h = inputs_embeds.astype(config.dtype)
     cos, sin = rope_cos_sin(config.rope_inv_freq(), positions, config.dtype)
+    forward = _layer_forward
+    if remat != "none":  # one rematerialised region per decoder layer
+      forward = functools.partial(_remat_layer_forward, REMAT_POLICIES[remat])
     new_keys, new_values = [], []
     for i, layer in enumerate(self.model.layers):
       if cache is None:
-        forward = nnx.remat(_layer_forward) if config.remat else _layer_forward
         h = forward(layer, h, cos, sin, allowed, lengths)
       else:
         h, (k, v) = layer(h, cos, sin, allowed, (cache.keys[i], cache.values[i]), cache.index)
         new_keys.append(k)
         new_values.append(v)
     h = self.model.norm(h)
-    flat = h.reshape(-1, h.shape[-1])  # 2-D GEMM (see MLP)
-    if config.tie_word_embeddings and config.matmul_dtype is not None:
-      embedding = self.model.embed_tokens.embedding[...].astype(config.dtype)
-      logits = lowp_matmul(flat, embedding, config.matmul_dtype, transpose_w=True)
-    elif config.tie_word_embeddings:
-      logits = self.model.embed_tokens.attend(flat)
-    else:
-      logits = self.lm_head(flat)
-    logits = logits.reshape(*h.shape[:-1], logits.shape[-1]).astype(jnp.float32)
     if cache is None:
-      return logits
+      return h, None
     new_cache = KVCache(
         keys=tuple(new_keys), values=tuple(new_values), mask=key_mask, index=cache.index + t
     )
-    return logits, new_cache
+    return h, new_cache

@@ -440,8 +440,10 @@ class LlavaForConditionalGeneration(nnx.Module):
       positions: jax.Array | None = None,
       attention_mask: jax.Array | None = None,
       cache: KVCache | None = None,
+      remat: str | None = None,
   ):
-    """Logits ``(B, T, V)`` float32 (and the cache when given), as :class:`LlamaForCausalLM`.
+    """Logits ``(B, T, V)`` float32 (and the cache when given), as :class:`LlamaForCausalLM`
+    (``remat``: the language model's per-decoder-layer rematerialisation, as there).
 
     ``pixel_values``: ``(num_images, 3, S, S)``, the images of the batch in order of appearance of
     their image tokens (transformers' layout); or ``(B, K, 3, S, S)``, ``K`` image slots per row
@@ -460,6 +462,7 @@ class LlavaForConditionalGeneration(nnx.Module):
         attention_mask=attention_mask,
         cache=cache,
         inputs_embeds=embeds,
+        remat=remat,
     )
 
 

@@ -20,6 +20,7 @@ from anlr_jax.train.metrics import MetricsWriter
 from anlr_jax.train.schedule import linear_warmup_decay
 from anlr_jax.train.step import (
     TrainState,
+    chunked_next_token_loss_sum,
     make_train_step,
     next_token_loss_sum,
     split_model,
@@ -41,6 +42,7 @@ __all__ = [
     'linear_warmup_decay',
     'make_mesh',
     'make_train_step',
+    'chunked_next_token_loss_sum',
     'next_token_loss_sum',
     'split_model',
     'stack_layers',

@@ -15,6 +15,8 @@ inside the loss, so gradients, params and optimizer state stay float32.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -24,16 +26,14 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from anlr_jax.models.llama import REMAT_POLICIES
 from anlr_jax.naming import module_name
 
 BATCH_KEYS = ('input_ids', 'attention_mask', 'loss_mask')
 # Optional: the images of a model that takes them (LLaVA), (B, K, 3, S, S): K image slots per row.
 IMAGE_KEY = 'pixel_values'
-REMAT_POLICIES = {
-    'none': None,
-    'full': jax.checkpoint_policies.nothing_saveable,
-    'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+LOSS_CHUNK = 1024
+"""Default tokens per chunk of :func:`chunked_next_token_loss_sum` (the lean configs' setting)."""
 
 
 class TrainState(NamedTuple):
@@ -54,11 +54,141 @@ def next_token_loss_sum(
   logits are used whole: slicing off their last position would copy them (and pad their gradient)
   on every step.
   """
-  targets = jnp.roll(input_ids, -1, axis=1)
-  mask = loss_mask.astype(jnp.float32)
-  weights = jnp.concatenate([mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=1)
+  targets, weights = _targets_and_weights(input_ids, loss_mask)
   nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
   return jnp.sum(nll * weights), jnp.sum(weights)
+
+
+def _targets_and_weights(input_ids, loss_mask):
+  targets = jnp.roll(input_ids, -1, axis=1)
+  mask = loss_mask.astype(jnp.float32)
+  return targets, jnp.concatenate([mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=1)
+
+
+def _head_dims(w_axis: int, ndim: int):
+  """``dot_general`` dimensions of ``h @ W`` (``w_axis`` = W's axis of size d), no batch axes."""
+  return (((ndim - 1,), (w_axis,)), ((), ()))
+
+
+def _chunk_logits(h, w, w_axis, matmul_dtype):
+  """Float32 logits of one chunk, rounded as the model's head rounds them: operands in the
+  ``matmul_dtype`` (else the compute dtype ``h.dtype``), result in ``h.dtype``, then float32."""
+  op = matmul_dtype or h.dtype
+  z = jax.lax.dot_general(
+      h.astype(op), w.astype(op), _head_dims(w_axis, h.ndim), preferred_element_type=jnp.float32
+  )
+  return z.astype(h.dtype).astype(jnp.float32)
+
+
+def _chunk_nll_and_grad(h, w, targets, weights, w_axis, matmul_dtype):
+  """``(sum m CE, dCE/dlogits)`` of one chunk; the latter ``m (softmax - onehot)`` in float32."""
+  z = _chunk_logits(h, w, w_axis, matmul_dtype)
+  lse = jax.nn.logsumexp(z, axis=-1)
+  picked = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
+  total = jnp.sum((lse - picked) * weights)
+  onehot = jax.nn.one_hot(targets, z.shape[-1], dtype=jnp.float32)
+  dz = (jnp.exp(z - lse[..., None]) - onehot) * weights[..., None]
+  return total, dz
+
+
+def _to_chunks(x, chunk):
+  """``(B, T, ...)`` -> ``(n, B, chunk, ...)``, ``T`` zero-padded to ``n * chunk``."""
+  b, t = x.shape[:2]
+  n = -(-t // chunk)
+  x = jnp.pad(x, [(0, 0), (0, n * chunk - t)] + [(0, 0)] * (x.ndim - 2))
+  return x.reshape(b, n, chunk, *x.shape[2:]).swapaxes(0, 1)
+
+
+def _from_chunks(x, t):
+  """Inverse of :func:`_to_chunks`: ``(n, B, chunk, ...)`` -> ``(B, T, ...)``."""
+  n, b, chunk = x.shape[:3]
+  return x.swapaxes(0, 1).reshape(b, n * chunk, *x.shape[3:])[:, :t]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _chunked_loss(hidden, w, targets, weights, w_axis, matmul_dtype, chunk):
+  return _chunked_loss_fwd(hidden, w, targets, weights, w_axis, matmul_dtype, chunk)[0]
+
+
+def _chunked_loss_fwd(hidden, w, targets, weights, w_axis, matmul_dtype, chunk):
+  # Each chunk's logits give its loss and, while they are at hand, the hidden states' gradient
+  # (the backward pass then needs no second product with W): the residual is (B, T, d), not V wide.
+  op = matmul_dtype or hidden.dtype
+
+  def body(total, xs):
+    h, tg, m = xs
+    nll, dz = _chunk_nll_and_grad(h, w, tg, m, w_axis, matmul_dtype)
+    g = dz.astype(h.dtype).astype(op)  # the cotangent's roundings in the model's head
+    dh = jax.lax.dot_general(
+        g, w.astype(op), _head_dims(1 - w_axis, g.ndim), preferred_element_type=jnp.float32
+    )
+    return total + nll, dh.astype(h.dtype)
+
+  xs = (_to_chunks(hidden, chunk), _to_chunks(targets, chunk), _to_chunks(weights, chunk))
+  total, dh = jax.lax.scan(body, jnp.zeros((), jnp.float32), xs)
+  return total, (_from_chunks(dh, hidden.shape[1]), hidden, w, targets, weights)
+
+
+def _chunked_loss_bwd(w_axis, matmul_dtype, chunk, residuals, ct):
+  dh, hidden, w, targets, weights = residuals
+  op = matmul_dtype or hidden.dtype
+
+  # W's gradient, chunk by chunk (logits recomputed); dead code, removed by XLA, when W is frozen.
+  def body(dw, xs):
+    h, tg, m = xs
+    _, dz = _chunk_nll_and_grad(h, w, tg, m, w_axis, matmul_dtype)
+    g = dz.astype(h.dtype).astype(op)
+    lead = tuple(range(h.ndim - 1))
+    pair = (h.astype(op), g) if w_axis == 0 else (g, h.astype(op))
+    dims = ((lead, lead), ((), ()))
+    return dw + jax.lax.dot_general(*pair, dims, preferred_element_type=jnp.float32), None
+
+  xs = (_to_chunks(hidden, chunk), _to_chunks(targets, chunk), _to_chunks(weights, chunk))
+  dw, _ = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), xs)
+  ct = ct.astype(jnp.float32)
+  return (
+      (ct * dh.astype(jnp.float32)).astype(hidden.dtype),
+      (ct * dw).astype(w.dtype),
+      None,
+      None,
+  )
+
+
+_chunked_loss.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
+
+
+def chunked_next_token_loss_sum(
+    hidden: jax.Array,
+    w: jax.Array,
+    input_ids: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    transposed: bool = False,
+    matmul_dtype: Any = None,
+    chunk_tokens: int = LOSS_CHUNK,
+) -> tuple[jax.Array, jax.Array]:
+  """:func:`next_token_loss_sum` of the logits ``hidden @ W`` (``W.T`` if ``transposed``), never
+  holding them whole.
+
+  ``hidden`` ``(B, T, d)`` (the final normed hidden states, in the compute dtype) is cut along the
+  sequence into chunks of ``ceil(chunk_tokens / B)`` positions; each chunk's ``(B, c, V)`` float32
+  logits give its share of the loss and, at once, its rows of the hidden states' gradient
+  ``m (softmax(z) - onehot) W^T``, so no ``(B, T, V)`` array exists forward or backward (a custom
+  VJP; ``W``'s own gradient recomputes the logits chunk by chunk, and is dropped by XLA when ``W``
+  is frozen). The products round like the model's head: operands in ``matmul_dtype`` (else
+  ``hidden``'s dtype), float32 sums, logits in ``hidden``'s dtype then float32.
+
+  Returns ``(sum_t m[t+1] CE(z[t], ids[t+1]), sum_t m[t+1])`` in float32, as
+  :func:`next_token_loss_sum` does.
+  """
+  if chunk_tokens < 1:
+    raise ValueError(f'chunk_tokens={chunk_tokens} must be >= 1')
+  targets, weights = _targets_and_weights(input_ids, loss_mask)
+  b, t = input_ids.shape
+  chunk = min(t, -(-chunk_tokens // b))
+  op = None if matmul_dtype is None else jnp.dtype(matmul_dtype)
+  total = _chunked_loss(hidden, w, targets, weights, 1 if transposed else 0, op, chunk)
+  return total, jnp.sum(weights)
 
 
 def split_model(model: nnx.Module):
@@ -186,6 +316,7 @@ def make_train_step(
     micro_batches: int = 1,
     compute_dtype: Any = None,
     remat: str = 'none',
+    loss_chunk: int = 0,
     batch_spec: P | None = None,
     stacked_layers: bool = False,
     skip_nonfinite: bool = True,
@@ -199,7 +330,13 @@ def make_train_step(
     schedule: the learning-rate schedule, only to report ``lr`` (NaN if ``None``).
     micro_batches: ``k``; the batch rows are split into ``k`` interleaved micro-batches.
     compute_dtype: dtype the LoRA params (and base params) are cast to for the forward pass.
-    remat: ``'none'``, ``'full'`` or ``'dots'`` (save only matmul outputs) rematerialisation.
+    remat: per-decoder-layer rematerialisation, ``'none'``, ``'full'`` or ``'dots'`` (keep only
+      matmul outputs): one ``jax.checkpoint`` region per layer with that policy
+      (:data:`REMAT_POLICIES`), given to the model's forward as ``remat=``.
+    loss_chunk: tokens per chunk of the loss (:func:`chunked_next_token_loss_sum`: the ``(B, T,
+      V)`` logits are never held) for models with ``hidden_states`` and ``output_matrix`` (
+      :class:`~anlr_jax.models.llama.LlamaForCausalLM`); 0: the model's whole logits and
+      :func:`next_token_loss_sum` (the only way for other models).
     batch_spec: ``PartitionSpec`` of a micro-batch's rows under the active mesh (None: no constraint).
     stacked_layers: the state's LoRA params are in the :func:`stack_layers` layout (the optimizer
       and its state see one stacked module per projection); ``LoraLayout(stacked_layers).to_model``
@@ -221,18 +358,40 @@ def make_train_step(
     raise ValueError(f'micro_batches={micro_batches} must be >= 1')
   if remat not in REMAT_POLICIES:
     raise ValueError(f'remat={remat!r} must be one of {sorted(REMAT_POLICIES)}')
+  if loss_chunk < 0:
+    raise ValueError(f'loss_chunk={loss_chunk} must be >= 0 (0: whole logits)')
   layout = LoraLayout(stacked_layers)
 
   def loss_sum(lora, frozen, extra, batch):
     model = nnx.merge(graphdef, _cast_floats(layout.to_model(lora), compute_dtype), frozen, extra)
+    kwargs = dict(attention_mask=batch['attention_mask'])
     images = {IMAGE_KEY: batch[IMAGE_KEY]} if IMAGE_KEY in batch else {}
-    logits = model(batch['input_ids'], attention_mask=batch['attention_mask'], **images)
-    total, count = next_token_loss_sum(logits, batch['input_ids'], batch['loss_mask'])
+    if remat != 'none':
+      if 'remat' not in inspect.signature(model.__call__).parameters:
+        raise ValueError(
+            f'remat={remat!r}: {type(model).__name__} has no per-layer rematerialisation (its'
+            " forward takes no remat= argument); use remat='none'"
+        )
+      kwargs['remat'] = remat
+    chunked = loss_chunk and not images and hasattr(model, 'output_matrix')
+    head = model.output_matrix() if chunked else None
+    if head is not None:
+      hidden = model.hidden_states(batch['input_ids'], **kwargs)
+      total, count = chunked_next_token_loss_sum(
+          hidden,
+          head[0],
+          batch['input_ids'],
+          batch['loss_mask'],
+          transposed=head[1],
+          matmul_dtype=getattr(getattr(model, 'config', None), 'matmul_dtype', None),
+          chunk_tokens=loss_chunk,
+      )
+    else:
+      logits = model(batch['input_ids'], **kwargs, **images)
+      total, count = next_token_loss_sum(logits, batch['input_ids'], batch['loss_mask'])
     *_, new_extra = nnx.split(model, nnx.LoRAParam, nnx.Param, ...)
     return total, (count, nnx.to_pure_dict(new_extra))
 
-  if remat != 'none':
-    loss_sum = jax.checkpoint(loss_sum, policy=REMAT_POLICIES[remat])
   grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
 
   def regularizer(lora):

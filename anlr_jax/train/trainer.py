@@ -53,6 +53,7 @@ from anlr_jax.train.step import (
     BATCH_KEYS,
     IMAGE_KEY,
     LORA_LAYOUTS,
+    LOSS_CHUNK,
     REMAT_POLICIES,
     LoraLayout,
     init_train_state,
@@ -209,7 +210,18 @@ class TrainerConfig:
       'storage dtype of the frozen base weights; None: as built',
       OneOf((*DTYPES, None)),
   )
-  remat: str = setting('none', 'rematerialisation of each layer', OneOf(tuple(REMAT_POLICIES)))
+  remat: str = setting(
+      'none',
+      "per-decoder-layer rematerialisation: 'full' recomputes each layer's activations in the"
+      " backward pass, 'dots' keeps its matmul outputs",
+      OneOf(tuple(REMAT_POLICIES)),
+  )
+  loss_chunk: int = setting(
+      0,
+      f'tokens per chunk of the loss (e.g. {LOSS_CHUNK}): the (batch, length, vocab) logits are'
+      ' never held whole; 0: whole logits',
+      Range(0),
+  )
   lora_layout: str = setting(
       'stacked',
       "LoRA params in the train state: 'stacked' (one optimizer module per projection, the"
@@ -387,6 +399,7 @@ class Trainer:
         micro_batches=self.config.micro_batches,
         compute_dtype=DTYPES[self.config.compute_dtype],
         remat=self.config.remat,
+        loss_chunk=self.config.loss_chunk,
         batch_spec=jax.sharding.PartitionSpec(BATCH_AXES),
         stacked_layers=self.layout.stacked,
         loss_regularizer=loss_regularizer,

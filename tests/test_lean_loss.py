@@ -1,0 +1,242 @@
+"""The chunked next-token loss and per-layer remat of the train step.
+
+The chunked loss (``loss_chunk`` > 0) gives the same loss and LoRA gradients as the whole-logits
+loss (``loss_chunk=0``: the model's ``(B, T, V)`` logits and ``next_token_loss_sum``) with tied and
+untied heads, padded rows, partial loss masks, either LoRA layout, under a sharded mesh and with
+bfloat16 head operands; its compiled step holds no array as large as the logits. ``remat`` puts
+one rematerialised region (a ``checkpoint`` equation) around each decoder layer, and changes no
+number but the memory: XLA's compiled memory analysis on CPU shrinks accordingly.
+"""
+
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from anlr_jax.models.config import ModelConfig
+from anlr_jax.models.llama import LlamaForCausalLM
+from anlr_jax.nn.inject import inject_lora
+from anlr_jax.train.step import (
+    chunked_next_token_loss_sum,
+    init_train_state,
+    make_train_step,
+    next_token_loss_sum,
+    split_model,
+    stack_layers,
+)
+from anlr_jax.train.trainer import Trainer, TrainerConfig
+from tests.helpers.toy_lm import ToyBatches, make_toy_model
+
+B, T, V = 4, 24, 1000  # distinct sizes, so the logits' shape is recognisable in the program
+
+
+def _model(tied=False, layers=2, seed=0, **config):
+  config = ModelConfig.tiny(
+      vocab_size=V, num_hidden_layers=layers, tie_word_embeddings=tied, **config
+  )
+  model = LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
+  return inject_lora(model, rank=4, alpha=8.0, rngs=nnx.Rngs(seed + 1))
+
+
+def _batch(seed=0):
+  """Right-padded rows of 24, 17, 9 and 3 tokens; the loss on each row's second half."""
+  rng = np.random.default_rng(seed)
+  lengths = np.array([T, 17, 9, 3])
+  real = np.arange(T)[None, :] < lengths[:, None]
+  ids = np.where(real, rng.integers(3, V, (B, T)), 0).astype(np.int32)
+  loss_mask = real & (np.arange(T)[None, :] >= lengths[:, None] // 2)
+  return {
+      'input_ids': jnp.asarray(ids),
+      'attention_mask': jnp.asarray(real.astype(np.int32)),
+      'loss_mask': jnp.asarray(loss_mask.astype(np.int32)),
+  }
+
+
+def _keep_grads():
+  """An optax transform whose state is the last gradient (params unchanged)."""
+  return optax.GradientTransformation(
+      lambda params: jax.tree.map(jnp.zeros_like, params),
+      lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads),
+  )
+
+
+def _step(model, batch, *, stacked=False, **kwargs):
+  """``(metrics, grads)`` of one train step over ``model`` and ``batch``."""
+  graphdef, lora, frozen, extra = split_model(model)
+  tx = _keep_grads()
+  lora = stack_layers(lora) if stacked else lora
+  step = jax.jit(make_train_step(graphdef, tx, stacked_layers=stacked, **kwargs))
+  state, metrics = step(init_train_state(lora, extra, tx), frozen, batch)
+  return jax.device_get(metrics), jax.device_get(state.opt_state)
+
+
+def _assert_relative(actual, expected, rtol):
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    scale = max(float(np.max(np.abs(e))), 1e-30)
+    assert float(np.max(np.abs(a - e))) <= rtol * scale
+
+
+@pytest.mark.parametrize('tied, stacked, chunk', [(False, True, 16), (True, False, 7)])
+def test_chunked_loss_equals_the_whole_logits_loss(tied, stacked, chunk):
+  model, batch = _model(tied), _batch()
+  whole, whole_grads = _step(model, batch, stacked=stacked, loss_chunk=0)
+  chunked, grads = _step(model, batch, stacked=stacked, loss_chunk=chunk)
+  np.testing.assert_allclose(chunked['loss'], whole['loss'], rtol=1e-6)
+  assert chunked['loss_tokens'] == whole['loss_tokens'] == float(jnp.sum(batch['loss_mask'][:, 1:]))
+  _assert_relative(grads, whole_grads, 1e-6)
+  assert max(float(np.max(np.abs(g))) for g in jax.tree.leaves(grads)) > 0
+
+
+def test_chunked_loss_with_bfloat16_head_operands():
+  model, batch = _model(True, matmul_dtype=jnp.bfloat16), _batch(1)
+  whole, whole_grads = _step(model, batch, loss_chunk=0)
+  chunked, grads = _step(model, batch, loss_chunk=32)
+  np.testing.assert_allclose(chunked['loss'], whole['loss'], rtol=1e-6)
+  _assert_relative(grads, whole_grads, 1e-3)  # a dlogit near a bfloat16 rounding edge may flip
+
+
+@pytest.mark.parametrize('tied', [False, True])
+def test_chunked_loss_gradient_of_the_output_matrix(tied):
+  """The custom VJP's gradient of W (used when the head is trained) and of the hidden states."""
+  rng = np.random.default_rng(2)
+  batch = _batch(2)
+  h = jnp.asarray(rng.normal(size=(B, T, 16)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(V, 16) if tied else (16, V)), jnp.float32)
+
+  def whole(h, w):
+    logits = h @ (w.T if tied else w)
+    return next_token_loss_sum(logits, batch['input_ids'], batch['loss_mask'])[0]
+
+  def chunked(h, w):
+    return chunked_next_token_loss_sum(
+        h, w, batch['input_ids'], batch['loss_mask'], transposed=tied, chunk_tokens=20
+    )[0]
+
+  expected, expected_grads = jax.value_and_grad(whole, (0, 1))(h, w)
+  value, grads = jax.jit(jax.value_and_grad(chunked, (0, 1)))(h, w)
+  np.testing.assert_allclose(value, expected, rtol=1e-6)
+  _assert_relative(grads, expected_grads, 1e-6)
+  with pytest.raises(ValueError, match='chunk_tokens=0'):
+    chunked_next_token_loss_sum(h, w, batch['input_ids'], batch['loss_mask'], chunk_tokens=0)
+
+
+def _largest_vocab_array(hlo: str) -> int:
+  """Elements of the largest array with a vocabulary axis in an HLO text, the output matrix
+  ``(d, V)`` aside."""
+  shapes = [tuple(map(int, s.split(','))) for s in re.findall(r'\b[a-z]+\d*\[([\d,]+)\]', hlo)]
+  return max(int(np.prod(s)) for s in shapes if V in s and sorted(s) != [64, V])
+
+
+def test_the_compiled_step_holds_no_logits_array():
+  model, batch = _model(), _batch()
+  graphdef, lora, frozen, extra = split_model(model)
+  tx = optax.adamw(1e-3)
+  state = init_train_state(lora, extra, tx)
+  compiled = {}
+  for chunk in (0, 32):
+    step = jax.jit(make_train_step(graphdef, tx, loss_chunk=chunk))
+    compiled[chunk] = step.lower(state, frozen, batch).compile()
+  assert _largest_vocab_array(compiled[0].as_text()) >= B * T * V  # the check sees the logits ...
+  assert _largest_vocab_array(compiled[32].as_text()) <= B * 8 * V  # ... chunks of 8 positions
+  temp = {c: compiled[c].memory_analysis().temp_size_in_bytes for c in compiled}
+  assert temp[32] < temp[0] - 4 * B * T * V  # at least one float32 logits array less
+
+
+def _count_remat_regions(jaxpr) -> int:
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name in ('remat2', 'checkpoint')
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          count += _count_remat_regions(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          count += _count_remat_regions(sub)
+  return count
+
+
+@pytest.mark.parametrize('stacked', [True, False])
+def test_remat_puts_one_region_around_each_decoder_layer(stacked):
+  batch = _batch()
+  counts = collections.defaultdict(dict)
+  for layers in (2, 3):
+    graphdef, lora, frozen, extra = split_model(_model(layers=layers))
+    tx = optax.adamw(1e-3)
+    lora = stack_layers(lora) if stacked else lora
+    state = init_train_state(lora, extra, tx)
+    for remat in ('none', 'full', 'dots'):
+      step = make_train_step(graphdef, tx, remat=remat, stacked_layers=stacked, micro_batches=2)
+      jaxpr = jax.make_jaxpr(step)(state, frozen, batch).jaxpr
+      counts[layers][remat] = _count_remat_regions(jaxpr)
+  assert counts == {2: {'none': 0, 'full': 2, 'dots': 2}, 3: {'none': 0, 'full': 3, 'dots': 3}}
+
+
+def test_remat_lowers_the_compiled_step_memory_on_cpu():
+  """XLA:CPU's own memory analysis: per-layer remat keeps one layer's activations, not four."""
+  graphdef, lora, frozen, extra = split_model(_model(layers=4))
+  tx = optax.adamw(1e-3)
+  state = init_train_state(lora, extra, tx)
+  batch = {k: jnp.ones((4, 64), jnp.int32) for k in ('input_ids', 'attention_mask', 'loss_mask')}
+  temp = {}
+  for remat in ('none', 'full', 'dots'):
+    step = jax.jit(make_train_step(graphdef, tx, remat=remat, loss_chunk=32))
+    temp[remat] = step.lower(state, frozen, batch).compile().memory_analysis().temp_size_in_bytes
+  assert temp['full'] < 0.5 * temp['none'] and temp['full'] < temp['dots'] < 0.8 * temp['none']
+
+
+def test_remat_gives_the_same_step():
+  model, batch = _model(layers=2), _batch(3)
+  plain, plain_grads = _step(model, batch, stacked=True)
+  for remat in ('full', 'dots'):
+    rematted, grads = _step(model, batch, stacked=True, remat=remat)
+    np.testing.assert_allclose(rematted['loss'], plain['loss'], rtol=1e-6)
+    _assert_relative(grads, plain_grads, 1e-6)
+
+
+def test_remat_needs_a_model_with_per_layer_regions():
+  graphdef, lora, frozen, extra = split_model(make_toy_model())
+  tx = optax.adamw(1e-3)
+  step = make_train_step(graphdef, tx, remat='full')
+  batch = ToyBatches().get_batch(0)
+  with pytest.raises(ValueError, match="remat='full': ToyCausalLM has no per-layer"):
+    step(init_train_state(lora, extra, tx), frozen, jax.tree.map(jnp.asarray, batch))
+  with pytest.raises(ValueError, match='loss_chunk=-1'):
+    make_train_step(graphdef, tx, loss_chunk=-1)
+
+
+def test_sharded_chunked_loss_and_remat_equal_the_whole_logits_loss():
+  """On a (data=2, fsdp=2, tensor=2) mesh of 8 CPU devices, two updates with two micro-batches and
+  LoRA dropout: the chunked loss with per-layer remat against the whole logits without."""
+
+  def run(loss_chunk, remat):
+    cfg = TrainerConfig(
+        steps=2,
+        global_batch=8,
+        micro_batches=2,
+        compute_dtype='float32',
+        progress=False,
+        mesh_data=2,
+        mesh_fsdp=2,
+        mesh_tensor=2,
+        loss_chunk=loss_chunk,
+        remat=remat,
+    )
+    model = inject_lora(
+        LlamaForCausalLM(ModelConfig.tiny(vocab_size=512), rngs=nnx.Rngs(0)),
+        rank=4,
+        alpha=8.0,
+        rngs=nnx.Rngs(1),
+    )
+    trainer = Trainer(model, ToyBatches(seq_len=16, vocab=512), cfg, optax.adamw(1e-2))
+    losses = [float(trainer.train_step()['loss']) for _ in range(2)]
+    return losses, jax.device_get(trainer.state.lora)
+
+  whole, whole_lora = run(0, 'none')
+  chunked, lora = run(24, 'full')
+  np.testing.assert_allclose(chunked, whole, rtol=1e-6)
+  _assert_relative(lora, whole_lora, 1e-5)
