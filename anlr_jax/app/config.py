@@ -395,7 +395,9 @@ class EvalSection:
       " temperatures: 0.7 writing/roleplay, 0.1 stem/humanities, greedy otherwise)",
       OneOf(("greedy", "category")),
   )
-  judge: JudgeSection = dataclasses.field(default_factory=JudgeSection)
+  judge: JudgeSection = setting(
+      help="the LLM judge of dialogue tasks (mt_bench), keys eval.judge.*", factory=JudgeSection
+  )
 
 
 @dataclasses.dataclass
@@ -652,6 +654,7 @@ def help_text() -> str:
       if f.name in SECTIONS and not prefix:
         continue
       if dataclasses.is_dataclass(types_[f.name]):  # a nested section (eval.judge)
+        lines.append(f"  {key} (section): {field_help(f)}")
         describe(types_[f.name], getattr(obj, f.name), f"{key}.")
         continue
       rule = rule_of(f)
