@@ -275,3 +275,22 @@ def test_the_dialogue_config_and_example_run_end_to_end(tiny, tmp_path, capsys):
   pair = json.load(open(tmp_path / "run" / "mt_bench" / "mt_bench_pair_lora_vs_anlr.json"))
   assert pair["pairs"] == 16
   assert "lora vs anlr: " in out and "a 135M judge says next to nothing" in out
+
+
+def test_a_judge_template_without_a_system_role_gets_it_in_the_user_message():
+  from anlr_jax.app.judge import judge_prompt
+
+  tok = build_tiny_tokenizer()
+  tok.chat_template = CHATML
+  assert judge_prompt(tok, "Be fair.", "Rate this.") == (
+      "<|im_start|>system\nBe fair.<|im_end|>\n<|im_start|>user\nRate this.<|im_end|>\n"
+      "<|im_start|>assistant\n"
+  )
+  tok.chat_template = (
+      "{% for m in messages %}{% if m['role'] == 'system' %}"
+      "{{ raise_exception('System role not supported') }}{% endif %}"
+      "<turn>{{ m['role'] }}\n{{ m['content'] }}</turn>\n{% endfor %}<turn>model\n"
+  )
+  assert judge_prompt(tok, "Be fair.", "Rate this.") == (
+      "<turn>user\n[Instruction]\nBe fair.\n\nRate this.</turn>\n<turn>model"
+  )

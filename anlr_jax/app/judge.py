@@ -75,6 +75,18 @@ def answer_mt_bench(
 
 
 # --------------------------------------------------------------------------------- the judge
+def judge_prompt(tokenizer, system: str, user: str) -> str:
+  """The judge's prompt in its chat template: the judge prompt's system message, then the user
+  message. A template that refuses a system message gets it at the head of the user message
+  (``[Instruction]`` block, as FastChat does for such judges)."""
+  try:
+    return chat_prompt(tokenizer, user, system=system)
+  except Exception as err:  # noqa: BLE001  (jinja2's TemplateError, raised by the template)
+    if type(err).__name__ != "TemplateError" and "system" not in str(err).lower():
+      raise
+    return chat_prompt(tokenizer, f"[Instruction]\n{system}\n\n{user}")
+
+
 @dataclasses.dataclass
 class Judge:
   """A loaded judge: its name (``eval.judge.model`` as given), ``judge_fn`` and batch size."""
@@ -113,7 +125,7 @@ def load_judge(config: RunConfig) -> Judge:
   )
 
   def judge_fn(prompts: list[tuple[str, str]]) -> list[str]:
-    return generate_fn([chat_prompt(tokenizer, user, system=system) for system, user in prompts])
+    return generate_fn([judge_prompt(tokenizer, system, user) for system, user in prompts])
 
   return Judge(section.model, judge_fn, batch_size)
 
@@ -271,6 +283,7 @@ __all__ = [
     "format_scores",
     "grade_single",
     "judge_main",
+    "judge_prompt",
     "load_judge",
     "read_answers",
     "scores_file",
