@@ -2,6 +2,7 @@
 the judge of ``eval.judge.model``) and ``anlr judge --single/--pair`` on a tiny random LLaMA with a
 tiny ChatML tokenizer (built here), resumed without regenerating; bad input gives one line."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -14,7 +15,7 @@ from anlr_jax.app import cli
 from anlr_jax.app.config import load_config
 from anlr_jax.app.evaluate import load_eval_sets
 from anlr_jax.app.judge import answer_mt_bench, scores_file
-from anlr_jax.data import mtbench
+from anlr_jax.data import alpaca_prompt, mtbench
 from anlr_jax.evals import judge as judging
 from tests.helpers.tiny_llama import save_tiny_llama
 from tests.tiny_tokenizer import DEFAULT_CORPUS, build_tiny_tokenizer
@@ -49,7 +50,13 @@ def tiny(tmp_path_factory):
 def test_turn_two_prompt_holds_turn_one_answer_tokens(tiny, tmp_path, monkeypatch):
   path, tok = tiny
   config = load_config(
-      None, [f"model.path={path}", "eval.batch_size=2", "eval.dialogue_max_new_tokens=5"]
+      None,
+      [
+          f"model.path={path}",
+          "eval.batch_size=2",
+          "eval.dialogue_max_new_tokens=5",
+          "data.template=chat",
+      ],
   )
   model, _, _ = anlr_jax.app.model.load_base(config)
   end = tok.convert_tokens_to_ids("<|im_end|>")
@@ -77,6 +84,18 @@ def test_turn_two_prompt_holds_turn_one_answer_tokens(tiny, tmp_path, monkeypatc
   assert ids1[0][mask1[0] == 1].tolist() == first  # no bos: the template's own start tokens
   assert ids2[0][mask2[0] == 1].tolist() == second  # the model's own turn-1 answer is in it
   assert stop1 == stop2 == E  # decoding stops at the template's end of turn
+
+  # a model trained with the Alpaca template: the multi-turn Alpaca layout of training, bos first
+  seen.clear()
+  alpaca = dataclasses.replace(config, data=dataclasses.replace(config.data, template="alpaca"))
+  (tmp_path / "alpaca").mkdir()
+  answer_mt_bench(model, tok, alpaca, [q], str(tmp_path / "alpaca"), model_id="m", log=print)
+  (ids1, mask1, stop1), (ids2, mask2, stop2) = seen
+  first = [tok.bos_token_id] + enc(alpaca_prompt(q.turns[0]))
+  assert ids1[0][mask1[0] == 1].tolist() == first and stop1 == stop2 == tok.eos_token_id
+  tail = enc(f"### Instruction:\n{q.turns[1]}\n\n### Response:\n")
+  expected = [tok.bos_token_id] + enc(alpaca_prompt(q.turns[0]) + "hello world")
+  assert ids2[0][mask2[0] == 1].tolist() == expected + [tok.eos_token_id] + tail
 
 
 def run_cli(argv, capsys):

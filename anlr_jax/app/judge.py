@@ -51,12 +51,12 @@ def answer_mt_bench(
       tokenizer,
       max_new_tokens=config.eval.dialogue_max_new_tokens,
       batch_size=config.eval.batch_size,
-      template="chat",
+      template=config.data.template,
       seed=config.seed,
   )
   log(
-      f"  mt_bench: answering {len(questions)} questions, two turns each"
-      f" ({config.eval.dialogue_sampling}, at most {config.eval.dialogue_max_new_tokens} tokens"
+      f"  mt_bench: answering {len(questions)} questions, two turns each in the"
+      f" {config.data.template} template ({config.eval.dialogue_sampling}, at most {config.eval.dialogue_max_new_tokens} tokens"
       " per turn)"
   )
   generate_answers(
@@ -68,6 +68,7 @@ def answer_mt_bench(
       batch_size=config.eval.batch_size,
       sampling=config.eval.dialogue_sampling,
       max_new_tokens=config.eval.dialogue_max_new_tokens,
+      template=config.data.template,
       progress=is_writer(),
   )
   log(f"  mt_bench answers: {path}")

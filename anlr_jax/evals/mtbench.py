@@ -1,13 +1,14 @@
-r"""MT-Bench answers: two turns per question in the model's chat template, saved as they are made.
+r"""MT-Bench answers: two turns per question in the model's template, saved as they are made.
 
 For a question with user turns ``q_1, q_2`` the model answers
 
     a_1 = strip(generate(render([user q_1])))
     a_2 = strip(generate(render([user q_1, assistant a_1, user q_2])))
 
-where ``render`` is the tokenizer's chat template up to where the assistant's reply starts, so turn
-2 sees the model's own turn-1 answer as the conversation so far (as FastChat's ``gen_model_answer``
-does). Decoding is greedy by default (``sampling="greedy"``); ``sampling="category"`` uses the
+where ``render`` is the tokenizer's chat template up to where the assistant's reply starts (or, for
+a model trained with ``data.template: alpaca``, the multi-turn Alpaca layout of training,
+:func:`conversation_prompt`), so turn 2 sees the model's own turn-1 answer as the conversation so
+far (as FastChat's ``gen_model_answer`` does). Decoding is greedy by default (``sampling="greedy"``); ``sampling="category"`` uses the
 protocol's per-category temperatures (:data:`anlr_jax.data.mtbench.TEMPERATURES`: 0.7 for writing
 and roleplay, 0.1 for stem and humanities, greedy for the rest).
 
@@ -31,7 +32,7 @@ from typing import Any
 
 import tqdm
 
-from anlr_jax.data.formats import DataFormatError
+from anlr_jax.data.formats import DataFormatError, alpaca_prompt
 from anlr_jax.data.mtbench import TEMPERATURES, Question
 
 SAMPLING = ("greedy", "category")
@@ -85,8 +86,20 @@ def append_records(path: str | os.PathLike[str], records: Iterable[Mapping[str, 
 
 
 # ------------------------------------------------------------------------------------ prompts
-def conversation_prompt(tokenizer, messages: Sequence[tuple[str, str]]) -> str:
-  """The chat template's text of ``(role, content)`` messages up to where the reply starts."""
+def conversation_prompt(
+    tokenizer, messages: Sequence[tuple[str, str]], template: str = "chat"
+) -> str:
+  """The text of ``(role, content)`` messages (user first, alternating) up to where the reply
+  starts: in the tokenizer's chat template (``chat``), or in the multi-turn Alpaca layout the
+  project trains chat data with (``alpaca``, :mod:`anlr_jax.data.formats`): the Alpaca prompt of
+  the first message, then per earlier answer ``answer + eos + "### Instruction:\n{next}\n\n###
+  Response:\n"``."""
+  if template == "alpaca":
+    (_, first), *rest = messages
+    text = alpaca_prompt(first)
+    for (_, answer), (_, user) in zip(rest[::2], rest[1::2]):
+      text += f"{answer}{tokenizer.eos_token}### Instruction:\n{user}\n\n### Response:\n"
+    return text
   if not getattr(tokenizer, "chat_template", None):
     raise ValueError(
         "MT-Bench answers are made in the model's chat template, and the tokenizer has none"
@@ -100,13 +113,18 @@ def conversation_prompt(tokenizer, messages: Sequence[tuple[str, str]]) -> str:
 
 
 def answer_turns(
-    sample_fn: SampleFn, tokenizer, questions: Sequence[Question], temperature: float = 0.0
+    sample_fn: SampleFn,
+    tokenizer,
+    questions: Sequence[Question],
+    temperature: float = 0.0,
+    template: str = "chat",
 ) -> list[tuple[str, str]]:
   """Both turns' answers of each question (one ``sample_fn`` call per turn, see the module doc)."""
-  first = [conversation_prompt(tokenizer, [("user", q.turns[0])]) for q in questions]
+  render = lambda messages: conversation_prompt(tokenizer, messages, template)
+  first = [render([("user", q.turns[0])]) for q in questions]
   a1 = [text.strip() for text in sample_fn(first, temperature)]
   second = [
-      conversation_prompt(tokenizer, [("user", q.turns[0]), ("assistant", a), ("user", q.turns[1])])
+      render([("user", q.turns[0]), ("assistant", a), ("user", q.turns[1])])
       for q, a in zip(questions, a1)
   ]
   a2 = [text.strip() for text in sample_fn(second, temperature)]
@@ -136,6 +154,7 @@ def generate_answers(
     batch_size: int,
     sampling: str = "greedy",
     max_new_tokens: int | None = None,
+    template: str = "chat",
     progress: bool = True,
 ) -> dict[int, list[str]]:
   """Answers every question not yet in ``path`` and appends its record (see the module doc).
@@ -149,6 +168,8 @@ def generate_answers(
     batch_size: questions per generation batch.
     sampling: ``greedy`` or ``category`` (:data:`SAMPLING`).
     max_new_tokens: recorded with the answers (a rerun with another value is refused).
+    template: ``chat`` (the tokenizer's chat template) or ``alpaca`` (:func:`conversation_prompt`),
+      the template the model was trained with.
     progress: a tqdm bar of the questions answered.
 
   Returns:
@@ -157,7 +178,7 @@ def generate_answers(
   if sampling not in SAMPLING:
     raise ValueError(f"sampling must be one of {list(SAMPLING)}, got {sampling!r}")
   path = os.fspath(path)
-  settings = {"sampling": sampling, "max_new_tokens": max_new_tokens}
+  settings = {"sampling": sampling, "max_new_tokens": max_new_tokens, "template": template}
   saved = read_records(path)
   for record in saved:
     if record.get("model_id") != model_id or record.get("generation") != settings:
@@ -181,7 +202,7 @@ def generate_answers(
     for temperature, group in groups.items():
       for start in range(0, len(group), batch_size):
         batch = group[start : start + batch_size]
-        turns = answer_turns(sample_fn, tokenizer, batch, temperature)
+        turns = answer_turns(sample_fn, tokenizer, batch, temperature, template)
         append_records(
             path,
             [
