@@ -314,3 +314,27 @@ def test_a_judge_template_without_a_system_role_gets_it_in_the_user_message():
   assert judge_prompt(tok, "Be fair.", "Rate this.") == (
       "<turn>user\n[Instruction]\nBe fair.\n\nRate this.</turn>\n<turn>model"
   )
+
+
+def test_generate_fn_samples_at_a_temperature_with_a_fresh_key_per_call(tiny, monkeypatch):
+  import jax
+
+  from anlr_jax.app.evaluate import make_generate_fn
+
+  path, tok = tiny
+  calls = []
+
+  def fake_generate(model, ids, mask, **kw):
+    calls.append(kw)
+    return np.zeros((ids.shape[0], 2), np.int32)
+
+  monkeypatch.setattr(anlr_jax.app.evaluate, "generate", fake_generate)
+  fn = make_generate_fn(None, tok, max_new_tokens=2, batch_size=1, template="chat", seed=3)
+  fn(["a"])
+  fn(["a"], 0.7)
+  fn(["a"], 0.7)
+  assert "temperature" not in calls[0] and "rng" not in calls[0]  # greedy: as before
+  assert calls[1]["temperature"] == calls[2]["temperature"] == 0.7
+  keys = [jax.random.key_data(c["rng"]).tolist() for c in calls[1:]]
+  assert keys[0] != keys[1]
+  assert keys[0] == jax.random.key_data(jax.random.fold_in(jax.random.key(3), 1)).tolist()

@@ -90,6 +90,11 @@ def make_generate_fn(
 
   calls = [0]
 
+  def sampling(temperature):  # greedy calls pass no sampling arguments
+    if not temperature:
+      return {}
+    return dict(temperature=temperature, rng=jax.random.fold_in(jax.random.key(seed), calls[0]))
+
   def generate_fn(prompts, temperature: float = 0.0):
     rows = [
         ([bos] if bos is not None else []) + tokenizer(p, add_special_tokens=False).input_ids
@@ -108,8 +113,7 @@ def make_generate_fn(
         max_new_tokens=max_new_tokens,
         eos_token_id=stop,
         pad_token_id=int(pad),
-        temperature=temperature,
-        rng=jax.random.fold_in(jax.random.key(seed), calls[0]) if temperature > 0 else None,
+        **sampling(temperature),
     )
     calls[0] += 1
     return decode(rows, np.asarray(out)[: len(rows)].tolist())
