@@ -338,3 +338,36 @@ def test_generate_fn_samples_at_a_temperature_with_a_fresh_key_per_call(tiny, mo
   keys = [jax.random.key_data(c["rng"]).tolist() for c in calls[1:]]
   assert keys[0] != keys[1]
   assert keys[0] == jax.random.key_data(jax.random.fold_in(jax.random.key(3), 1)).tolist()
+
+
+def test_a_second_writer_of_an_output_directory_is_refused(tmp_path, capsys):
+  import subprocess
+  import sys
+
+  from anlr_jax.rundir import LOCK_FILE
+
+  (tmp_path / "mt_bench_answers.jsonl").write_text(
+      json.dumps(
+          {"question_id": 81, "model_id": "m", "choices": [{"index": 0, "turns": ["a", "b"]}]}
+      )
+      + "\n"
+  )
+  holder = subprocess.Popen(
+      [
+          sys.executable,
+          "-c",
+          "import fcntl, sys, time; f = open(sys.argv[1], 'w');"
+          " fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+          str(tmp_path / LOCK_FILE),
+      ],
+      stdout=subprocess.PIPE,
+      text=True,
+  )
+  try:
+    assert holder.stdout.readline().strip() == "held"
+    code, _, err = run_cli(["judge", "--single", str(tmp_path), "eval.judge.model=nowhere"], capsys)
+  finally:
+    holder.kill()
+    holder.wait()
+  assert code == 2 and "MT-Bench output directory" in err and len(err.strip().splitlines()) == 1
+  assert not (tmp_path / "mt_bench_single.jsonl").exists()

@@ -24,7 +24,7 @@ from anlr_jax import rundir
 from anlr_jax.app.config import RunConfig, load_config
 from anlr_jax.app.model import is_run_dir, load_adapted_model, load_base
 from anlr_jax.app.paths import require_path
-from anlr_jax.app.report import BASE_ROW, Log, is_writer, say
+from anlr_jax.app.report import BASE_ROW, Log, is_writer, no_lock, say
 from anlr_jax.data import alpaca_prompt, chat_prompt, end_of_turn_id
 from anlr_jax.data import benchmarks
 from anlr_jax.evals import (
@@ -312,14 +312,16 @@ def eval_run(
     )
   if dialogue:  # MT-Bench: answers, then (eval.judge.model set) the judge's scores
     from anlr_jax.app import judge
+    from anlr_jax.train.lock import DirectoryLock
 
-    answers = judge.answer_mt_bench(
-        model, tokenizer, config, sets[dialogue[0]], out_dir, model_id=label, log=log
-    )
-    del model  # the judge may be large: drop the answering model first
-    if config.eval.judge.model:
-      judge.grade_single(judge.load_judge(config), answers, out_dir, log=log)
-    else:
+    with DirectoryLock(out_dir, what="MT-Bench output directory") if is_writer() else no_lock():
+      answers = judge.answer_mt_bench(
+          model, tokenizer, config, sets[dialogue[0]], out_dir, model_id=label, log=log
+      )
+      del model  # the judge may be large: drop the answering model first
+      if config.eval.judge.model:
+        judge.grade_single(judge.load_judge(config), answers, out_dir, log=log)
+    if not config.eval.judge.model:
       log(
           f"  no eval.judge.model: grade them with anlr judge --single {out_dir} eval.judge.model=..."
       )

@@ -11,6 +11,7 @@ not rewritten: a rerun makes only what is missing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -27,6 +28,7 @@ from anlr_jax.data import chat_prompt, mtbench
 from anlr_jax.data.formats import DataFormatError
 from anlr_jax.evals import judge as judging
 from anlr_jax.evals.mtbench import ANSWERS_FILE, answers_by_question, generate_answers, read_records
+from anlr_jax.train.lock import DirectoryLock
 
 SINGLE_FILE = "mt_bench_single.jsonl"
 PAIR_FILE = "mt_bench_pair.jsonl"
@@ -270,10 +272,15 @@ def judge_main(
     read_answers(path)  # every file checked before the judge is loaded
   if out_dir is not None:
     os.makedirs(out_dir, exist_ok=True)
-  judge = load_judge(config)
-  if pair:
-    return [compare_pair(judge, *paths, out_dir or os.path.dirname(paths[0]), log=log)]
-  return [grade_single(judge, p, out_dir or os.path.dirname(p), log=log) for p in paths]
+  outs = [out_dir or os.path.dirname(p) for p in (paths[:1] if pair else paths)]
+  with contextlib.ExitStack() as stack:  # one writer per output directory
+    for out in dict.fromkeys(outs):
+      if is_writer():
+        stack.enter_context(DirectoryLock(out, what="MT-Bench output directory"))
+    judge = load_judge(config)
+    if pair:
+      return [compare_pair(judge, *paths, outs[0], log=log)]
+    return [grade_single(judge, p, out, log=log) for p, out in zip(paths, outs)]
 
 
 __all__ = [
