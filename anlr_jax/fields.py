@@ -228,6 +228,16 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     return {
         coerce(k, args[0], f"{key} key"): coerce(v, args[1], f"{key}.{k}") for k, v in value.items()
     }
+  if dataclasses.is_dataclass(tp):  # a nested settings section, e.g. eval.judge
+    if isinstance(value, tp):
+      return value
+    if isinstance(value, str):
+      value = _parse_text(value)
+    if value is None:
+      return tp()
+    if not isinstance(value, Mapping):
+      raise bad
+    return build_settings(tp, value, f"{key}.")
   if tp is bool:
     if isinstance(value, bool):
       return value

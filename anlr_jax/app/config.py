@@ -357,6 +357,24 @@ class TrainerSection(TrainerConfig):
 
 
 @dataclasses.dataclass
+class JudgeSection:
+  """The LLM judge of MT-Bench answers (anlr_jax.evals.judge): any model this project loads."""
+
+  model: str = setting(
+      "",
+      "judge model: a local HF directory, a .gguf file or a package:// path; empty: answers only"
+      " (judge them later with 'anlr judge')",
+  )
+  dtype: str = setting("float32", "dtype the judge's weights are loaded in", OneOf(_DTYPE_NAMES))
+  max_new_tokens: int = setting(
+      2048, "tokens of each judgment at most (greedy; FastChat's judge gets 2048)", Range(1)
+  )
+  batch_size: int | None = setting(
+      None, "judge prompts per generation batch; None: eval.batch_size", Range(1)
+  )
+
+
+@dataclasses.dataclass
 class EvalSection:
   """Evaluation after training: generate, extract the answer, score (benchmark:// multiple-choice
   sets: rank the choices by log-likelihood)."""
@@ -379,7 +397,9 @@ class EvalSection:
       OneOf(("raw", "chat")),
   )
   limit: int | None = setting(
-      None, "score only the first N examples of each task; None: all", Range(1)
+      None,
+      "score only the first N examples of each task (mt_bench: of each category); None: all",
+      Range(1),
   )
   include_base: bool = setting(False, "also score the base model (without adapters) for comparison")
   normalization: str = setting(
@@ -387,6 +407,18 @@ class EvalSection:
       "benchmark:// multiple-choice sets, scored by log-likelihood: the ranking of the choices,"
       " 'raw' (summed log-prob), 'char' (per character) or 'token' (per token)",
       OneOf(("raw", "char", "token")),
+  )
+  dialogue_max_new_tokens: int = setting(
+      1024, "generated tokens per turn of dialogue tasks (mt_bench; FastChat's 1024)", Range(1)
+  )
+  dialogue_sampling: str = setting(
+      "greedy",
+      "dialogue tasks (mt_bench): 'greedy', or 'category' (the protocol's per-category"
+      " temperatures: 0.7 writing/roleplay, 0.1 stem/humanities, greedy otherwise)",
+      OneOf(("greedy", "category")),
+  )
+  judge: JudgeSection = setting(
+      help="the LLM judge of dialogue tasks (mt_bench), keys eval.judge.*", factory=JudgeSection
   )
 
 
@@ -558,7 +590,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
             f"override {item!r}: {parts[0]!r} is a section; set one of its keys "
             f"({', '.join(_keys_of(parts[0]))})"
         )
-      if len(parts) == 3:  # a mapping entry, e.g. eval.tasks.boolq=path
+      if len(parts) == 3:  # a mapping entry or a nested section's key: eval.judge.model=path
         entry = node.setdefault(parts[1], {})
         if not isinstance(entry, dict):
           raise ConfigError(f"override {item!r}: {parts[0]}.{parts[1]} is not a mapping")
@@ -634,6 +666,10 @@ def help_text() -> str:
       key = f"{prefix}{f.name}"
       if f.name in SECTIONS and not prefix:
         continue
+      if dataclasses.is_dataclass(types_[f.name]):  # a nested section (eval.judge)
+        lines.append(f"  {key} (section): {field_help(f)}")
+        describe(types_[f.name], getattr(obj, f.name), f"{key}.")
+        continue
       rule = rule_of(f)
       extra = f" [{rule}]" if rule is not None else ""
       lines.append(
@@ -656,6 +692,7 @@ __all__ = [
     "ConfigError",
     "DataSection",
     "EvalSection",
+    "JudgeSection",
     "LoraDashSection",
     "LoraPlusSection",
     "LoraProSection",

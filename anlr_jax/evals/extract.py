@@ -25,6 +25,9 @@ compared with the gold answer. Three kinds of task:
 * **exact** (custom sets): the generation and the gold are equal after collapsing runs of whitespace
   to one space, stripping, and case-folding.
 
+* **dialogue** (MT-Bench): two-turn answers graded by an LLM judge (`anlr_jax.evals.judge`), a score
+  from 1 to 10 rather than an accuracy.
+
 * **code** (HumanEval, MBPP): nothing is extracted; the completion is run against the problem's unit tests
   by `anlr_jax.evals.code.evaluate_code` (pass@1 is the accuracy).
 """
@@ -35,7 +38,7 @@ import dataclasses
 import re
 from typing import Literal
 
-TaskKind = Literal["choice", "number", "exact", "code"]
+TaskKind = Literal["choice", "number", "exact", "code", "dialogue"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +80,7 @@ TASKS: dict[str, Task] = {
     "exact_match": Task("exact_match", "Exact match", "exact"),
     "humaneval": Task("humaneval", "HumanEval", "code"),
     "mbpp": Task("mbpp", "MBPP", "code"),
+    "mt_bench": Task("mt_bench", "MT-Bench", "dialogue"),
 }
 """Known tasks by canonical name (LLM-Adapters' dataset folder names)."""
 
@@ -157,6 +161,10 @@ def extract_prediction(task: Task | str, text: str) -> str | float | None:
 def parse_gold(task: Task | str, answer: str) -> str | float:
   """The gold answer in the form `extract_prediction` returns; ValueError if it cannot be read."""
   task = get_task(task)
+  if task.kind == "dialogue":
+    raise ValueError(
+        f"{task.name} is graded by an LLM judge (anlr_jax.evals.judge), not a gold answer"
+    )
   if task.kind == "code":
     raise ValueError(
         f"{task.name} is scored by running its unit tests (anlr_jax.evals.code.evaluate_code),"

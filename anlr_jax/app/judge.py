@@ -1,0 +1,298 @@
+"""MT-Bench in the app: answers in ``anlr eval``, and the LLM judge of ``eval.judge`` (``anlr judge``).
+
+``anlr eval eval.tasks.mt_bench=benchmark://mt_bench`` writes the model's answers to
+``<out>/mt_bench_answers.jsonl`` (:mod:`anlr_jax.evals.mtbench`) and, when ``eval.judge.model`` is
+set, grades them (:mod:`anlr_jax.evals.judge`) into ``<out>/mt_bench_single.jsonl`` with the scores
+in ``<out>/mt_bench_scores_<model>.json``. ``anlr judge --single DIR ...`` grades saved answers;
+``anlr judge --pair DIR_1 DIR_2`` compares two models' answers, both orders, into
+``mt_bench_pair.jsonl`` and ``mt_bench_pair_<model 1>_vs_<model 2>.json``. Every file is extended,
+not rewritten: a rerun makes only what is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from anlr_jax.app.config import ModelSection, RunConfig
+from anlr_jax.app.evaluate import make_generate_fn
+from anlr_jax.app.model import load_base
+from anlr_jax.app.paths import require_path
+from anlr_jax.app.report import Log, is_writer, say
+from anlr_jax.data import chat_prompt, mtbench
+from anlr_jax.data.formats import DataFormatError
+from anlr_jax.evals import judge as judging
+from anlr_jax.evals.mtbench import ANSWERS_FILE, answers_by_question, generate_answers, read_records
+from anlr_jax.train.lock import DirectoryLock
+
+SINGLE_FILE = "mt_bench_single.jsonl"
+PAIR_FILE = "mt_bench_pair.jsonl"
+
+
+def _safe(name: str) -> str:
+  return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")
+
+
+def scores_file(model: str) -> str:
+  """The file of a model's single-grading summary: ``mt_bench_scores_<model>.json``."""
+  return f"mt_bench_scores_{_safe(model)}.json"
+
+
+def answer_mt_bench(
+    model, tokenizer, config: RunConfig, questions, out_dir: str, *, model_id: str, log: Log = say
+) -> str:
+  """Writes (or completes) ``<out_dir>/mt_bench_answers.jsonl``; returns its path."""
+  path = os.path.join(out_dir, ANSWERS_FILE)
+  sample_fn = make_generate_fn(
+      model,
+      tokenizer,
+      max_new_tokens=config.eval.dialogue_max_new_tokens,
+      batch_size=config.eval.batch_size,
+      template=config.data.template,
+      seed=config.seed,
+  )
+  log(
+      f"  mt_bench: answering {len(questions)} questions, two turns each in the"
+      f" {config.data.template} template ({config.eval.dialogue_sampling}, at most {config.eval.dialogue_max_new_tokens} tokens"
+      " per turn)"
+  )
+  generate_answers(
+      sample_fn,
+      tokenizer,
+      questions,
+      path,
+      model_id=model_id,
+      batch_size=config.eval.batch_size,
+      sampling=config.eval.dialogue_sampling,
+      max_new_tokens=config.eval.dialogue_max_new_tokens,
+      template=config.data.template,
+      progress=is_writer(),
+  )
+  log(f"  mt_bench answers: {path}")
+  return path
+
+
+# --------------------------------------------------------------------------------- the judge
+def judge_prompt(tokenizer, system: str, user: str) -> str:
+  """The judge's prompt in its chat template: the judge prompt's system message, then the user
+  message. A template that refuses a system message gets it at the head of the user message
+  (``[Instruction]`` block, as FastChat does for such judges)."""
+  try:
+    return chat_prompt(tokenizer, user, system=system)
+  except Exception as err:  # noqa: BLE001  (jinja2's TemplateError, raised by the template)
+    if type(err).__name__ != "TemplateError" and "system" not in str(err).lower():
+      raise
+    return chat_prompt(tokenizer, f"[Instruction]\n{system}\n\n{user}")
+
+
+@dataclasses.dataclass
+class Judge:
+  """A loaded judge: its name (``eval.judge.model`` as given), ``judge_fn`` and batch size."""
+
+  name: str
+  judge_fn: judging.JudgeFn
+  batch_size: int
+
+
+def load_judge(config: RunConfig) -> Judge:
+  """The judge model of ``eval.judge`` (any model :func:`anlr_jax.app.model.load_base` reads),
+  answering greedily in its chat template; one-line errors name ``eval.judge.model``."""
+  section = config.eval.judge
+  if not section.model:
+    raise ValueError(
+        "eval.judge.model is not set: name the judge, a HF model directory, a .gguf file or a"
+        " package:// path (eval.judge.model=<path>)"
+    )
+  path = require_path(section.model, "eval.judge.model", kind="judge model")
+  judge_config = dataclasses.replace(config, model=ModelSection(path=path, dtype=section.dtype))
+  try:
+    model, _, tokenizer = load_base(judge_config)
+  except (OSError, ValueError, KeyError, TypeError) as err:
+    message = err.args[0] if err.args else type(err).__name__
+    raise ValueError(f"eval.judge.model: {section.model} does not load as a model: {message}")
+  if not getattr(tokenizer, "chat_template", None):
+    raise ValueError(f"eval.judge.model: {section.model}: its tokenizer has no chat template")
+  model.eval()
+  batch_size = section.batch_size or config.eval.batch_size
+  generate_fn = make_generate_fn(
+      model,
+      tokenizer,
+      max_new_tokens=section.max_new_tokens,
+      batch_size=batch_size,
+      template="chat",
+  )
+
+  def judge_fn(prompts: list[tuple[str, str]]) -> list[str]:
+    return generate_fn([judge_prompt(tokenizer, system, user) for system, user in prompts])
+
+  return Judge(section.model, judge_fn, batch_size)
+
+
+def _questions_of(answers: dict[int, list[str]], where: str) -> list[mtbench.Question]:
+  """The MT-Bench questions ``answers`` answers, in the question file's order."""
+  questions = [q for q in mtbench.load_questions() if q.question_id in answers]
+  unknown = sorted(set(answers) - {q.question_id for q in questions})
+  if unknown:
+    raise DataFormatError(f"{where}: answers to question ids {unknown[:8]} that MT-Bench lacks")
+  return questions
+
+
+def answers_path(value: str) -> str:
+  """An answers file, or a directory (an ``anlr eval`` output) holding ``mt_bench_answers.jsonl``."""
+  path = os.path.join(value, ANSWERS_FILE) if os.path.isdir(value) else value
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{value}: no MT-Bench answers ({ANSWERS_FILE}) there")
+  return path
+
+
+def read_answers(path: str) -> tuple[str, dict[int, list[str]]]:
+  """``(model id, {question_id: [a_1, a_2]})`` of an answers file."""
+  records = read_records(path)
+  if not records:
+    raise DataFormatError(f"{path}: holds no answers")
+  ids = {str(r.get("model_id")) for r in records}
+  if len(ids) != 1:
+    raise DataFormatError(f"{path}: answers of several models {sorted(ids)}")
+  return ids.pop(), answers_by_question(records, path)
+
+
+def format_scores(model: str, summary: dict[str, Any]) -> str:
+  """One line of a single-grading summary: overall, per turn, per category, unparsed judgments."""
+  num = lambda v: "n/a" if v is None else f"{v:.2f}"
+  cats = ", ".join(f"{c} {num(v)}" for c, v in summary["categories"].items())
+  return (
+      f"mt_bench {model}: score {num(summary['overall'])}/10 (turn 1 {num(summary['turns'][1])},"
+      f" turn 2 {num(summary['turns'][2])}; {cats}); {summary['unparsed']} of"
+      f" {summary['judgments']} judgments without a rating"
+  )
+
+
+def grade_single(judge: Judge, path: str, out_dir: str, *, log: Log = say) -> dict[str, Any]:
+  """Grades the answers in ``path`` into ``out_dir``; writes and returns the score summary."""
+  model, answers = read_answers(path)
+  questions = _questions_of(answers, path)
+  records = judging.judge_single(
+      judge.judge_fn,
+      questions,
+      answers,
+      os.path.join(out_dir, SINGLE_FILE),
+      model=model,
+      judge_name=judge.name,
+      prompts=mtbench.load_judge_prompts(),
+      batch_size=judge.batch_size,
+      progress=is_writer(),
+  )
+  summary = {"model": model, "judge": judge.name, **judging.single_summary(records)}
+  if is_writer():
+    _write_json(os.path.join(out_dir, scores_file(model)), summary)
+  log(format_scores(model, summary))
+  return summary
+
+
+def _label(path: str) -> str:
+  return _safe(os.path.normpath(os.path.dirname(os.path.abspath(path))))
+
+
+def compare_pair(
+    judge: Judge, path_1: str, path_2: str, out_dir: str, *, log: Log = say
+) -> dict[str, Any]:
+  """Pairwise comparison of two answer files on the questions both answer; writes the judgments
+  to ``out_dir/mt_bench_pair.jsonl`` and returns (and writes) the win/tie/loss summary."""
+  model_1, answers_1 = read_answers(path_1)
+  model_2, answers_2 = read_answers(path_2)
+  if model_1 == model_2:  # two runs of one name: tell them apart by where they are
+    model_1, model_2 = _label(path_1), _label(path_2)
+  common = {q: a for q, a in answers_1.items() if q in answers_2}
+  if not common:
+    raise ValueError(f"{path_1} and {path_2} answer no question in common")
+  questions = _questions_of(common, path_1)
+  if len(common) < max(len(answers_1), len(answers_2)):
+    log(f"  comparing the {len(common)} questions both files answer")
+  records = judging.judge_pair(
+      judge.judge_fn,
+      questions,
+      answers_1,
+      answers_2,
+      os.path.join(out_dir, PAIR_FILE),
+      model_1=model_1,
+      model_2=model_2,
+      judge_name=judge.name,
+      prompts=mtbench.load_judge_prompts(),
+      batch_size=judge.batch_size,
+      progress=is_writer(),
+  )
+  summary = {
+      "model_1": model_1,
+      "model_2": model_2,
+      "judge": judge.name,
+      **judging.pair_summary(records),
+  }
+  if is_writer():
+    name = f"mt_bench_pair_{_safe(model_1)}_vs_{_safe(model_2)}.json"
+    _write_json(os.path.join(out_dir, name), summary)
+  rate = summary["win_rate_adjusted"]
+  log(
+      f"mt_bench {model_1} vs {model_2}: {summary['win']} win / {summary['tie']} tie /"
+      f" {summary['loss']} loss ({summary['inconsistent']} of the ties inconsistent between the"
+      f" two orders; {summary['errors']} pairs without a verdict left out); adjusted win rate"
+      f" {'n/a' if rate is None else f'{rate:.3f}'}"
+  )
+  return summary
+
+
+def _write_json(path: str, value: Any) -> None:
+  tmp = f"{path}.tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(value, f, indent=2)
+  os.replace(tmp, path)
+
+
+def judge_main(
+    config: RunConfig,
+    *,
+    single: Sequence[str] = (),
+    pair: Sequence[str] = (),
+    out_dir: str | None = None,
+    log: Log = say,
+) -> list[dict[str, Any]]:
+  """``anlr judge``: grades each of ``single`` (answer files or ``anlr eval`` directories) or
+  compares the two of ``pair``; outputs go to ``out_dir`` (default: beside each/the first answers
+  file). Returns the summaries."""
+  if bool(single) == bool(pair):
+    raise ValueError("give --single DIR [DIR ...] or --pair DIR_1 DIR_2")
+  if pair and len(pair) != 2:
+    raise ValueError(f"--pair takes two answer directories or files, got {len(pair)}")
+  paths = [answers_path(p) for p in (single or pair)]
+  for path in paths:
+    read_answers(path)  # every file checked before the judge is loaded
+  if out_dir is not None:
+    os.makedirs(out_dir, exist_ok=True)
+  outs = [out_dir or os.path.dirname(p) for p in (paths[:1] if pair else paths)]
+  with contextlib.ExitStack() as stack:  # one writer per output directory
+    for out in dict.fromkeys(outs):
+      if is_writer():
+        stack.enter_context(DirectoryLock(out, what="MT-Bench output directory"))
+    judge = load_judge(config)
+    if pair:
+      return [compare_pair(judge, *paths, outs[0], log=log)]
+    return [grade_single(judge, p, out, log=log) for p, out in zip(paths, outs)]
+
+
+__all__ = [
+    "Judge",
+    "answer_mt_bench",
+    "answers_path",
+    "compare_pair",
+    "format_scores",
+    "grade_single",
+    "judge_main",
+    "judge_prompt",
+    "load_judge",
+    "read_answers",
+    "scores_file",
+]
