@@ -128,7 +128,7 @@ def test_a_problems_file_path_and_its_errors(tmp_path, monkeypatch, capsys, prob
   (tmp_path / "bad.jsonl").write_text("{not json\n")
   config = tmp_path / "he.yaml"
   for file, message in (
-      ("bad.jsonl", r"eval.tasks.humaneval: HumanEval problems file .*bad.jsonl', line 1: not"),
+      ("bad.jsonl", r"eval.tasks.humaneval: HumanEval problems file .*bad.jsonl:1: invalid JSON"),
       ("missing.jsonl", r"eval.tasks.humaneval: .*missing.jsonl does not exist"),
   ):
     args = ["eval", "--config", str(config), f"eval.tasks.humaneval={tmp_path / file}"]
@@ -155,7 +155,7 @@ def test_truncation_and_exact_continuation(monkeypatch):
 
     return np.tile(np.asarray(new), (ids.shape[0], 1))
 
-  monkeypatch.setattr(anlr_jax.app.evaluate, "generate", fake_generate)
+  monkeypatch.setattr(anlr_jax.app.generation, "generate", fake_generate)
   fn = make_generate_fn(None, tok, max_new_tokens=8, batch_size=1, exact_continuation=True)
   assert fn(["def add(a, b):\n"]) == ["    return a + b\n"]
 

@@ -13,6 +13,8 @@ for type annotations alone excepted):
 - :mod:`~anlr_jax.app.dryrun`: ``anlr train --dry_run`` (memory per device of a config and mesh);
 - :mod:`~anlr_jax.app.report`: log lines, loss plots, tables, JSON files (process 0 writes);
 - :mod:`~anlr_jax.app.model`: base model, adapter layers, adapter files;
+- :mod:`~anlr_jax.app.generation`: batched generation with the training tokenisation of prompts;
+- :mod:`~anlr_jax.app.judge`: MT-Bench answers and the LLM judge (``anlr judge``);
 - :mod:`~anlr_jax.app.evaluate`: eval tasks, ``anlr eval``, ``anlr generate``;
 - :mod:`~anlr_jax.app.train`: ``anlr train`` (one method or several compared);
 - :mod:`~anlr_jax.app.export`: ``anlr export`` (PEFT adapter or merged model);
