@@ -35,6 +35,17 @@ def _entries(folder: str) -> set[str] | None:
   return set(os.listdir(folder)) if os.path.isdir(folder) else None
 
 
+def pytest_collection_modifyitems(items):
+  """The files holding a test marked ``slow`` go first, in their order, the others after them.
+
+  ``.ci/run`` hands whole files to its two workers in collection order
+  (``--dist loadfile --no-loadscope-reorder``): the long files start first and the many short ones
+  fill in at the end, instead of one worker running the last long file while the other waits (the
+  default order, files with the most tests first, puts the one-test end-to-end files last)."""
+  slow = {item.path for item in items if item.get_closest_marker("slow")}
+  items.sort(key=lambda item: item.path not in slow)  # stable: the order within a file is kept
+
+
 @pytest.fixture(autouse=True)
 def _no_run_left_in_the_checkout():
   before = {d: _entries(d) for d in RUNS_DIRS}

@@ -87,6 +87,7 @@ def _single_process_losses():
   return [float(trainer.train_step()['loss']) for _ in range(STEPS)]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
   _launch(tmp_path / 'losses.npy', STEPS)
   single = _single_process_losses()
@@ -94,6 +95,7 @@ def test_two_processes_match_one_process(tmp_path):
   assert len(set(np.round(single, 4))) == STEPS  # the losses move: the test compares real steps
 
 
+@pytest.mark.slow
 def test_two_processes_checkpoint_and_resume(tmp_path):
   """Process 0 seals the checkpoint (checksums); both verify and check it on restore."""
   ckpt = tmp_path / 'ckpt'
