@@ -2,7 +2,8 @@
 compilation-cache directory for the CLI, removed when the session ends; no test may leave a run
 in the checkout's (or the working directory's) ``runs/``.
 
-Every test sees the same 8-device CPU backend; unsharded tests simply run on device 0.
+Every test sees the same 8-device CPU backend; unsharded tests simply run on device 0. The files
+holding a test marked ``slow`` are collected first (see ``pytest_collection_modifyitems``).
 """
 
 import atexit
