@@ -3,7 +3,8 @@ compilation-cache directory for the CLI and a fresh cache of benchmark training 
 the session ends; no test may leave a run
 in the checkout's (or the working directory's) ``runs/``.
 
-Every test sees the same 8-device CPU backend; unsharded tests simply run on device 0.
+Every test sees the same 8-device CPU backend; unsharded tests simply run on device 0. The files
+holding a test marked ``slow`` are collected first (see ``pytest_collection_modifyitems``).
 """
 
 import atexit
@@ -37,6 +38,17 @@ RUNS_DIRS = sorted({os.path.realpath(os.path.join(d, "runs")) for d in (CHECKOUT
 def _entries(folder: str) -> set[str] | None:
   """The names in ``folder``; None when it does not exist."""
   return set(os.listdir(folder)) if os.path.isdir(folder) else None
+
+
+def pytest_collection_modifyitems(items):
+  """The files holding a test marked ``slow`` go first, in their order, the others after them.
+
+  ``.ci/run`` hands whole files to its two workers in collection order
+  (``--dist loadfile --no-loadscope-reorder``): the long files start first and the many short ones
+  fill in at the end, instead of one worker running the last long file while the other waits (the
+  default order, files with the most tests first, puts the one-test end-to-end files last)."""
+  slow = {item.path for item in items if item.get_closest_marker("slow")}
+  items.sort(key=lambda item: item.path not in slow)  # stable: the order within a file is kept
 
 
 @pytest.fixture(autouse=True)

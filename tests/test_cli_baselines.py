@@ -29,6 +29,7 @@ OVERRIDES = (
     "loraplus.lr_ratio=4",
 )
 Q = "model.layers.0.self_attn.q_proj"
+pytestmark = pytest.mark.slow  # the module's fixture trains six methods
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ def _run(args, devices=1):
   return proc.stdout
 
 
+@pytest.mark.slow
 def test_quickstart_example_trains_and_scores_the_test_set():
   out = _run(["examples/finetune_quickstart.py", "--method", "anlr", "--steps", "4"])
   loss = re.search(r"anlr: loss ([0-9.]+) -> ([0-9.]+)", out)

@@ -1,6 +1,7 @@
 """2 processes x 4 CPU devices (jax.distributed on localhost, gloo collectives) give the same
 losses as 1 process x 8 devices, each process feeding only its own rows of every batch."""
 
+import functools
 import os
 import socket
 import subprocess
@@ -72,6 +73,7 @@ def _launch(out, steps, extra=()):
   return [stdout for stdout, _ in outputs]
 
 
+@functools.cache  # the same reference for both tests: trained and compiled once
 def _single_process_losses():
   cfg = TrainerConfig(
       steps=STEPS,
@@ -84,9 +86,10 @@ def _single_process_losses():
       mesh_tensor=2,
   )
   trainer = Trainer(make_toy_model(), ToyBatches(), cfg, optax.adamw(1e-2))
-  return [float(trainer.train_step()['loss']) for _ in range(STEPS)]
+  return tuple(float(trainer.train_step()['loss']) for _ in range(STEPS))
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
   _launch(tmp_path / 'losses.npy', STEPS)
   single = _single_process_losses()
@@ -94,6 +97,7 @@ def test_two_processes_match_one_process(tmp_path):
   assert len(set(np.round(single, 4))) == STEPS  # the losses move: the test compares real steps
 
 
+@pytest.mark.slow
 def test_two_processes_checkpoint_and_resume(tmp_path):
   """Process 0 seals the checkpoint (checksums); both verify and check it on restore."""
   ckpt = tmp_path / 'ckpt'

@@ -28,6 +28,7 @@ def test_the_quickstart_is_the_shipped_config_read_from_the_package(capsys):
   assert built_in.methods() == ["lora", "anlr"] and built_in.eval.include_base
 
 
+@pytest.mark.slow
 def test_short_quickstart_writes_table_results_metrics_and_plot(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(REPO)  # `anlr train` with no --config finds configs/quickstart.yaml here
   steps = 4
