@@ -36,8 +36,8 @@ B, T, V = 4, 24, 1000  # distinct sizes, so the logits' shape is recognisable in
 
 
 def _model(tied=False, layers=2, seed=0, **config):
-  config = ModelConfig.tiny(
-      vocab_size=V, num_hidden_layers=layers, tie_word_embeddings=tied, **config
+  config = ModelConfig.preset(
+      'tiny', vocab_size=V, num_hidden_layers=layers, tie_word_embeddings=tied, **config
   )
   model = LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
   return inject_lora(model, rank=4, alpha=8.0, rngs=nnx.Rngs(seed + 1))
@@ -227,7 +227,7 @@ def test_sharded_chunked_loss_and_remat_equal_the_whole_logits_loss():
         remat=remat,
     )
     model = inject_lora(
-        LlamaForCausalLM(ModelConfig.tiny(vocab_size=512), rngs=nnx.Rngs(0)),
+        LlamaForCausalLM(ModelConfig.preset('tiny', vocab_size=512), rngs=nnx.Rngs(0)),
         rank=4,
         alpha=8.0,
         rngs=nnx.Rngs(1),

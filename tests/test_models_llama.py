@@ -115,7 +115,7 @@ def hf_and_flax(request, tmp_path_factory):
     [("llama2_7b", 6.738), ("llama3_8b", 8.030), ("qwen2_5_7b", 7.616), ("qwen2_5_14b", 14.770)],
 )
 def test_preset_parameter_counts_match_published_sizes(preset, billions):
-  config = getattr(ModelConfig, preset)()
+  config = ModelConfig.preset(preset)
   assert abs(config.num_params() / 1e9 - billions) < 0.01 * billions
 
 

@@ -13,8 +13,8 @@ fixes are
 and the rotary frequencies are ``inv_freq_i = rope_theta^{-2i / head_dim}`` for
 ``i = 0 .. head_dim/2 - 1``, rescaled per ``rope_scaling`` (see :meth:`ModelConfig.rope_inv_freq`).
 
-Named presets follow the public Hugging Face ``config.json`` of each model; :meth:`ModelConfig.tiny`
-is a ~160K-parameter model for tests.
+Named presets follow the public Hugging Face ``config.json`` of each model;
+``ModelConfig.preset("tiny")`` is a ~160K-parameter model for tests.
 """
 
 from __future__ import annotations
