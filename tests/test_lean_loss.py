@@ -232,7 +232,10 @@ def test_sharded_chunked_loss_and_remat_equal_the_whole_logits_loss():
         alpha=8.0,
         rngs=nnx.Rngs(1),
     )
-    trainer = Trainer(model, ToyBatches(seq_len=16, vocab=512), cfg, optax.adamw(1e-2))
+    # SGD: the updates are linear in the gradients, so the 1e-5 bound below is on the gradients
+    # (Adam's normalisation turns a float-rounding difference of a near-zero gradient into a
+    # visible one)
+    trainer = Trainer(model, ToyBatches(seq_len=16, vocab=512), cfg, optax.sgd(1e-1))
     losses = [float(trainer.train_step()['loss']) for _ in range(2)]
     return losses, jax.device_get(trainer.state.lora)
 
