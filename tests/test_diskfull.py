@@ -85,7 +85,9 @@ def test_a_full_disk_stops_the_cli_with_one_line_and_the_run_resumes_once_freed(
 
   first = _anlr_train(config)
   assert first.returncode == 5, first.stderr
-  (line,) = first.stderr.splitlines()
+  lines = first.stderr.splitlines()
+  assert len(lines) == 1, first.stderr
+  (line,) = lines
   found = re.fullmatch(
       rf"anlr train: error: the file system at {mount} is full: no space left on device writing"
       rf" checkpoint (\d+) \({ckpt}[^)]*\); stopped after update (\d+) of 12; the last complete"

@@ -18,6 +18,7 @@ import os
 import re
 import sys
 import threading
+import types
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _NO_SPACE_TEXT = (
@@ -165,6 +166,17 @@ def quiet_reports_of_disk_full() -> None:
 
       unraisable_hook._drops_disk_full = True
       sys.unraisablehook = unraisable_hook
+    if not getattr(sys.excepthook, '_drops_disk_full', False):
+      previous_excepthook = sys.excepthook
+
+      def excepthook(kind, value, tb):  # the same late completions, printed with PyErr_Print
+        report = types.SimpleNamespace(exc_value=value, exc_traceback=tb)
+        if _seen and _is_closed_loop(report):
+          return
+        previous_excepthook(kind, value, tb)
+
+      excepthook._drops_disk_full = True
+      sys.excepthook = excepthook
 
 
 def _is_closed_loop(args) -> bool:
