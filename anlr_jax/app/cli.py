@@ -302,14 +302,16 @@ def _add_run_commands(sub) -> None:
 
   judge = sub.add_parser(
       "judge",
-      help="grade MT-Bench answers with an LLM judge (eval.judge.model), or compare two runs",
+      help="grade MT-Bench answers with an LLM judge (eval.judge.model or eval.judge.url), or"
+      " compare two runs",
       formatter_class=argparse.RawDescriptionHelpFormatter,
       description="FastChat's llm_judge protocol on the answers 'anlr eval' wrote with"
       " eval.tasks.mt_bench=benchmark://mt_bench: single-answer grading (a 1-10 rating per turn)"
       " or a pairwise comparison in both answer orders (win/tie/loss). A rerun judges only what"
       " its output files do not hold yet.",
       epilog="examples:\n  anlr judge --single runs/x/lora/eval-1 eval.judge.model=models/judge\n"
-      "  anlr judge --pair runs/x/lora/eval-1 runs/x/anlr/eval-1 eval.judge.model=judge.gguf",
+      "  anlr judge --pair runs/x/lora/eval-1 runs/x/anlr/eval-1 eval.judge.model=judge.gguf\n"
+      "  anlr judge --single runs/x/lora/eval-1 eval.judge.url=http://127.0.0.1:8000/v1",
   )
   which = judge.add_mutually_exclusive_group(required=True)
   which.add_argument(
