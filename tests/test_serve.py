@@ -141,6 +141,14 @@ def test_a_bad_request_is_answered_with_one_line(server, body, status, words):
   assert call(f"{server.url}/nowhere")[0] == 404
 
 
+def test_a_request_without_a_valid_length_is_refused(server):
+  host, port = server.server_address[:2]
+  with socket.create_connection((host, port), timeout=30) as s:
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: many\r\n\r\n{}")
+    reply = s.makefile("rb").read().decode()
+  assert reply.startswith("HTTP/1.1 400") and "a valid Content-Length" in reply
+
+
 def write_answers(directory, model, questions, turns=("first answer", "second answer")):
   directory.mkdir(exist_ok=True)
   with open(directory / "mt_bench_answers.jsonl", "w") as f:

@@ -275,7 +275,14 @@ class _Handler(BaseHTTPRequestHandler):
       self._send(404, _error_body(f"no route GET {self.path}; try GET /v1/models", 404))
 
   def do_POST(self):  # noqa: N802
-    length = int(self.headers.get("Content-Length") or 0)
+    try:
+      length = int(self.headers.get("Content-Length") or 0)
+    except ValueError:
+      length = -1
+    if length < 0:
+      self.close_connection = True
+      self._send(400, _error_body("the request needs a valid Content-Length header", 400))
+      return
     if length > MAX_BODY:
       self.close_connection = True
       self._send(413, _error_body(f"the request body exceeds {MAX_BODY} bytes", 413))
