@@ -12,13 +12,15 @@ import threading
 import urllib.error
 import urllib.request
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from anlr_jax.app import cli
 from anlr_jax.app.config import load_config
 from anlr_jax.app.generation import make_generate_fn
 from anlr_jax.app.judge import judge_prompt
-from anlr_jax.app.serve import load_service, make_server
+from anlr_jax.app.serve import RequestError, load_service, make_server
 from anlr_jax.data import mtbench
 from tests.helpers.tiny_llama import save_tiny_llama
 from tests.tiny_tokenizer import DEFAULT_CORPUS, build_tiny_tokenizer
@@ -328,3 +330,43 @@ def test_anlr_eval_grades_its_answers_through_the_endpoint(server, tiny, tmp_pat
   single = records(tmp_path / "out" / "mt_bench_single.jsonl")
   assert len(single) == 16 and {r["judge"][0] for r in single} == {"tiny"}
   assert server.service.completions == before + 16  # every judgment came from the server
+
+
+def test_a_run_directory_is_served_with_its_adapter_and_its_template(tiny, tmp_path):
+  """A run trained with the Alpaca template: served in the Alpaca layout with its adapter, as
+  ``anlr generate`` (an independent path: one unpadded row) answers the same instruction."""
+  from anlr_jax import rundir
+  from anlr_jax.app.config import save_config
+  from anlr_jax.app.evaluate import generate_text
+  from anlr_jax.app.methods import build_method
+  from anlr_jax.app.model import load_base, save_lora_params
+  from anlr_jax.data import alpaca_prompt
+  from anlr_jax.nn import iter_lora_layers
+
+  config = load_config(None, [f"model.path={tiny}", "method=lora", "data.template=alpaca"])
+  model, _, _ = load_base(config)
+  build_method(config, model=model)
+  rng = np.random.default_rng(0)
+  for _, layer in iter_lora_layers(model):  # a trained-looking adapter: B is not zero
+    layer.lora_b[...] = jnp.asarray(rng.normal(0, 2.0, layer.lora_b.shape), jnp.float32)
+  run = tmp_path / "run"
+  run.mkdir()
+  save_lora_params(model, run / rundir.LORA_FILE)
+  save_config(config, run / rundir.CONFIG_FILE)
+
+  chat = load_config(None, [f"model.path={tiny}", "data.template=chat"])  # the run's template wins
+  service = load_service(chat, str(run))
+  assert service.template == "alpaca" and service.name == "run"
+  base = load_service(load_config(None, [f"model.path={tiny}", "data.template=alpaca"]))
+  ask = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8}
+  ask["temperature"] = 0
+  served = service.complete(ask)["choices"][0]["message"]["content"]
+  expected = generate_text(tiny, "Name a color.", adapter=str(run), max_new_tokens=8)
+  assert served == expected
+  assert base.complete(ask)["choices"][0]["message"]["content"] != served  # the adapter acts
+  messages = [("system", "Be brief."), ("user", "Name a color.")]
+  assert service.prompt(messages) == alpaca_prompt("Be brief.\n\nName a color.")
+  ids = service.prompt_ids(messages)
+  assert ids[0] == service.tokenizer.bos_token_id  # bos first, as in training
+  with pytest.raises(RequestError, match="must alternate"):
+    service.complete({"messages": [{"role": "assistant", "content": "x"}, ask["messages"][0]]})
