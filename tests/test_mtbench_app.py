@@ -238,9 +238,9 @@ def test_judge_is_a_section_of_eval_saved_and_read_back(tmp_path):
   save_config(config, tmp_path / "c.yaml")
   assert load_config(tmp_path / "c.yaml") == config
   with pytest.raises(
-      ConfigError, match="unknown key 'eval.judge.url'; allowed keys in 'eval.judge'"
+      ConfigError, match="unknown key 'eval.judge.endpoint'; allowed keys in 'eval.judge'"
   ):
-    load_config(None, ["eval.judge.url=http://localhost:8000"])
+    load_config(None, ["eval.judge.endpoint=http://localhost:8000"])
   with pytest.raises(ConfigError, match="eval.judge.max_new_tokens: 0 is not allowed"):
     load_config(None, ["eval.judge.max_new_tokens=0"])
   assert "  eval.judge.model (str, default ''): judge model" in help_text()

@@ -16,6 +16,7 @@ for type annotations alone excepted):
 - :mod:`~anlr_jax.app.generation`: batched generation with the training tokenisation of prompts;
 - :mod:`~anlr_jax.app.judge`: MT-Bench answers and the LLM judge (``anlr judge``);
 - :mod:`~anlr_jax.app.evaluate`: eval tasks, ``anlr eval``, ``anlr generate``;
+- :mod:`~anlr_jax.app.serve`: ``anlr serve`` (a model behind an OpenAI-compatible chat endpoint);
 - :mod:`~anlr_jax.app.train`: ``anlr train`` (one method or several compared);
 - :mod:`~anlr_jax.app.export`: ``anlr export`` (PEFT adapter or merged model);
 - :mod:`~anlr_jax.app.analysis_cli`: ``anlr analyze`` and ``anlr sweep``;

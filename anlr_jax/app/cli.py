@@ -1,5 +1,5 @@
-"""The ``anlr`` command line: train, eval, judge, export, convert, generate, configs, benchmarks,
-analyze, sweep.
+"""The ``anlr`` command line: train, eval, judge, serve, export, convert, generate, configs,
+benchmarks, analyze, sweep.
 
 ``anlr train`` with no arguments runs the quickstart (the shipped ``quickstart`` config): LoRA and
 AnLR-LoRA on the shipped model and task, compared on the shipped test set. ``--config`` takes a YAML
@@ -15,6 +15,7 @@ Examples::
     anlr eval --config configs/quickstart.yaml --adapter runs/quickstart-.../anlr
     anlr eval --adapter runs/x/anlr eval.tasks.mt_bench=benchmark://mt_bench eval.judge.model=J
     anlr judge --pair runs/x/lora/eval-... runs/x/anlr/eval-... eval.judge.model=J   # MT-Bench
+    anlr serve --config C --adapter runs/x/anlr --port 8000   # OpenAI-compatible chat endpoint
     anlr export --run runs/quickstart-.../anlr --format peft --out adapters/anlr
     anlr generate --model models/Llama-2-7b-hf --adapter adapters/anlr --prompt "..."
     anlr convert --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out models/smollm2-135m
@@ -140,6 +141,18 @@ def cmd_judge(args) -> int:
   config = load_config(find_config(args.config) if args.config else None, overrides)
   use_compile_cache(config.compile_cache)
   judge_main(config, single=single, pair=args.pair or (), out_dir=args.out)
+  return 0
+
+
+def cmd_serve(args) -> int:
+  from anlr_jax.app.serve import serve_main
+
+  config = load_config(find_config(args.config) if args.config else None, args.overrides)
+  use_compile_cache(config.compile_cache)
+  try:
+    serve_main(config, args.adapter, host=args.host, port=args.port, name=args.name)
+  except KeyboardInterrupt:
+    print("anlr serve: stopped", file=sys.stderr)
   return 0
 
 
@@ -289,14 +302,16 @@ def _add_run_commands(sub) -> None:
 
   judge = sub.add_parser(
       "judge",
-      help="grade MT-Bench answers with an LLM judge (eval.judge.model), or compare two runs",
+      help="grade MT-Bench answers with an LLM judge (eval.judge.model or eval.judge.url), or"
+      " compare two runs",
       formatter_class=argparse.RawDescriptionHelpFormatter,
       description="FastChat's llm_judge protocol on the answers 'anlr eval' wrote with"
       " eval.tasks.mt_bench=benchmark://mt_bench: single-answer grading (a 1-10 rating per turn)"
       " or a pairwise comparison in both answer orders (win/tie/loss). A rerun judges only what"
       " its output files do not hold yet.",
       epilog="examples:\n  anlr judge --single runs/x/lora/eval-1 eval.judge.model=models/judge\n"
-      "  anlr judge --pair runs/x/lora/eval-1 runs/x/anlr/eval-1 eval.judge.model=judge.gguf",
+      "  anlr judge --pair runs/x/lora/eval-1 runs/x/anlr/eval-1 eval.judge.model=judge.gguf\n"
+      "  anlr judge --single runs/x/lora/eval-1 eval.judge.url=http://127.0.0.1:8000/v1",
   )
   which = judge.add_mutually_exclusive_group(required=True)
   which.add_argument(
@@ -316,6 +331,30 @@ def _add_run_commands(sub) -> None:
   )
   judge.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. eval.judge.model=...")
   judge.set_defaults(func=cmd_judge)
+
+  serve = sub.add_parser(
+      "serve",
+      help="serve a model (+ adapter) as an OpenAI-compatible chat endpoint",
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      description="POST /v1/chat/completions and GET /v1/models (docs/mtbench.md): the messages"
+      " in the model's template (data.template; a run directory's own), greedy at temperature 0."
+      " One request is generated at a time.",
+      epilog="examples:\n  anlr serve --config smollm2_135m_dialogue --adapter runs/x/anlr --port"
+      " 8000\n  anlr judge --single runs/x/anlr/mt_bench eval.judge.url=http://127.0.0.1:8000/v1",
+  )
+  serve.add_argument(
+      "--config", help="run config YAML or shipped name (its model and data.template are used)"
+  )
+  serve.add_argument(
+      "--adapter", help="a run directory (lora_final.safetensors) or a PEFT adapter dir"
+  )
+  serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+  serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
+  serve.add_argument(
+      "--name", help="the model id clients send (default: the adapter's or model's file name)"
+  )
+  serve.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. model.path=...")
+  serve.set_defaults(func=cmd_serve)
 
 
 def _add_file_commands(sub) -> None:

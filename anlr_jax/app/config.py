@@ -370,7 +370,28 @@ class JudgeSection:
       2048, "tokens of each judgment at most (greedy; FastChat's judge gets 2048)", Range(1)
   )
   batch_size: int | None = setting(
-      None, "judge prompts per generation batch; None: eval.batch_size", Range(1)
+      None,
+      "judge prompts per generation batch (eval.judge.url: requests in flight at once); None:"
+      " eval.batch_size",
+      Range(1),
+  )
+  url: str = setting(
+      "",
+      "an OpenAI-compatible chat endpoint judging instead of eval.judge.model, e.g."
+      " http://127.0.0.1:8000/v1 ('anlr serve'); POST <url>/chat/completions",
+  )
+  api_model: str = setting(
+      "",
+      "eval.judge.url: the model name sent with each request (and recorded as the judge); empty:"
+      " the first model of GET <url>/models",
+  )
+  api_key_env: str = setting(
+      "",
+      "eval.judge.url: the environment variable holding the API key (sent as a bearer token;"
+      " never in the YAML); empty: no key",
+  )
+  timeout: float = setting(
+      600.0, "eval.judge.url: seconds to wait for each judgment", Range(0, lo_open=True)
   )
 
 

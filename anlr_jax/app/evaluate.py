@@ -242,11 +242,12 @@ def eval_run(
           model, tokenizer, config, sets[dialogue[0]], out_dir, model_id=label, log=log
       )
       del model  # the judge may be large: drop the answering model first
-      if config.eval.judge.model:
+      if judge.judge_configured(config):
         judge.grade_single(judge.load_judge(config), answers, out_dir, log=log)
-    if not config.eval.judge.model:
+    if not judge.judge_configured(config):
       log(
-          f"  no eval.judge.model: grade them with anlr judge --single {out_dir} eval.judge.model=..."
+          f"  no eval.judge.model (or .url): grade them with anlr judge --single {out_dir}"
+          " eval.judge.model=..."
       )
   result = EvalRunResult(adapter=adapter, accuracy=accuracy, avg=avg)
   if is_writer():

@@ -6,16 +6,24 @@ set, grades them (:mod:`anlr_jax.evals.judge`) into ``<out>/mt_bench_single.json
 in ``<out>/mt_bench_scores_<model>.json``. ``anlr judge --single DIR ...`` grades saved answers;
 ``anlr judge --pair DIR_1 DIR_2`` compares two models' answers, both orders, into
 ``mt_bench_pair.jsonl`` and ``mt_bench_pair_<model 1>_vs_<model 2>.json``. Every file is extended,
-not rewritten: a rerun makes only what is missing.
+not rewritten: a rerun makes only what is missing. With ``eval.judge.url`` the judge is an
+OpenAI-compatible chat endpoint (``anlr serve``, :mod:`anlr_jax.app.serve`, or any other) called
+with the standard library's ``urllib``; one that refuses or times out stops the run with one line
+naming the URL, and the judgments saved before are kept.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
+import http.client
 import json
 import os
 import re
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
@@ -92,21 +100,35 @@ def judge_prompt(tokenizer, system: str, user: str) -> str:
 
 @dataclasses.dataclass
 class Judge:
-  """A loaded judge: its name (``eval.judge.model`` as given), ``judge_fn`` and batch size."""
+  """A loaded judge: its name (``eval.judge.model`` as given, or the endpoint's model name),
+  ``judge_fn`` and batch size."""
 
   name: str
   judge_fn: judging.JudgeFn
   batch_size: int
 
 
+def judge_configured(config: RunConfig) -> bool:
+  """Whether ``eval.judge`` names a judge (``model`` or ``url``)."""
+  return bool(config.eval.judge.model or config.eval.judge.url)
+
+
 def load_judge(config: RunConfig) -> Judge:
-  """The judge model of ``eval.judge`` (any model :func:`anlr_jax.app.model.load_base` reads),
-  answering greedily in its chat template; one-line errors name ``eval.judge.model``."""
+  """The judge of ``eval.judge``: the model of ``eval.judge.model`` (any model
+  :func:`anlr_jax.app.model.load_base` reads), answering greedily in its chat template, or the
+  endpoint of ``eval.judge.url`` (:func:`endpoint_judge`); one-line errors name the key."""
   section = config.eval.judge
+  if section.url:
+    if section.model:
+      raise ValueError(
+          f"eval.judge.model ({section.model}) and eval.judge.url ({section.url}) are both set:"
+          " keep one"
+      )
+    return endpoint_judge(section, section.batch_size or config.eval.batch_size)
   if not section.model:
     raise ValueError(
         "eval.judge.model is not set: name the judge, a HF model directory, a .gguf file or a"
-        " package:// path (eval.judge.model=<path>)"
+        " package:// path (eval.judge.model=<path>), or an endpoint (eval.judge.url=<url>)"
     )
   path = require_path(section.model, "eval.judge.model", kind="judge model")
   judge_config = dataclasses.replace(config, model=ModelSection(path=path, dtype=section.dtype))
@@ -131,6 +153,115 @@ def load_judge(config: RunConfig) -> Judge:
     return generate_fn([judge_prompt(tokenizer, system, user) for system, user in prompts])
 
   return Judge(section.model, judge_fn, batch_size)
+
+
+# ------------------------------------------------------------------- a judge behind an endpoint
+class EndpointError(ValueError):
+  """The judge's endpoint refused, timed out or answered something else than a chat completion."""
+
+
+def api_urls(url: str) -> tuple[str, str]:
+  """``(chat completions URL, models URL)`` of ``eval.judge.url``: the API's base
+  (``http://host:port/v1``) or its ``.../chat/completions`` route."""
+  base = url.rstrip("/")
+  if base.endswith("/chat/completions"):
+    base = base[: -len("/chat/completions")]
+  return f"{base}/chat/completions", f"{base}/models"
+
+
+def _api_call(url: str, body: dict[str, Any] | None, *, timeout: float, key: str | None) -> Any:
+  """The decoded JSON reply of a GET (``body`` None) or POST to ``url``; :class:`EndpointError`,
+  one line naming ``url``, when it refuses, times out or answers an error or no JSON."""
+  headers = {"Content-Type": "application/json", "Accept": "application/json"}
+  if key:
+    headers["Authorization"] = f"Bearer {key}"
+  data = None if body is None else json.dumps(body).encode("utf-8")
+  request = urllib.request.Request(url, data=data, headers=headers)
+  where = f"eval.judge.url: {url}"
+  try:
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+      payload = reply.read()
+  except urllib.error.HTTPError as err:
+    detail = err.read().decode("utf-8", "replace")
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+      detail = json.loads(detail)["error"]["message"]
+    detail = " ".join(str(detail).split())[:300]
+    raise EndpointError(f"{where} answered HTTP {err.code} {err.reason}: {detail}") from None
+  except urllib.error.URLError as err:
+    if isinstance(err.reason, TimeoutError):
+      raise EndpointError(f"{where} did not answer within {timeout:g}s (eval.judge.timeout)")
+    reason = getattr(err.reason, "strerror", None) or err.reason
+    raise EndpointError(f"{where} is unreachable: {reason}") from None
+  except TimeoutError:
+    raise EndpointError(
+        f"{where} did not answer within {timeout:g}s (eval.judge.timeout)"
+    ) from None
+  except (ConnectionError, http.client.HTTPException) as err:
+    raise EndpointError(f"{where} broke the connection: {err or type(err).__name__}") from None
+  try:
+    return json.loads(payload.decode("utf-8"))
+  except (UnicodeDecodeError, json.JSONDecodeError):
+    raise EndpointError(f"{where} answered something that is not JSON") from None
+
+
+def endpoint_judge(section, batch_size: int) -> Judge:
+  """The judge behind the OpenAI-compatible endpoint ``section.url`` (``eval.judge``): each prompt
+  is one ``POST <url>/chat/completions`` with the judge prompt's system and user messages,
+  ``temperature: 0`` and ``max_tokens: eval.judge.max_new_tokens``; up to ``batch_size`` requests
+  are in flight at once. The judge's name is ``eval.judge.api_model``, else the first model of
+  ``GET <url>/models``. The API key is read from the environment variable ``api_key_env``."""
+  chat_url, models_url = api_urls(section.url)
+  key = None
+  if section.api_key_env:
+    key = os.environ.get(section.api_key_env)
+    if not key:
+      raise ValueError(
+          f"eval.judge.api_key_env: the environment variable {section.api_key_env} is not set"
+      )
+  call = functools.partial(_api_call, timeout=section.timeout, key=key)
+  name = section.api_model
+  if not name:
+    listed = call(models_url, None)
+    try:
+      name = str(listed["data"][0]["id"])
+    except (KeyError, IndexError, TypeError):
+      raise EndpointError(
+          f"eval.judge.url: {models_url} lists no model: set eval.judge.api_model"
+      ) from None
+
+  def ask(prompt: tuple[str, str]) -> str:
+    system, user = prompt
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": user}
+    ]
+    body = {
+        "model": name,
+        "messages": messages,
+        "temperature": 0,
+        "max_tokens": section.max_new_tokens,
+    }
+    reply = call(chat_url, body)
+    try:
+      content = reply["choices"][0]["message"]["content"]
+    except (KeyError, IndexError, TypeError):
+      content = None
+    if not isinstance(content, str):
+      raise EndpointError(
+          f"eval.judge.url: {chat_url}: the reply has no choices[0].message.content"
+      )
+    return content
+
+  def judge_fn(prompts: list[tuple[str, str]]) -> list[str]:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, batch_size)) as pool:
+      return list(pool.map(ask, prompts))
+
+  return Judge(name, judge_fn, batch_size)
+
+
+def _kept(error: EndpointError, path: str) -> EndpointError:
+  """``error`` saying how many judgments ``path`` keeps (a rerun judges only the rest)."""
+  saved = len(read_records(path))
+  return EndpointError(f"{error}; the {saved} judgments saved in {path} are kept (rerun to go on)")
 
 
 def _questions_of(answers: dict[int, list[str]], where: str) -> list[mtbench.Question]:
@@ -176,17 +307,21 @@ def grade_single(judge: Judge, path: str, out_dir: str, *, log: Log = say) -> di
   """Grades the answers in ``path`` into ``out_dir``; writes and returns the score summary."""
   model, answers = read_answers(path)
   questions = _questions_of(answers, path)
-  records = judging.judge_single(
-      judge.judge_fn,
-      questions,
-      answers,
-      os.path.join(out_dir, SINGLE_FILE),
-      model=model,
-      judge_name=judge.name,
-      prompts=mtbench.load_judge_prompts(),
-      batch_size=judge.batch_size,
-      progress=is_writer(),
-  )
+  out = os.path.join(out_dir, SINGLE_FILE)
+  try:
+    records = judging.judge_single(
+        judge.judge_fn,
+        questions,
+        answers,
+        out,
+        model=model,
+        judge_name=judge.name,
+        prompts=mtbench.load_judge_prompts(),
+        batch_size=judge.batch_size,
+        progress=is_writer(),
+    )
+  except EndpointError as err:
+    raise _kept(err, out) from None
   summary = {"model": model, "judge": judge.name, **judging.single_summary(records)}
   if is_writer():
     _write_json(os.path.join(out_dir, scores_file(model)), summary)
@@ -213,19 +348,23 @@ def compare_pair(
   questions = _questions_of(common, path_1)
   if len(common) < max(len(answers_1), len(answers_2)):
     log(f"  comparing the {len(common)} questions both files answer")
-  records = judging.judge_pair(
-      judge.judge_fn,
-      questions,
-      answers_1,
-      answers_2,
-      os.path.join(out_dir, PAIR_FILE),
-      model_1=model_1,
-      model_2=model_2,
-      judge_name=judge.name,
-      prompts=mtbench.load_judge_prompts(),
-      batch_size=judge.batch_size,
-      progress=is_writer(),
-  )
+  out = os.path.join(out_dir, PAIR_FILE)
+  try:
+    records = judging.judge_pair(
+        judge.judge_fn,
+        questions,
+        answers_1,
+        answers_2,
+        out,
+        model_1=model_1,
+        model_2=model_2,
+        judge_name=judge.name,
+        prompts=mtbench.load_judge_prompts(),
+        batch_size=judge.batch_size,
+        progress=is_writer(),
+    )
+  except EndpointError as err:
+    raise _kept(err, out) from None
   summary = {
       "model_1": model_1,
       "model_2": model_2,
@@ -284,12 +423,16 @@ def judge_main(
 
 
 __all__ = [
+    "EndpointError",
     "Judge",
     "answer_mt_bench",
     "answers_path",
+    "api_urls",
     "compare_pair",
+    "endpoint_judge",
     "format_scores",
     "grade_single",
+    "judge_configured",
     "judge_main",
     "judge_prompt",
     "load_judge",
