@@ -16,6 +16,12 @@ import tempfile
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite is bound by XLA compile time (tiny models, many programs): LLVM's optimisation level 0
+# halves the CPU backend's compile time of a train step and leaves what the programs compute as it
+# is (no fast-math either way). Set before JAX starts; subprocesses inherit it (the tests that give
+# a subprocess a device count append to it).
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
 # The CLI's persistent compilation cache: one fresh directory per test session (and its
 # subprocesses), so the suite neither reads nor fills the user's ~/.cache; removed at exit.
 os.environ["ANLR_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="anlr-xla-")

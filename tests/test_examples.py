@@ -23,7 +23,7 @@ def _run(args, devices=1):
       os.environ,
       PYTHONPATH=REPO,
       JAX_PLATFORMS="cpu",
-      XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+      XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}",
   )
   proc = subprocess.run(
       [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
