@@ -68,7 +68,11 @@ def main(argv=None) -> int:
   run_dirs = {}
   for seed in args.seeds:
     overrides = [f"seed={seed}", *args.overrides]
-    summary = train_run(load_config(args.config, overrides))
+    try:  # a bad setting, file or model: one line, as `anlr train` says it
+      summary = train_run(load_config(args.config, overrides))
+    except (ValueError, OSError) as err:  # ConfigError is a ValueError
+      print(f"{os.path.basename(__file__)}: error: {err}", file=sys.stderr)
+      return 2
     print(f"\nseed {seed}\n{summary['table']}\n", flush=True)
     scores[seed] = {"base": summary["base"]}
     scores[seed].update({r["method"]: r["accuracy"] for r in summary["runs"]})

