@@ -9,6 +9,7 @@ import os
 import re
 
 import numpy as np
+import pytest
 
 from anlr_jax.app.config import load_config
 from anlr_jax.models import load_llava_model, load_hf_model
@@ -18,6 +19,7 @@ from tests.tiny_tokenizer import build_tiny_tokenizer
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "visual_llava_cpu.py")
 CONFIG = os.path.join(REPO, "configs", "smollm2_llava_visual_cpu.yaml")
+BENCHMARK = os.path.join(REPO, "benchmarks", "llava_step.py")
 
 
 def _example():
@@ -37,6 +39,7 @@ def test_config_compares_lora_and_anlr_with_the_base_model():
   }
 
 
+@pytest.mark.slow
 def test_example_runs_end_to_end_on_tiny_settings(tmp_path, capsys):
   lm = tmp_path / "lm"
   save_tiny_llama(lm, len(build_tiny_tokenizer(lm)), max_position_embeddings=512)
@@ -94,3 +97,30 @@ def test_example_runs_end_to_end_on_tiny_settings(tmp_path, capsys):
   figures = list((run / "anlr" / "analysis").glob("*.png"))
   assert figures, "anlr analyze drew the rank-one figures"
   assert re.search(r"^\s*base\s+[\d.]+\s+[\d.]+", printed, flags=re.M), printed
+
+  # the step benchmark on the example's model and task: the text batch is the image batch without
+  # its image positions
+  spec = importlib.util.spec_from_file_location("llava_step", BENCHMARK)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  assert (
+      bench.main(
+          [
+              "--out",
+              str(out),
+              "--rounds",
+              "1",
+              "--warmup",
+              "0",
+              "--json",
+              str(tmp_path / "s.json"),
+              "data.template=vicuna_v1",
+              "data.pad_multiple=32",
+          ]
+      )
+      == 0
+  )
+  result = json.loads((tmp_path / "s.json").read_text())
+  assert result["images"] > 0 and result["image_positions_per_image"] == 4
+  assert result["real_tokens"]["image"] - result["real_tokens"]["text"] == 4 * result["images"]
+  assert set(result["median_s"]) == {"image", "text"} and result["paired_ratio_image_over_text"] > 0
