@@ -73,7 +73,7 @@ def setup(tmp_path_factory):
   )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  task = module.write_task(str(root / "task"), n_train=4, n_test=3, seed=0, size=32)
+  task = module.write_task(str(root / "task"), n_train=4, n_test=3, seed=2, size=32)
   images = root / "photos"
   shutil.move(task["images"], images / "images")  # the records name "images/<file>"
   text_dir = root / "text"
@@ -138,6 +138,8 @@ def test_the_score_follows_the_answers(setup, tmp_path, monkeypatch):
 
   def answers(model, tokenizer, questions, **kw):
     prompts, _ = real(model, tokenizer, questions, **kw)
+    if questions[0].question_id == "1":  # pope: "yes" to everything
+      return prompts, ["Yes, there is."] * len(questions)
     said = [f"The {q.answer}." if i < 5 else "nothing" for i, q in enumerate(questions)]
     return prompts, said
 
@@ -149,6 +151,10 @@ def test_the_score_follows_the_answers(setup, tmp_path, monkeypatch):
   assert results["accuracy"]["qa"] == pytest.approx(5 / 12)
   records = [json.loads(line) for line in (out / "eval_qa.jsonl").read_text().splitlines()]
   assert [r["score"] for r in records] == [1.0] * 5 + [0.0] * 7
+  labels = [json.loads(line)["label"] for line in open(task["pope"])]
+  precision = labels.count("yes") / len(labels)  # recall 1: every "yes" is found
+  assert 0 < precision < 1, labels  # F1 and accuracy differ: the score is POPE's F1
+  assert results["accuracy"]["pope"] == pytest.approx(2 * precision / (precision + 1))
 
 
 def test_prompts_hold_the_image_positions_and_pixels(setup, monkeypatch):
