@@ -88,9 +88,9 @@ def build_llava(
   tokenizer.add_tokens([IMAGE_TOKEN], special_tokens=True)
   image_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
   vocab = max(text.vocab_size, image_id + 1)
-  embed = np.asarray(lm.model.embed_tokens.embedding.value)
+  embed = np.asarray(lm.model.embed_tokens.embedding.get_value())
   rows = np.repeat(embed.mean(axis=0, keepdims=True), vocab - len(embed), axis=0)
-  lm.model.embed_tokens.embedding.value = np.concatenate([embed, rows]).astype(embed.dtype)
+  lm.model.embed_tokens.embedding.set_value(np.concatenate([embed, rows]).astype(embed.dtype))
   vision = ClipVisionConfig(
       hidden_size=vision_width,
       intermediate_size=4 * vision_width,
@@ -107,9 +107,9 @@ def build_llava(
   )
   model = LlavaForConditionalGeneration(config, rngs=nnx.Rngs(seed))
   if not text.tie_word_embeddings:
-    kernel = np.asarray(lm.lm_head.kernel.value)  # (d, V)
+    kernel = np.asarray(lm.lm_head.kernel.get_value())  # (d, V)
     extra = np.repeat(kernel.mean(axis=1, keepdims=True), vocab - kernel.shape[1], axis=1)
-    lm.lm_head.kernel.value = np.concatenate([kernel, extra], axis=1).astype(kernel.dtype)
+    lm.lm_head.kernel.set_value(np.concatenate([kernel, extra], axis=1).astype(kernel.dtype))
     nnx.update(model.lm_head, nnx.state(lm.lm_head))
   nnx.update(model.model.language_model, nnx.state(lm.model))
   os.makedirs(out, exist_ok=True)

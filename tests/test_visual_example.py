@@ -79,8 +79,8 @@ def test_example_runs_end_to_end_on_tiny_settings(tmp_path, capsys):
   # the LLaVA keeps the language model's weights, with <image> added as its last token
   model, config = load_llava_model(out / "model")
   text, _ = load_hf_model(lm)
-  embed = np.asarray(model.model.language_model.embed_tokens.embedding.value)
-  original = np.asarray(text.model.embed_tokens.embedding.value)
+  embed = np.asarray(model.model.language_model.embed_tokens.embedding.get_value())
+  original = np.asarray(text.model.embed_tokens.embedding.get_value())
   np.testing.assert_array_equal(embed[: len(original)], original)
   np.testing.assert_allclose(embed[-1], original.mean(axis=0), rtol=1e-6)
   assert config.image_token_index == len(original) and config.num_image_tokens == 4
