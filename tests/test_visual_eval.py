@@ -309,3 +309,26 @@ def test_train_scores_base_and_adapters_on_a_visual_task(setup):
     assert scores["pope"] == pope
   table = (run_dir / "accuracy.md").read_text()
   assert "| base |" in table and "| lora |" in table
+
+
+def test_visual_task_config_round_trips_and_expands_paths(tmp_path):
+  from anlr_jax.app.config import save_config
+  from anlr_jax.app.paths import expand_paths
+
+  config = load_config(
+      None,
+      [
+          "eval.tasks.boolq=b.json",
+          "eval.tasks.POPE={questions: '{run_dir}/p.json', image_folder: '{run_dir}/im'}",
+          "eval.tasks.qa.format=llava_qa",
+          "eval.tasks.qa.questions=q.json",
+          "eval.tasks.qa.instruction=Answer briefly.",
+      ],
+  )
+  pope = config.eval.tasks["POPE"]
+  assert pope.format == "pope" and config.eval.tasks["qa"].instruction == "Answer briefly."
+  assert config.eval.text_tasks() == {"boolq": "b.json"}
+  save_config(config, tmp_path / "c.yaml")
+  assert load_config(tmp_path / "c.yaml").eval.tasks == config.eval.tasks
+  expanded = expand_paths(config, "lora", "/r").eval.tasks["POPE"]
+  assert (expanded.questions, expanded.image_folder) == ("/r/p.json", "/r/im")
