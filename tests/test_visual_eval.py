@@ -332,3 +332,44 @@ def test_visual_task_config_round_trips_and_expands_paths(tmp_path):
   assert load_config(tmp_path / "c.yaml").eval.tasks == config.eval.tasks
   expanded = expand_paths(config, "lora", "/r").eval.tasks["POPE"]
   assert (expanded.questions, expanded.image_folder) == ("/r/p.json", "/r/im")
+
+
+def test_question_files_of_each_layout(setup, tmp_path):
+  """LLaVA's question JSONL, its conversation format and the MMBench TSV give the questions LLaVA's
+  evaluation asks (MMBench: hint, question, one line per option; the image from base64)."""
+  import base64
+  import io
+
+  _, _, task, images, _ = setup
+  image = "images/" + os.listdir(images / "images")[0]
+  jsonl = tmp_path / "q.jsonl"
+  jsonl.write_text(
+      json.dumps({"question_id": 7, "image": image, "text": "What is it?"})
+      + "\n"
+      + json.dumps({"question_id": 8, "text": "No image here?"})
+      + "\n"
+  )
+  q = visual_tasks.read_visual_questions(jsonl, "gqa", image_folder=images, instruction="Short.")
+  assert [(x.question_id, x.text, x.image) for x in q] == [
+      ("7", "What is it?\nShort.", str(images / image)),
+      ("8", "No image here?\nShort.", None),
+  ]
+  conv = visual_tasks.read_visual_questions(task["test"], "llava_qa", image_folder=images)
+  assert conv[0].answer and "<image>" not in conv[0].text and conv[0].text.endswith("phrase.")
+
+  buffer = io.BytesIO()
+  Image.open(images / image).save(buffer, format="PNG")
+  cell = base64.b64encode(buffer.getvalue()).decode()
+  tsv = tmp_path / "mmbench.tsv"
+  header = "index\tquestion\thint\tA\tB\tC\tD\tanswer\tcategory\timage\n"
+  tsv.write_text(header + f"3\tWhich?\tLook.\tcat\tdog\tnan\t\tA\tx\t{cell}\n")
+  (m,) = visual_tasks.read_visual_questions(tsv, "mmbench", instruction="Letter.")
+  assert m.text == "Look.\nWhich?\nA. cat\nB. dog\nLetter." and m.answer == "A"
+  assert isinstance(m.image, bytes) and m.image_name == "(base64)"
+
+  jsonl.write_text(json.dumps({"question_id": 1, "image": "images/nope.png", "text": "?"}) + "\n")
+  with pytest.raises(ValueError, match=r"q.jsonl:1: question 1: image file not found"):
+    visual_tasks.read_visual_questions(jsonl, "gqa", image_folder=images)
+  tsv.write_text(header + "3\tWhich?\t\tcat\tdog\t\t\tA\tx\tnot-base64!\n")
+  with pytest.raises(ValueError, match=r"mmbench.tsv:2: the 'image' cell is not a base64 image"):
+    visual_tasks.read_visual_questions(tsv, "mmbench")
