@@ -16,6 +16,9 @@
    presence questions as a POPE file, F1); the answers are saved as records in the run directory;
 4. draws the per-rank figures of ``anlr analyze`` on the two runs, and prints the table.
 
+About 35 minutes and 5.3 GiB on a shared 2-core CPU (docs/results.md, section 10); ``--train``,
+``--test`` and ``trainer.steps=...`` make it shorter.
+
 The vision tower is random and stays frozen, so the example shows the pipeline and that the
 adapters and the projector learn to use the image features; it says nothing about LLaVA-1.5's
 accuracy, which needs its pretrained CLIP ViT-L/14 and 7B language model
