@@ -158,6 +158,7 @@ def _evaluate_visual(model, tokenizer, config: RunConfig, task: str, visual: Vis
         template=config.data.template,
         batch_size=config.eval.batch_size,
         max_new_tokens=config.eval.max_new_tokens,
+        width_fn=prompt_width,
     )
   except (ValueError, FileNotFoundError) as err:
     raise ValueError(f"{key}: {err}") from None

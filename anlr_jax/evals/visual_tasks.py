@@ -37,7 +37,7 @@ import io
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -298,11 +298,12 @@ def generate_answers(
     batch_size: int,
     max_new_tokens: int,
     desc: str = "visual",
-    width_multiple: int = 16,
+    width_fn: Callable[[int], int] | None = None,
 ) -> tuple[list[str], list[str]]:
   """Greedy answers of a LLaVA ``model`` to ``questions`` (see the module docstring), with a tqdm
-  bar; returns ``(prompts as text, answers)``."""
-  from anlr_jax.app.generation import prompt_width
+  bar; returns ``(prompts as text, answers)``. ``width_fn``: the padded width of a batch whose
+  longest prompt has ``n`` tokens (default: ``n`` rounded up to a multiple of 16; ``anlr eval``
+  passes :func:`anlr_jax.app.generation.prompt_width`, which compiles fewer widths)."""
   from anlr_jax.data.chat import end_of_turn_id
   from anlr_jax.models import generate
   from anlr_jax.models.llava import preprocess_image
@@ -324,7 +325,8 @@ def generate_answers(
       n = max(batch_size, len(rows))
       filled = rows + [rows[-1]] * (n - len(rows))
       images = batch + [batch[-1]] * (n - len(batch))
-      width = prompt_width(max(len(r) for r in rows), width_multiple)
+      longest = max(len(r) for r in rows)
+      width = width_fn(longest) if width_fn is not None else -(-longest // 16) * 16
       ids = np.full((n, width), pad, np.int32)
       mask = np.zeros((n, width), np.int32)
       pixels = np.zeros((n, 1, 3, size, size), np.float32)
@@ -361,6 +363,7 @@ def evaluate_visual(
     template: str,
     batch_size: int,
     max_new_tokens: int,
+    width_fn: Callable[[int], int] | None = None,
 ) -> VisualEvalResult:
   """Answers ``questions`` and scores the answers with the scorer of ``format`` against the
   ``official`` file (only the questions answered: ``on_missing="skip"``, so that ``eval.limit``
@@ -373,6 +376,7 @@ def evaluate_visual(
       batch_size=batch_size,
       max_new_tokens=max_new_tokens,
       desc=task,
+      width_fn=width_fn,
   )
   predictions = {q.question_id: a for q, a in zip(questions, answers)}
   score = score_file(format, predictions, official, on_missing="skip")
