@@ -190,6 +190,11 @@ def type_name(tp: Any) -> str:
     return "null"
   if isinstance(tp, type) and not typing.get_args(tp):
     return tp.__name__
+  origin, args = typing.get_origin(tp), typing.get_args(tp)
+  if origin in (typing.Union, types.UnionType):  # a settings class by its name, None as None
+    return " | ".join("None" if a is type(None) else type_name(a) for a in args)
+  if origin in (list, dict, tuple):
+    return f"{origin.__name__}[{', '.join(type_name(a) for a in args)}]"
   return str(tp).replace("typing.", "")
 
 

@@ -20,6 +20,9 @@ diagnostics by :mod:`anlr_jax.diagnostics_io`, the adapter file's keys follow
   loss.png                    LOSS_PLOT          training loss curve(s)
   accuracy.{csv,md}           ACCURACY_TABLE     accuracy per task (and method)
   eval_<task>.jsonl           eval_records_path  every generation of one eval task
+  eval_<task>_score.json                         a visual task's score (metrics, per question)
+  base/                       BASE_DIR           the base model's eval records (one method with
+                                                 ``eval.include_base``; with ``compare``: here)
   <method>/                   method_dir         one method's run directory (``compare``)
   analysis/                   ANALYSIS_DIR       ``anlr analyze`` output (default)
   .anlr.lock                  LOCK_FILE          the single-writer lock
@@ -47,6 +50,7 @@ __all__ = [
     "ACCURACY_TABLE",
     "EVAL_RECORDS",
     "ANALYSIS_DIR",
+    "BASE_DIR",
     "LOCK_FILE",
     "method_dir_name",
     "method_dir",
@@ -100,6 +104,8 @@ ACCURACY_TABLE = "accuracy"
 EVAL_RECORDS = "eval_{task}.jsonl"
 """Every generation of one eval task (prompt, output, extracted answer, gold); see
 :func:`eval_records_path`."""
+BASE_DIR = "base"
+"""The base model's eval records in a one-method run directory (``eval.include_base``)."""
 ANALYSIS_DIR = "analysis"
 """Default output folder of ``anlr analyze`` (inside the last run directory given)."""
 LOCK_FILE = ".anlr.lock"

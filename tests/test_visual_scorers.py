@@ -513,7 +513,28 @@ def test_read_predictions(tmp_path):
 
 
 def test_registry_lists_the_seven_benchmarks():
-  assert set(visual.SCORERS) == set(visual.BENCHMARKS) and len(visual.BENCHMARKS) == 7
+  assert set(visual.SCORERS) == set(visual.FORMATS) and len(visual.BENCHMARKS) == 7
+  assert set(visual.FORMATS) - set(visual.BENCHMARKS) == {"llava_qa"}
+
+
+def test_llava_qa_is_exact_match_after_llava_normalisation(tmp_path):
+  def record(i, answer):
+    turns = [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": answer}]
+    return {"id": f"q{i}", "image": "x.png", "conversations": turns}
+
+  golds = ["cat", "cat", "colour", "black and white"]
+  path = _write_json(tmp_path / "test.json", [record(i, a) for i, a in enumerate(golds)])
+  said = {"q0": "Cat", "q1": "a cat.", "q2": "black and white", "q3": "black, and white"}
+  score = visual.score_llava_qa(said, path)
+  assert score.per_question == {"q0": 1.0, "q1": 1.0, "q2": 0.0, "q3": 1.0}
+  assert score.score == 0.75 and score.count == 4
+  jsonl = _write_jsonl(tmp_path / "test.jsonl", [record(i, a) for i, a in enumerate(golds)])
+  assert visual.score_llava_qa(said, jsonl).score == 0.75
+  with pytest.raises(ValueError, match=r"1 of 4 questions have no prediction"):
+    visual.score_llava_qa({k: v for k, v in said.items() if k != "q3"}, path)
+  bad = _write_json(tmp_path / "bad.json", [{"id": 1, "conversations": [{"from": "human"}]}])
+  with pytest.raises(DataFormatError, match=r"bad.json: record 0: question 1 has no gpt turn"):
+    visual.score_llava_qa({}, bad)
 
 
 def test_command_line(tmp_path, capsys):

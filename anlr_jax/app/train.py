@@ -272,10 +272,10 @@ def training_source(
         f"data.template={data.template}: LLaVA data takes {' or '.join(LLAVA_TEMPLATES)}"
         " (vicuna_v1: LLaVA-1.5's conversation format)"
     )
-  if data.template == "vicuna_v1" and config.eval.tasks:
+  if data.template == "vicuna_v1" and config.eval.text_tasks():
     raise ConfigError(
         "eval.tasks: the text tasks are prompted in data.template, which is vicuna_v1 (LLaVA"
-        " data only): leave eval.tasks out or train with data.template=chat"
+        " data only): leave them out (visual tasks are fine) or train with data.template=chat"
     )
   folder = None
   if data.image_folder is not None:
@@ -439,8 +439,9 @@ def _train_run(
     runs.append(result)
   if len(methods) > 1:  # the comparison's config, once every method's settings are checked
     _save_config(dataclasses.replace(config, run_dir=run_dir), run_dir)
+  base_dir = run_dir if len(methods) > 1 else os.path.join(run_dir, rundir.BASE_DIR)
   base = (
-      evaluate_base(expand_paths(config, methods[0], run_dir), run_dir, log=log)
+      evaluate_base(expand_paths(config, methods[0], run_dir), base_dir, log=log)
       if config.eval.include_base and config.eval.tasks
       else None
   )

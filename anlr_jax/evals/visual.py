@@ -70,6 +70,12 @@ POPE (``pope``)
   Metrics: accuracy, precision, recall and F1 of "yes", and the yes-ratio; the score is the F1 (a
   precision or recall with a zero denominator is 0).
 
+LLaVA-format questions with answers (``llava_qa``)
+  A question file in LLaVA's conversation format (a JSON list or JSONL of ``{"id", "image",
+  "conversations": [{"from": "human", "value": "<image>\\n..."}, {"from": "gpt", "value": answer}]}``,
+  one question per record, as ``scripts/make_visual_task.py`` writes its test set): exact match of
+  the answer and the first ``gpt`` turn, both after :func:`normalize_llava_answer`.
+
 A question of the file with no prediction raises by default (``on_missing="raise"``); ``"skip"``
 scores only the questions that have one, ``"wrong"`` counts them as wrong (a missing POPE answer is
 the opposite of the label). A prediction for an id the file does not hold raises: the files do not
@@ -100,6 +106,9 @@ OnMissing = Literal["raise", "skip", "wrong"]
 
 BENCHMARKS = ("vqav2", "gqa", "vizwiz", "scienceqa", "textvqa", "pope", "mmbench")
 """The seven benchmarks, in the column order of LLaVA-1.5's results table."""
+
+FORMATS = (*BENCHMARKS, "llava_qa")
+"""Every format a scorer reads: the seven benchmarks and LLaVA-format questions with answers."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +270,17 @@ def _load_jsonl(path: str | os.PathLike[str], what: str) -> list[tuple[int, Any]
       except json.JSONDecodeError as err:
         raise DataFormatError(f"{path}:{line_number}: invalid JSON: {err.msg}") from None
   return records
+
+
+def _is_json_list(path: str) -> bool:
+  """Whether the file at `path` holds one JSON list (else: JSON lines)."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"question file not found: {path}")
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      if line.strip():
+        return line.lstrip().startswith("[")
+  return False
 
 
 def _field(record: Any, key: str, where: str, kind: type | tuple[type, ...] = str) -> Any:
@@ -838,6 +858,39 @@ def score_pope(
   return _score("pope", per_question, len(missing), extra=extra, primary="f1")
 
 
+def score_llava_qa(
+    predictions: Mapping[Any, str],
+    questions_path: str | os.PathLike[str],
+    *,
+    on_missing: OnMissing = "raise",
+) -> VisualScore:
+  """Exact match on a LLaVA-format question file with answers (see the module docstring)."""
+  path = os.fspath(questions_path)
+  if _is_json_list(path):
+    data = _load_json(path, "question file")
+    items = [(f"{path}: record {i}", record) for i, record in enumerate(data)]
+  else:
+    items = [(f"{path}:{line}", record) for line, record in _load_jsonl(path, "question file")]
+  records = {}
+  for where, record in items:
+    qid = str(_field(record, "id", where, (str, int)))
+    turns = _field(record, "conversations", f"{where} (id {qid})", list)
+    answers = [t.get("value") for t in turns if isinstance(t, Mapping) and t.get("from") == "gpt"]
+    if not answers or not isinstance(answers[0], str):
+      raise DataFormatError(f"{where}: question {qid} has no gpt turn with its answer")
+    if qid in records:
+      raise DataFormatError(f"{where}: question {qid} appears twice")
+    records[qid] = normalize_llava_answer(answers[0])
+  preds, missing = _match(predictions, records, path, on_missing)
+  per_question = {}
+  for qid, gold in records.items():
+    if qid in preds:
+      per_question[qid] = float(normalize_llava_answer(_text(preds[qid], qid)) == gold)
+    elif on_missing == "wrong":
+      per_question[qid] = 0.0
+  return _score("llava_qa", per_question, len(missing))
+
+
 SCORERS: dict[str, Callable[..., VisualScore]] = {
     "vqav2": score_vqav2,
     "gqa": score_gqa,
@@ -846,8 +899,9 @@ SCORERS: dict[str, Callable[..., VisualScore]] = {
     "textvqa": score_textvqa,
     "pope": score_pope,
     "mmbench": score_mmbench,
+    "llava_qa": score_llava_qa,
 }
-"""The scorer of each benchmark: ``SCORERS[name](predictions, official_file, ...)``."""
+"""The scorer of each format: ``SCORERS[name](predictions, official_file, ...)``."""
 
 
 def score_file(
@@ -858,7 +912,7 @@ def score_file(
 ) -> VisualScore:
   """`SCORERS[benchmark]` on `predictions` (a mapping, or a file for :func:`read_predictions`)."""
   if benchmark not in SCORERS:
-    raise ValueError(f"benchmark must be one of {list(BENCHMARKS)}, got {benchmark!r}")
+    raise ValueError(f"benchmark must be one of {list(FORMATS)}, got {benchmark!r}")
   if isinstance(predictions, (str, os.PathLike)):
     predictions = read_predictions(predictions)
   return SCORERS[benchmark](predictions, official, **options)
@@ -885,7 +939,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       prog="python -m anlr_jax.evals.score_visual",
       description="Scores a model's answers on one of LLaVA-1.5's seven visual benchmarks.",
   )
-  parser.add_argument("benchmark", choices=BENCHMARKS)
+  parser.add_argument("benchmark", choices=FORMATS)
   parser.add_argument("predictions", help="LLaVA answer JSONL, VQA results JSON or {id: text} JSON")
   parser.add_argument("official", help="the benchmark's official annotation / question file")
   parser.add_argument("--questions", help="vqav2: the questions file, checked against the ids")
@@ -919,6 +973,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 __all__ = [
     "BENCHMARKS",
     "CONTRACTIONS",
+    "FORMATS",
     "SCORERS",
     "VisualScore",
     "extract_mmbench_choice",
@@ -929,6 +984,7 @@ __all__ = [
     "pope_answer",
     "read_predictions",
     "score_gqa",
+    "score_llava_qa",
     "score_mmbench",
     "score_file",
     "score_pope",
