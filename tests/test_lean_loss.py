@@ -35,12 +35,16 @@ from tests.helpers.toy_lm import ToyBatches, make_toy_model
 B, T, V = 4, 24, 1000  # distinct sizes, so the logits' shape is recognisable in the program
 
 
-def _model(tied=False, layers=2, seed=0, **config):
+def _model(tied=False, layers=2, seed=0, dropout=0.0, **config):
+  """A tiny LLaMA with LoRA r=4; with ``dropout``, LoRA dropout in train mode."""
   config = ModelConfig.preset(
       'tiny', vocab_size=V, num_hidden_layers=layers, tie_word_embeddings=tied, **config
   )
   model = LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
-  return inject_lora(model, rank=4, alpha=8.0, rngs=nnx.Rngs(seed + 1))
+  model = inject_lora(model, rank=4, alpha=8.0, dropout=dropout, rngs=nnx.Rngs(seed + 1))
+  if dropout:
+    model.train()
+  return model
 
 
 def _batch(seed=0):
@@ -176,9 +180,11 @@ def test_remat_puts_one_region_around_each_decoder_layer(stacked):
   assert counts == {2: {'none': 0, 'full': 2, 'dots': 2}, 3: {'none': 0, 'full': 3, 'dots': 3}}
 
 
-def test_remat_lowers_the_compiled_step_memory_on_cpu():
-  """XLA:CPU's own memory analysis: per-layer remat keeps one layer's activations, not four."""
-  graphdef, lora, frozen, extra = split_model(_model(layers=4))
+@pytest.mark.parametrize('dropout', [0.0, 0.1])
+def test_remat_lowers_the_compiled_step_memory_on_cpu(dropout):
+  """XLA:CPU's own memory analysis: per-layer remat keeps one layer's activations, not four; with
+  LoRA dropout too (its masks are recomputed from the RNG key, not kept from the forward pass)."""
+  graphdef, lora, frozen, extra = split_model(_model(layers=4, dropout=dropout))
   tx = optax.adamw(1e-3)
   state = init_train_state(lora, extra, tx)
   batch = {k: jnp.ones((4, 64), jnp.int32) for k in ('input_ids', 'attention_mask', 'loss_mask')}
@@ -189,9 +195,16 @@ def test_remat_lowers_the_compiled_step_memory_on_cpu():
   assert temp['full'] < 0.5 * temp['none'] and temp['full'] < temp['dots'] < 0.8 * temp['none']
 
 
-def test_remat_gives_the_same_step():
-  model, batch = _model(layers=2), _batch(3)
+@pytest.mark.parametrize('dropout', [0.0, 0.2])
+def test_remat_gives_the_same_step(dropout):
+  """The same loss and gradients with and without remat; with LoRA dropout, the recomputation
+  draws the forward pass's masks again."""
+  model, batch = _model(layers=2, dropout=dropout), _batch(3)
   plain, plain_grads = _step(model, batch, stacked=True)
+  if dropout:  # the masks matter: without dropout the gradients differ
+    _, undropped = _step(_model(layers=2), batch, stacked=True)
+    gaps = [np.max(np.abs(a - b)) for a, b in zip(*map(jax.tree.leaves, (undropped, plain_grads)))]
+    assert max(gaps) > 1e-3 * max(np.max(np.abs(g)) for g in jax.tree.leaves(plain_grads))
   for remat in ('full', 'dots'):
     rematted, grads = _step(model, batch, stacked=True, remat=remat)
     np.testing.assert_allclose(rematted['loss'], plain['loss'], rtol=1e-6)

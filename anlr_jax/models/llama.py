@@ -300,7 +300,7 @@ def _after_cotangent(fun: Callable, policy) -> Callable:
   cotangent of ``fun``'s first output has arrived.
 
   The saved residuals pass through ``r + 0 * g`` (``g`` one element of that cotangent) before the
-  recomputation reads them. Without this data dependency nothing orders the recomputation after
+  recomputation reads them (integers and PRNG keys too: LoRA dropout's masks come from a key). Without this data dependency nothing orders the recomputation after
   the layers above it: XLA's CPU backend drops ``jax.checkpoint``'s optimisation barriers and merges
   the recomputation with the forward pass, so every activation stays alive (no memory saved).
   A non-finite ``g`` makes the layer's gradients NaN, as they would be anyway.
@@ -318,8 +318,14 @@ def _after_cotangent(fun: Callable, policy) -> Callable:
     zero = 0 * g.reshape(-1)[0].astype(jnp.float32)
 
     def tie(r):
-      if hasattr(r, "dtype") and jnp.issubdtype(r.dtype, jnp.floating):
-        return r + zero.astype(r.dtype)
+      dtype = getattr(r, "dtype", None)
+      if dtype is None or dtype == jnp.bool_:
+        return r
+      if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):  # LoRA dropout's key: its masks
+        data = jax.random.key_data(r)  # would be CSE'd with the forward's and kept alive
+        return jax.random.wrap_key_data(data + zero.astype(data.dtype), impl=jax.random.key_impl(r))
+      if jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer):
+        return r + zero.astype(dtype)
       return r
 
     return jax.tree.map(tie, vjp_fn)(ct)
