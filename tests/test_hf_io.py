@@ -236,3 +236,37 @@ def test_load_under_a_mesh_shards_params_by_logical_axes(tmp_path):
     )
     logits = forward(model, jnp.asarray(ids), jnp.asarray(mask))
   assert _max_err(logits, hf_logits(hf, ids, mask), mask) <= 1e-4
+
+
+def test_a_plain_fast_tokenizer_loads_as_autotokenizer_would_without_importing_torch(tmp_path):
+  """A tokenizer.json whose tokenizer_config names the plain fast class: the same tokenizer as
+  ``AutoTokenizer`` (class, ids, special tokens, chat template), and no ``import torch`` on the way
+  (transformers' auto classes import it: seconds at every start of the command line)."""
+  import subprocess
+  import sys
+
+  build_tiny_tokenizer(tmp_path)
+  config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+  config["chat_template"] = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  ours = load_tokenizer(tmp_path)
+  auto = transformers.AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+  assert type(ours) is type(auto)
+  text = "the cat sat on the mat, twice: 12 + 30 = 42"
+  assert ours(text)["input_ids"] == auto(text)["input_ids"]
+  assert (
+      ours.all_special_tokens == auto.all_special_tokens and ours.pad_token_id == auto.pad_token_id
+  )
+  messages = [{"role": "user", "content": "hi"}]
+  assert ours.apply_chat_template(messages, tokenize=False) == auto.apply_chat_template(
+      messages, tokenize=False
+  )
+  code = (
+      "import sys; from anlr_jax.models import load_tokenizer;"
+      f" load_tokenizer({str(tmp_path)!r}); print('torch' in sys.modules)"
+  )
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run(
+      [sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, check=True
+  )
+  assert out.stdout.strip() == "False", out.stderr[-2000:]

@@ -414,8 +414,6 @@ def load_tokenizer(path: str | os.PathLike):
     FileNotFoundError: ``path`` holds none of ``tokenizer.json``, ``tokenizer.model``,
       ``vocab.json`` or ``tokenizer_config.json`` (or the ``.gguf`` file does not exist).
   """
-  import transformers
-
   path = os.fspath(path)
   if is_gguf(path):
     return load_gguf_tokenizer(path)
@@ -423,4 +421,26 @@ def load_tokenizer(path: str | os.PathLike):
       os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES
   ):
     raise FileNotFoundError(f"No tokenizer files ({', '.join(TOKENIZER_FILES)}) found in {path}.")
+  if _plain_fast_tokenizer(path):
+    # The class AutoTokenizer would build, without importing transformers' auto classes (which
+    # import torch: seconds at every start of the command line).
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+  import transformers
+
   return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _plain_fast_tokenizer(path: str) -> bool:
+  """Whether ``path`` holds a ``tokenizer.json`` whose ``tokenizer_config.json`` names the plain
+  fast tokenizer class (no model-specific subclass)."""
+  config = os.path.join(path, "tokenizer_config.json")
+  if not os.path.isfile(os.path.join(path, "tokenizer.json")) or not os.path.isfile(config):
+    return False
+  try:
+    with open(config, encoding="utf-8") as f:
+      name = json.load(f).get("tokenizer_class")
+  except (OSError, ValueError, AttributeError):
+    return False
+  return name in ("TokenizersBackend", "PreTrainedTokenizerFast")
