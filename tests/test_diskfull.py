@@ -188,3 +188,25 @@ def test_disk_full_errors_are_recognised_in_every_form():
   assert not diskfull.is_disk_full(OSError(errno.EACCES, "Permission denied"))
   assert not diskfull.is_disk_full(ValueError("RESOURCE_EXHAUSTED: out of memory"))
   assert diskfull.mount_point("/proc/self/not/there") == "/proc"
+
+
+def test_a_late_closed_loop_report_is_dropped_even_before_the_full_disk_is_seen(monkeypatch):
+  """tensorstore's late completion of an abandoned write ('Event loop is closed' from
+  call_soon_threadsafe) can be printed before the failed save's error reaches the trainer: dropped
+  then too (it made the one-line stop 7 lines in 1 of 5 runs); other reports pass on."""
+  printed = []
+  monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: printed.append(value))
+  monkeypatch.setattr(sys, "unraisablehook", lambda args: printed.append(args.exc_value))
+  monkeypatch.setattr(diskfull, "_seen", [])
+  diskfull.quiet_reports_of_disk_full()
+
+  def call_soon_threadsafe():
+    raise RuntimeError("Event loop is closed")
+
+  for report in (call_soon_threadsafe, lambda: (_ for _ in ()).throw(RuntimeError("other"))):
+    try:
+      report()
+    except RuntimeError as err:
+      sys.excepthook(RuntimeError, err, err.__traceback__)
+      sys.unraisablehook(type("Args", (), {"exc_value": err, "exc_traceback": err.__traceback__})())
+  assert [str(e) for e in printed] == ["other", "other"]

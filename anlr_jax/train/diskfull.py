@@ -137,9 +137,10 @@ def quiet_reports_of_disk_full() -> None:
   (``absl`` and ``orbax`` loggers) and asyncio's 'Task exception was never retrieved' about them;
   an exception that ends a background thread (TensorBoard's event writer: kept in
   :data:`background_failures` for its owner to raise); unraisable ones (a buffered file that
-  cannot flush when collected) and, once the disk has been found full, tensorstore's late
-  completions of the writes orbax abandoned ('Event loop is closed'). Every other report passes on
-  unchanged."""
+  cannot flush when collected) and tensorstore's late completions of the writes orbax abandoned
+  ('Event loop is closed': the failure that made orbax abandon them reaches its caller, who names
+  it; they can arrive before it does, so they are dropped whether or not a full disk was seen yet).
+  Every other report passes on unchanged."""
   with _LOCK:  # each piece again if someone replaced it since (a test harness restores hooks)
     for name in ('absl', 'orbax', 'asyncio'):
       log = logging.getLogger(name)
@@ -160,7 +161,7 @@ def quiet_reports_of_disk_full() -> None:
       previous_unraisable = sys.unraisablehook
 
       def unraisable_hook(args):
-        if _drop(args.exc_value) or (_seen and _is_closed_loop(args)):
+        if _drop(args.exc_value) or _is_closed_loop(args):
           return
         previous_unraisable(args)
 
@@ -171,7 +172,7 @@ def quiet_reports_of_disk_full() -> None:
 
       def excepthook(kind, value, tb):  # the same late completions, printed with PyErr_Print
         report = types.SimpleNamespace(exc_value=value, exc_traceback=tb)
-        if _seen and _is_closed_loop(report):
+        if _is_closed_loop(report):
           return
         previous_excepthook(kind, value, tb)
 
