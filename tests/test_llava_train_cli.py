@@ -12,7 +12,6 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
 import transformers
 import yaml
 from PIL import Image
@@ -23,6 +22,7 @@ from anlr_jax.app.config import load_config
 from anlr_jax.app.model import load_base
 from anlr_jax.app.train import training_source
 from anlr_jax.models.llava import preprocess_image
+from tests.helpers.tiny_llava import save_tiny_llava
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,38 +44,7 @@ def setup(tmp_path_factory):
   text-only model."""
   root = tmp_path_factory.mktemp("llava_cli")
   model_dir = root / "llava"
-  tok = build_tiny_tokenizer()
-  tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
-  tok.save_pretrained(model_dir)
-  torch.manual_seed(0)
-  vision = transformers.CLIPVisionConfig(
-      hidden_size=32,
-      intermediate_size=48,
-      num_hidden_layers=2,
-      num_attention_heads=4,
-      image_size=28,
-      patch_size=14,
-  )
-  text = transformers.LlamaConfig(
-      vocab_size=len(tok),
-      hidden_size=32,
-      intermediate_size=48,
-      num_hidden_layers=2,
-      num_attention_heads=4,
-      num_key_value_heads=2,
-      max_position_embeddings=512,
-      pad_token_id=0,
-      bos_token_id=1,
-      eos_token_id=2,
-  )
-  config = transformers.LlavaConfig(
-      vision_config=vision,
-      text_config=text,
-      image_token_index=tok.convert_tokens_to_ids("<image>"),
-      image_seq_length=4,
-      pad_token_id=0,
-  )
-  transformers.LlavaForConditionalGeneration(config).save_pretrained(model_dir)
+  _, text = save_tiny_llava(model_dir)
 
   task = _write_visual_task(root / "task", n_train=8, n_test=1, seed=0, size=32)
   images = root / "photos"

@@ -13,7 +13,6 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
 import transformers
 from PIL import Image
 
@@ -25,6 +24,7 @@ from anlr_jax.evals import visual_tasks
 from anlr_jax.evals.visual import read_predictions, score_llava_qa, score_pope
 from anlr_jax.models import generate
 from anlr_jax.models.llava import preprocess_image
+from tests.helpers.tiny_llava import save_tiny_llava
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,38 +36,7 @@ def setup(tmp_path_factory):
   photos (its images moved to a folder of their own) and a text-only model."""
   root = tmp_path_factory.mktemp("visual_eval")
   model_dir = root / "llava"
-  tok = build_tiny_tokenizer()
-  tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
-  tok.save_pretrained(model_dir)
-  torch.manual_seed(0)
-  vision = transformers.CLIPVisionConfig(
-      hidden_size=32,
-      intermediate_size=48,
-      num_hidden_layers=2,
-      num_attention_heads=4,
-      image_size=28,
-      patch_size=14,
-  )
-  text = transformers.LlamaConfig(
-      vocab_size=len(tok),
-      hidden_size=32,
-      intermediate_size=48,
-      num_hidden_layers=2,
-      num_attention_heads=4,
-      num_key_value_heads=2,
-      max_position_embeddings=512,
-      pad_token_id=0,
-      bos_token_id=1,
-      eos_token_id=2,
-  )
-  config = transformers.LlavaConfig(
-      vision_config=vision,
-      text_config=text,
-      image_token_index=tok.convert_tokens_to_ids("<image>"),
-      image_seq_length=4,
-      pad_token_id=0,
-  )
-  transformers.LlavaForConditionalGeneration(config).save_pretrained(model_dir)
+  _, text = save_tiny_llava(model_dir)
   spec = importlib.util.spec_from_file_location(
       "make_visual_task", os.path.join(REPO, "scripts", "make_visual_task.py")
   )
