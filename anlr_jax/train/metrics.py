@@ -70,6 +70,25 @@ def _scalar_items(tree: Mapping[str, Any], prefix: str = '') -> dict[str, float]
   return out
 
 
+def _summary_writer_class():
+  """tensorboardX's ``SummaryWriter``, imported without torch where torch is not loaded yet.
+
+  tensorboardX's writer module imports torch (when installed) only to accept torch tensors, which the
+  floats written here never are; that import costs about a second of every ``anlr`` start. Hiding
+  torch for the duration of the import (a ``None`` entry in ``sys.modules`` makes ``import torch``
+  raise ``ImportError``, the branch tensorboardX takes without torch) leaves it unloaded.
+  """
+  if 'tensorboardX' not in sys.modules and 'torch' not in sys.modules:
+    sys.modules['torch'] = None  # type: ignore[assignment]
+    try:
+      from tensorboardX import SummaryWriter
+    finally:
+      del sys.modules['torch']
+  from tensorboardX import SummaryWriter
+
+  return SummaryWriter
+
+
 class MetricsWriter:
   """Writes metric rows; call :meth:`record` every step with the step's device metrics."""
 
@@ -108,8 +127,7 @@ class MetricsWriter:
         os.makedirs(run_dir, exist_ok=True)
         self._truncate_files(start_step)
         self._jsonl = open(os.path.join(run_dir, METRICS_FILE), 'a')
-        from tensorboardX import SummaryWriter
-
+        SummaryWriter = _summary_writer_class()
         # a queue that one row never fills: its writer thread may have died (a full disk) since
         # the check before the row, and a put into a full queue would wait forever
         self._tb = SummaryWriter(
