@@ -49,7 +49,7 @@ from anlr_jax.nn.inject import (
     set_submodule,
     target_linears,
 )
-from anlr_jax.nn.lora import ADAPTER_DTYPE, kernel_axes, low_rank_product
+from anlr_jax.nn.lora import ADAPTER_DTYPE, drop_adapter_input, kernel_axes, low_rank_product
 from anlr_jax.nn.peft_io import KEY_PREFIX, read_adapter, write_adapter
 from anlr_jax.optim.adalora import AdaLoRAConfig
 
@@ -135,7 +135,7 @@ class AdaLoRALinear(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     base_out = self.base(x)
     dropout_active = self.dropout.rate > 0.0 and not self.dropout.deterministic
-    x_adapter = self.dropout(x) if dropout_active else x
+    x_adapter = drop_adapter_input(self.dropout, x) if dropout_active else x
     a_e = self.lora_a[...] * self.lora_e[...]
     x_adapter, a_e, b = nnx.nn.dtypes.promote_dtype(
         (x_adapter, a_e, self.lora_b[...]), dtype=self.base.dtype

@@ -186,6 +186,22 @@ def low_rank_product(
   return y.reshape(*lead, b.shape[-1])
 
 
+def drop_adapter_input(dropout: nnx.Dropout, x: jax.Array) -> jax.Array:
+  """``dropout(x)`` (train mode) with the mask drawn only once ``x`` exists.
+
+  A dropout mask depends on the dropout key alone, so XLA may draw every layer's masks at the
+  start of the step and keep them all alive until their layer runs (at SmolLM2-135M's size and a
+  16 x 320 batch, 30 layers x 5 projections of random bits: 3.8 GiB). The key passes through
+  ``k + 0 * x[0]`` first: the same key and mask (a non-finite ``x``, whose loss is not finite
+  either, gives another), drawn after ``x``.
+  """
+  key = dropout.rngs()
+  zero = 0 * jax.lax.stop_gradient(x).reshape(-1)[0].astype(jnp.float32)
+  data = jax.random.key_data(key)
+  key = jax.random.wrap_key_data(data + zero.astype(data.dtype), impl=jax.random.key_impl(key))
+  return dropout(x, rngs=key)
+
+
 class LoRALinear(nnx.Module):
   r"""A frozen ``nnx.Linear`` plus a trainable low-rank update (see the module docstring).
 
@@ -356,7 +372,7 @@ class LoRALinear(nnx.Module):
     if self.merged:
       return base_out
     dropout_active = self.dropout.rate > 0.0 and not self.dropout.deterministic
-    x_adapter = self.dropout(x) if dropout_active else x
+    x_adapter = drop_adapter_input(self.dropout, x) if dropout_active else x
     if not self.use_dora:
       return base_out + self._added_out(x_adapter).astype(base_out.dtype)
     lora_out = self._adapter_out(x_adapter)
