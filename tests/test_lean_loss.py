@@ -180,11 +180,10 @@ def test_remat_puts_one_region_around_each_decoder_layer(stacked):
   assert counts == {2: {'none': 0, 'full': 2, 'dots': 2}, 3: {'none': 0, 'full': 3, 'dots': 3}}
 
 
-@pytest.mark.parametrize('dropout', [0.0, 0.1])
-def test_remat_lowers_the_compiled_step_memory_on_cpu(dropout):
-  """XLA:CPU's own memory analysis: per-layer remat keeps one layer's activations, not four; with
-  LoRA dropout too (its masks are recomputed from the RNG key, not kept from the forward pass)."""
-  graphdef, lora, frozen, extra = split_model(_model(layers=4, dropout=dropout))
+def test_remat_lowers_the_compiled_step_memory_on_cpu():
+  """XLA:CPU's own memory analysis: per-layer remat keeps one layer's activations, not four (with
+  LoRA dropout: the next test)."""
+  graphdef, lora, frozen, extra = split_model(_model(layers=4))
   tx = optax.adamw(1e-3)
   state = init_train_state(lora, extra, tx)
   batch = {k: jnp.ones((4, 64), jnp.int32) for k in ('input_ids', 'attention_mask', 'loss_mask')}
@@ -195,23 +194,20 @@ def test_remat_lowers_the_compiled_step_memory_on_cpu(dropout):
   assert temp['full'] < 0.5 * temp['none'] and temp['full'] < temp['dots'] < 0.8 * temp['none']
 
 
-def test_with_lora_dropout_each_layer_costs_what_it_costs_without():
-  """Under per-layer remat, a layer adds as many temporaries with LoRA dropout as without: its
-  masks are drawn once its input exists, not all at the start of the step (a mask depends on the
-  dropout key alone; drawn early, every layer's random bits stayed alive until the layer ran:
-  14x the growth per layer of a step without dropout)."""
+def test_with_lora_dropout_remat_keeps_about_what_it_keeps_without():
+  """Under per-layer remat, LoRA dropout adds one layer's masks, not every layer's: a mask is drawn
+  once its layer's input exists, not at the start of the step (a mask depends on the dropout key
+  alone; drawn early, all eight layers' random bits stayed alive until their layer ran: 2.6x
+  the temporaries of the step without dropout, from 1.4x)."""
   batch = {k: jnp.ones((4, 64), jnp.int32) for k in ('input_ids', 'attention_mask', 'loss_mask')}
   temp = {}
-  for layers in (4, 8):
-    for dropout in (0.0, 0.1):
-      graphdef, lora, frozen, extra = split_model(_model(layers=layers, dropout=dropout))
-      tx = optax.adamw(1e-3)
-      state = init_train_state(lora, extra, tx)
-      step = jax.jit(make_train_step(graphdef, tx, remat='full', loss_chunk=32))
-      compiled = step.lower(state, frozen, batch).compile()
-      temp[layers, dropout] = compiled.memory_analysis().temp_size_in_bytes
-  per_layer = {d: (temp[8, d] - temp[4, d]) / 4 for d in (0.0, 0.1)}
-  assert 0 < per_layer[0.1] < 1.5 * per_layer[0.0], (per_layer, temp)
+  for dropout in (0.0, 0.1):
+    graphdef, lora, frozen, extra = split_model(_model(layers=8, dropout=dropout))
+    tx = optax.adamw(1e-3)
+    state = init_train_state(lora, extra, tx)
+    step = jax.jit(make_train_step(graphdef, tx, remat='full', loss_chunk=32))
+    temp[dropout] = step.lower(state, frozen, batch).compile().memory_analysis().temp_size_in_bytes
+  assert temp[0.1] < 1.6 * temp[0.0], temp
 
 
 @pytest.mark.parametrize('dropout', [0.0, 0.2])

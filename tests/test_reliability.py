@@ -622,6 +622,7 @@ def test_the_metrics_writer_writes_tensorboard_scalars_without_importing_torch(t
   assert scalars["loss"] == [(1, 2.5), (2, 1.25)]
   import torch  # noqa: F401  installed: the test would pass vacuously without it
 
+
 # ---------------------------------------------------------------- 8. say what the config does
 def test_anlr_warmup_beyond_the_run_is_an_error(tmp_path, capsys):
   config = _config(tmp_path, method="anlr", **{"anlr.warmup_steps": 100})
