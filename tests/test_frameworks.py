@@ -16,6 +16,7 @@ from flax import nnx
 
 import anlr_jax
 from anlr_jax.optim.detect import UnpairedFactorsWarning
+from anlr_jax.train import stack_layers
 from tests import numpy_anlr
 
 # Every tree here that AnLR trains is found whole: a leaf named like a LoRA factor left out warns.
@@ -401,6 +402,9 @@ def test_the_quickstart_model_and_nnx_lora_trees_warn_of_nothing():
   inject_lora(model, rank=8, alpha=16.0, dropout=0.0, use_dora=True, rngs=nnx.Rngs(0))
   lora = nnx.state(model, nnx.LoRAParam)
   assert len(anlr_jax.anlr(1e-3).init(lora).multipliers) >= 5
+  # the trainer's stacked layout: each magnitude is (layers, d_out), two axes, still not a factor
+  stacked = stack_layers(nnx.to_pure_dict(lora))
+  assert len(anlr_jax.anlr(1e-3).init(stacked).multipliers) == 5
   layer = nnx.LoRA(16, 4, 8, rngs=nnx.Rngs(0))
   assert len(anlr_jax.anlr(1e-3).init(nnx.state(layer, nnx.LoRAParam)).multipliers) == 1
 

@@ -66,10 +66,18 @@ def _suggestions(tree) -> list[str]:
   return out
 
 
+def _is_magnitude(parts) -> bool:
+  """A DoRA magnitude vector (``lora_magnitude``, PEFT's ``lora_magnitude_vector``): not a factor,
+  though stacked over layers it has two axes."""
+  return any("magnitude" in str(p).lower() for p in parts)
+
+
 def _looks_like_factor(name: str) -> bool:
-  """A name with ``lora`` in it, or quax's ``a`` / ``b`` as one of its last two parts."""
+  """A name with ``lora`` in it (not a DoRA magnitude), or quax's ``a`` / ``b`` as one of its last
+  two parts."""
   parts = name.split(".")
-  return "lora" in name.lower() or any(QUAX.match(p) is not None for p in parts[-2:])
+  lora = "lora" in name.lower() and not _is_magnitude(parts)
+  return lora or any(QUAX.match(p) is not None for p in parts[-2:])
 
 
 class UnpairedFactorsWarning(UserWarning):
@@ -97,7 +105,8 @@ def _pair_role(name) -> tuple[str, str, str] | None:
 def _unpaired_factors(tree, modules: list[LoraModule]):
   """The leaves outside ``modules`` that are named like LoRA factors, and a spec pairing them.
 
-  A leaf of at least 2 axes counts when a part of its path holds ``lora`` or when the last part
+  A leaf of at least 2 axes counts when a part of its path holds ``lora`` (a DoRA magnitude
+  does not) or when the last part
   naming it is ``<stem>down`` (``<stem>a``) with a sibling ``<stem>up`` (``<stem>b``).
 
   Returns:
@@ -114,7 +123,7 @@ def _unpaired_factors(tree, modules: list[LoraModule]):
   for names, i in candidates.items():
     if i in in_modules:
       continue
-    if any("lora" in str(n).lower() for n in names):
+    if any("lora" in str(n).lower() for n in names) and not _is_magnitude(names):
       found.add(i)
     for j in range(len(names) - 1, -1, -1):
       role = _pair_role(names[j])
