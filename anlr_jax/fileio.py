@@ -3,12 +3,14 @@
 :func:`atomic_write` writes to a temporary name in the target's folder and renames it into place
 (``os.replace``), so a reader or a crash sees the old file or the new one, never a partial one.
 :func:`read_json` and :func:`read_yaml` read a document, check that it is of the expected type, and
-name the file (and the line of a syntax error) in every error.
+name the file (and the line of a syntax error) in every error. :func:`package_data_folder` finds a
+data folder inside an installed package without importing it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import tempfile
@@ -16,7 +18,14 @@ from typing import Any
 
 import yaml
 
-__all__ = ["atomic_write", "parse_json", "read_json", "read_yaml", "write_json_atomic"]
+__all__ = [
+    "atomic_write",
+    "package_data_folder",
+    "parse_json",
+    "read_json",
+    "read_yaml",
+    "write_json_atomic",
+]
 
 
 @contextlib.contextmanager
@@ -122,3 +131,24 @@ def read_yaml(
   if value is None:
     return empty
   return _check_type(value, expect, path, what, error)
+
+
+def package_data_folder(
+    package: str, parts: tuple[str, ...], missing: str, install_hint: str
+) -> str:
+  """The folder ``parts`` inside the installed package ``package`` (found without importing it).
+
+  Raises:
+    FileNotFoundError: one line, ``"<missing>: <install_hint>"`` when the package is not installed,
+      or naming the folder when the installed package lacks it.
+  """
+  try:
+    spec = importlib.util.find_spec(package)
+  except (ImportError, ValueError):
+    spec = None
+  if spec is None or not spec.submodule_search_locations:
+    raise FileNotFoundError(f"{missing}: {install_hint}")
+  root = os.path.join(list(spec.submodule_search_locations)[0], *parts)
+  if not os.path.isdir(root):
+    raise FileNotFoundError(f"{root} is missing: reinstall with {install_hint}")
+  return root

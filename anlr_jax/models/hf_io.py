@@ -379,10 +379,21 @@ def save_hf_model(
   Returns:
     The written safetensors file names.
   """
+  return write_param_table(
+      model, config, hf_param_table(config), out_dir, max_shard_size, merge_lora, dtype
+  )
+
+
+def write_param_table(
+    model, config, table, out_dir, max_shard_size, merge_lora, dtype
+) -> list[str]:
+  """Writes ``config.json`` (``config.to_hf_config()``) and the tensors of the parameter ``table``
+  (its ``hf_key`` / ``hf_shape`` layout) as safetensors shards: :func:`save_hf_model` and the
+  other model families' savers. Returns the file names."""
   out_dir = os.fspath(out_dir)
   parse_size(max_shard_size)  # a bad size fails before anything is written
   os.makedirs(out_dir, exist_ok=True)
-  entries = {entry.hf_key: entry for entry in hf_param_table(config)}
+  entries = {entry.hf_key: entry for entry in table}
   sizes = {}
   for key, entry in entries.items():
     module = tensor_submodule(model, entry.module_path)
@@ -395,7 +406,6 @@ def save_hf_model(
       lambda keys: {k: torch_layout_tensor(model, entries[k], merge_lora, dtype) for k in keys},
       max_shard_size,
   )
-
   hf_config = config.to_hf_config()
   if dtype is not None:
     hf_config["torch_dtype"] = hf_config["dtype"] = str(jnp.dtype(dtype))

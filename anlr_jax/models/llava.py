@@ -47,18 +47,16 @@ from safetensors import safe_open
 
 from anlr_jax.models.clip import ClipVisionConfig, ClipVisionModel
 from anlr_jax.models.config import ModelConfig
-from anlr_jax.models.hf_files import CONFIG_FILE, parse_size, write_safetensors_shards
+from anlr_jax.models.hf_files import CONFIG_FILE
 from anlr_jax.models.hf_io import (
     IGNORED_KEY,
     ParamEntry,
     check_filled,
     check_shape,
-    is_lora_wrapper,
     set_tensor,
-    tensor_submodule,
-    torch_layout_tensor,
     shard_weight_map,
     hf_param_table,
+    write_param_table,
 )
 from anlr_jax.models.llama import KVCache, LlamaForCausalLM, LlamaModel, make_linear
 
@@ -636,28 +634,9 @@ def save_llava_model(
   LoRA-wrapped projections are saved merged (``merge_lora=True``) or as their base weights; see
   :func:`anlr_jax.models.hf_io.save_hf_model` for the other arguments. Returns the file names.
   """
-  out_dir = os.fspath(out_dir)
-  parse_size(max_shard_size)
-  os.makedirs(out_dir, exist_ok=True)
-  entries = {entry.hf_key: entry for entry in llava_param_table(config)}
-  sizes = {}
-  for key, entry in entries.items():
-    module = tensor_submodule(model, entry.module_path)
-    variable = getattr(module.base if is_lora_wrapper(module) else module, entry.attr)
-    itemsize = jnp.dtype(dtype if dtype is not None else variable.get_value().dtype).itemsize
-    sizes[key] = math.prod(entry.hf_shape) * itemsize
-  names = write_safetensors_shards(
-      out_dir,
-      sizes,
-      lambda keys: {k: torch_layout_tensor(model, entries[k], merge_lora, dtype) for k in keys},
-      max_shard_size,
+  return write_param_table(
+      model, config, llava_param_table(config), out_dir, max_shard_size, merge_lora, dtype
   )
-  hf_config = config.to_hf_config()
-  if dtype is not None:
-    hf_config["torch_dtype"] = hf_config["dtype"] = str(jnp.dtype(dtype))
-  with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
-    json.dump(hf_config, f, indent=2)
-  return names
 
 
 # --------------------------------------------------------------------------------------------------
