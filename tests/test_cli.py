@@ -248,3 +248,17 @@ def test_a_second_process_loads_the_compiled_step_from_the_cache(trained, tmp_pa
   assert not [name for name in new if name.startswith(TRAIN_STEP)], sorted(new)
   losses = [json.loads((tmp_path / r / "results.json").read_text())["final_loss"] for r in "ab"]
   assert losses[0] == losses[1]
+
+
+def test_the_command_line_starts_without_matplotlib_or_torch():
+  """``anlr``'s modules import matplotlib only to draw and never torch (tensorboardX and
+  transformers' auto classes would): each is most of a second at every start."""
+  code = (
+      "import sys, anlr_jax.app.cli;"
+      " print([m for m in ('matplotlib', 'torch') if m in sys.modules])"
+  )
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run(
+      [sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=120
+  )
+  assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]

@@ -32,9 +32,18 @@ from typing import Callable, Sequence
 import numpy as np
 
 from anlr_jax import rundir
-from anlr_jax.analysis import figure_data, figures, measures
+from anlr_jax.analysis import figure_data, measures
 from anlr_jax.analysis.logs import RunLogs, load_run
 from anlr_jax.analysis.tables import write_csv, write_markdown
+
+
+def _figures():
+  """:mod:`anlr_jax.analysis.figures`, imported (with matplotlib) when a figure is drawn: the
+  command line imports this module at every start."""
+  from anlr_jax.analysis import figures
+
+  return figures
+
 
 __all__ = ['AnalysisReport', 'analyze', 'bar_modules']
 
@@ -95,7 +104,7 @@ def _velocity_bars(o: _Output, diag_runs: list[RunLogs]) -> None:
   stem = rundir.FIG1_VELOCITY_BARS
   o.csv(stem, [dict(run=r.label, **row) for r in diag_runs for row in bars[r.run_dir]])
   o.png(
-      figures.velocity_bars_figure(
+      _figures().velocity_bars_figure(
           [(r.label, bars[r.run_dir], bar_modules(r)) for r in diag_runs], o.path(stem, 'png')
       )
   )
@@ -130,7 +139,7 @@ def _velocity_trajectory(
         '(lower trainer.diag_every).'
     )
   o.png(
-      figures.velocity_trajectory_figure(
+      _figures().velocity_trajectory_figure(
           [
               (
                   r.label,
@@ -164,7 +173,7 @@ def _quartile_magnitude(o: _Output, diag_runs: list[RunLogs]) -> None:
       ],
   )
   o.png(
-      figures.quartile_magnitude_figure(
+      _figures().quartile_magnitude_figure(
           [(r.label, *quart[r.run_dir]) for r in diag_runs], o.path(stem, 'png')
       )
   )
@@ -187,7 +196,7 @@ def _log_multipliers(o: _Output, diag_runs: list[RunLogs], chosen: dict[str, str
       ],
   )
   o.png(
-      figures.multiplier_heatmap_figure(
+      _figures().multiplier_heatmap_figure(
           [(r.label, chosen[r.run_dir], *heat[r.run_dir]) for r in heat_runs],
           o.path(stem, 'png'),
       )
@@ -210,7 +219,7 @@ def _velocity_vs_concentration(
   stem = rundir.FIG2C_VELOCITY_VS_CONCENTRATION
   o.csv(stem, [dict(run=r.label, **row) for r in both for row in conc[r.run_dir]])
   o.png(
-      figures.concentration_figure(
+      _figures().concentration_figure(
           [
               (
                   r.label,
@@ -249,7 +258,7 @@ def _cumulative_energy(
       ],
   )
   o.png(
-      figures.cumulative_energy_figure(
+      _figures().cumulative_energy_figure(
           [(r.label, energy[r.run_dir][1]) for r in spec_runs], o.path(stem, 'png')
       )
   )
@@ -280,7 +289,7 @@ def _energy_shift(o: _Output, runs: list[RunLogs], energy: dict[str, tuple]) -> 
           for i, (x, y, s) in enumerate(zip(pa, pb, shift))
       ],
   )
-  o.png(figures.energy_shift_figure(shift, a.label, b.label, o.path(stem, 'png')))
+  o.png(_figures().energy_shift_figure(shift, a.label, b.label, o.path(stem, 'png')))
 
 
 def _summary(o: _Output, runs: list[RunLogs], spectra: dict, stability: dict) -> list[dict]:

@@ -10,15 +10,10 @@ import contextlib
 from typing import Any, Callable, Mapping
 
 import jax
-import matplotlib
 import numpy as np
 
 from anlr_jax import fileio
 from anlr_jax.results import RunResult
-
-matplotlib.use("Agg")  # files only: no display needed
-
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 BASE_ROW = "base"
 """The row of the base model (no adapters) in accuracy tables."""
@@ -37,6 +32,11 @@ def plot_losses(curves: Mapping[str, tuple[list[float], list[float]]], path: str
   curves = {label: curve for label, curve in curves.items() if len(curve[1])}
   if not is_writer() or not curves:
     return
+  import matplotlib  # here, not at the top: a command that draws nothing starts faster
+
+  matplotlib.use("Agg")  # files only: no display needed
+  import matplotlib.pyplot as plt
+
   fig, ax = plt.subplots(figsize=(6, 4))
   for label, (steps, losses) in curves.items():
     steps, losses = np.asarray(steps), np.asarray(losses)
