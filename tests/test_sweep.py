@@ -13,7 +13,7 @@ import pytest
 
 from anlr_jax.analysis import aggregate
 from anlr_jax.app.analysis_cli import sweep_main
-from anlr_jax.analysis.sweep import SweepCell, cell_dir, grid, subprocess_runner
+from anlr_jax.analysis.sweep import SweepCell, cell_dir, grid, run_order, subprocess_runner
 
 METHODS = ('lora', 'anlr')
 LRS = (5e-5, 1e-4, 2e-4)
@@ -91,11 +91,24 @@ def test_finished_cells_are_not_run_again(tmp_path):
   assert again.calls == []
 
 
+def test_a_sweep_runs_every_method_of_a_seed_and_rate_before_the_next():
+  """Stopped after any cell, a sweep has every method at each (seed, LR) it finished but the last:
+  its results compare the methods in pairs. The reports keep the grid's method-major order."""
+  order = run_order(_all_cells())
+  assert len(order) == len(_all_cells()) and set(order) == set(_all_cells())
+  n = len(METHODS)
+  for i in range(0, len(order), n):
+    block = order[i : i + n]
+    assert [c.method for c in block] == list(METHODS)
+    assert len({(c.seed, c.learning_rate) for c in block}) == 1
+  assert [(c.seed, c.learning_rate) for c in order[::n]] == [(s, lr) for s in SEEDS for lr in LRS]
+
+
 def test_interrupted_sweep_resumes_where_it_stopped(tmp_path, capsys):
   crashing = FakeRunner(fail_at=5)
   assert sweep_main(_argv(tmp_path), runner=crashing) == 1
   assert 'simulated crash' in capsys.readouterr().err
-  cells = _all_cells()
+  cells = run_order(_all_cells())
   out = str(tmp_path / 'sweep')
   assert crashing.calls == cells[:5]
   assert [os.path.exists(os.path.join(cell_dir(out, c), 'results.json')) for c in cells[:5]] == [

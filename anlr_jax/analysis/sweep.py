@@ -35,6 +35,7 @@ __all__ = [
     'SweepCell',
     'Runner',
     'grid',
+    'run_order',
     'cell_dir',
     'subprocess_runner',
     'run_sweep',
@@ -176,6 +177,15 @@ def _results_path(out: str, cell: SweepCell) -> str:
   return os.path.join(cell_dir(out, cell), rundir.RESULTS_FILE)
 
 
+def run_order(cells: Sequence[SweepCell]) -> list[SweepCell]:
+  """``cells`` in the order a sweep runs them: seed-major, then learning rate (in the given order),
+  then method. A sweep stopped part-way has then run every method at each (seed, learning rate) it
+  finished, so what it has is compared in pairs; the reports keep :func:`grid`'s order."""
+  seeds = list(dict.fromkeys(c.seed for c in cells))
+  lrs = list(dict.fromkeys(c.learning_rate for c in cells))
+  return sorted(cells, key=lambda c: (seeds.index(c.seed), lrs.index(c.learning_rate)))
+
+
 def run_sweep(
     cells: Sequence[SweepCell],
     out: str,
@@ -186,7 +196,7 @@ def run_sweep(
     base: BaseRunner | None = None,
 ) -> list[SweepCell]:
   """Runs ``base`` (when given and ``<out>/base/results.json`` is missing), then every unfinished
-  cell in order; returns the cells it ran.
+  cell in :func:`run_order`; returns the cells it ran.
 
   A cell is finished when ``<cell dir>/results.json`` exists (it is then skipped, the runner not
   called). A runner that raises stops the sweep (the exception propagates); finished cells stay, so
@@ -205,7 +215,7 @@ def run_sweep(
           f'sweep: the base model was scored without writing '
           f'{os.path.join(base_dir, rundir.RESULTS_FILE)}'
       )
-  todo = [c for c in cells if not os.path.exists(_results_path(out, c))]
+  todo = [c for c in run_order(cells) if not os.path.exists(_results_path(out, c))]
   done = len(cells) - len(todo)
   log(f'sweep: {len(cells)} cells, {done} finished, {len(todo)} to run -> {out}')
   bar = None
