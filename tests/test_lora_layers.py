@@ -209,6 +209,10 @@ def test_dropout_only_in_train_mode_and_only_on_adapter_input():
   assert not np.allclose(np.asarray(layer(x)), y_train, atol=1e-3)  # a fresh mask each call
   layer.eval()
   chex.assert_trees_all_close(layer(x), no_dropout, atol=1e-5, rtol=1e-5)
+  layer.train()
+  layer.dropout.rngs = None  # a dropout without a stream of its own: nnx's own one-line error
+  with pytest.raises(ValueError, match="no `rngs` argument was provided to Dropout"):
+    layer(x)
 
 
 @pytest.mark.parametrize("init", ["pissa", "milora"])

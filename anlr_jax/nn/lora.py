@@ -195,6 +195,8 @@ def drop_adapter_input(dropout: nnx.Dropout, x: jax.Array) -> jax.Array:
   ``k + 0 * x[0]`` first: the same key and mask (a non-finite ``x``, whose loss is not finite
   either, gives another), drawn after ``x``.
   """
+  if dropout.rngs is None:  # no stream of its own: nnx's error (or a key given at the call)
+    return dropout(x)
   key = dropout.rngs()
   zero = 0 * jax.lax.stop_gradient(x).reshape(-1)[0].astype(jnp.float32)
   data = jax.random.key_data(key)
