@@ -81,7 +81,7 @@ def _summary_writer_class():
   if 'tensorboardX' not in sys.modules and 'torch' not in sys.modules:
     sys.modules['torch'] = None  # type: ignore[assignment]
     try:
-      from tensorboardX import SummaryWriter
+      import tensorboardX  # noqa: F401  (its first import, the one that would load torch)
     finally:
       del sys.modules['torch']
   from tensorboardX import SummaryWriter
