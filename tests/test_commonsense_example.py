@@ -46,14 +46,17 @@ def test_summary_is_mean_and_std_over_seeds():
   assert "70.0 ± 14.1" in lora and "50.0 ± 0.0" in table
 
 
-def test_a_bad_setting_is_one_line_before_anything_trains(tmp_path, capsys):
+def test_a_bad_setting_is_one_line_before_anything_trains(tmp_path, capsys, monkeypatch):
   """anlr.warmup_steps beyond the run's updates: one line naming the key and status 2, before the
-  first method trains (no traceback, no run directory)."""
+  first method trains (no traceback, no run directory) and before any input is read (the
+  training set of the tune splits is not written)."""
+  monkeypatch.setenv(benchmarks.CACHE_ENV, str(tmp_path / "cache"))
   argv = ["--seeds", "0", "trainer.steps=4", f"run_dir={tmp_path}/runs/s{{seed}}"]
   assert _example().main(argv) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "anlr.warmup_steps=10 is not below the run's 4 updates" in err[0], err
   assert "Traceback" not in err[0] and not (tmp_path / "runs").exists()
+  assert not (tmp_path / "cache").exists()
 
 
 @pytest.mark.slow

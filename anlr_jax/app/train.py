@@ -103,14 +103,17 @@ def _check_vocab(source, vocab_size: int, config: RunConfig) -> None:
     )
 
 
-def _check_inputs(config: RunConfig) -> str:
-  """Checks that every input of a method's run exists (``model.path``, ``model.tokenizer`` when
-  set, ``data.train``, every test file, read) and, when ``trainer.steps`` fixes the run's length,
-  that every phase of the method starts within it (:func:`check_schedule`): before anything is
-  written or trained, so a comparison never stops at its second method. Returns the training
-  file's path."""
+def _check_settings(config: RunConfig) -> None:
+  """When ``trainer.steps`` fixes the run's length, checks that every phase of the method starts
+  within it (:func:`check_schedule`); reads no file."""
   if config.trainer.steps is not None:
     check_schedule(config, int(config.trainer.steps))
+
+
+def _check_inputs(config: RunConfig) -> str:
+  """Checks that every input of a method's run exists (``model.path``, ``model.tokenizer`` when
+  set, ``data.train``, every test file, read): before anything is written or trained, so a
+  comparison never stops at its second method. Returns the training file's path."""
   require_path(config.model.path, "model.path", kind="HF model directory")
   if config.model.tokenizer is not None:
     require_path(config.model.tokenizer, "model.tokenizer", kind="tokenizer directory")
@@ -180,6 +183,7 @@ def train_method(config: RunConfig, *, log: Log = say) -> tuple[RunResult, LossC
   what is missing of a trained run, or returns the stored results of a complete one.
   """
   config = _method_config(config, config.method, config.run_dir, several=False)
+  _check_settings(config)
   return _train_method(config, _check_inputs(config), log)
 
 
@@ -397,11 +401,17 @@ def train_run(config: RunConfig, *, log: Log = say, timestamp: str | None = None
       config.run_dir, method="-vs-".join(methods), seed=config.seed, timestamp=timestamp
   )
   several = len(methods) > 1
-  planned = []  # (config, training file) of each method: every input checked once, up front
-  for method in methods:  # a start that fails on a missing file creates no run directory
-    sub = rundir.method_dir(run_dir, method) if several else run_dir
-    method_config = _method_config(config, method, sub, several)
-    planned.append((method_config, _check_inputs(method_config)))
+  method_configs = [
+      _method_config(
+          config, method, rundir.method_dir(run_dir, method) if several else run_dir, several
+      )
+      for method in methods
+  ]
+  for method_config in method_configs:  # every method's settings before any input is read
+    _check_settings(method_config)
+  # (config, training file) of each method: every input checked once, up front (a start that
+  # fails on a missing file creates no run directory)
+  planned = [(method_config, _check_inputs(method_config)) for method_config in method_configs]
   os.makedirs(run_dir, exist_ok=True)
   with DirectoryLock(run_dir, what="run directory") if is_writer() else no_lock():
     return _train_run(config, planned, run_dir, log)
