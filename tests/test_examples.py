@@ -1,14 +1,12 @@
 """The scripts in ``examples/`` run as their docstrings say (few steps, shipped model and data).
 
-``finetune_llama_gpu_mesh.py`` is written for GPU meshes; here it runs in processes of its own on 4
-fake CPU devices as a 2 x 2 ``data x fsdp`` mesh, resumes from its own checkpoints when re-run, and
-writes a PEFT adapter.
+``finetune_llama_gpu_mesh.py`` is written for GPU meshes; here it runs on 4 fake CPU devices as a
+2 x 2 ``data x fsdp`` mesh, resumes from its own checkpoints when re-run, and writes a PEFT adapter.
 """
 
 import json
 import os
 import re
-import runpy
 import subprocess
 import sys
 
@@ -35,12 +33,8 @@ def _run(args, devices=1):
 
 
 @pytest.mark.slow
-def test_quickstart_example_trains_and_scores_the_test_set(capsys, monkeypatch):
-  # a script of module-level code: run in this process as `python <script> --method anlr ...`
-  script = os.path.join(REPO, "examples", "finetune_quickstart.py")
-  monkeypatch.setattr(sys, "argv", [script, "--method", "anlr", "--steps", "4"])
-  runpy.run_path(script, run_name="__main__")
-  out = capsys.readouterr().out
+def test_quickstart_example_trains_and_scores_the_test_set():
+  out = _run(["examples/finetune_quickstart.py", "--method", "anlr", "--steps", "4"])
   loss = re.search(r"anlr: loss ([0-9.]+) -> ([0-9.]+)", out)
   acc = re.search(r"test accuracy: (\d+)/(\d+) = ", out)
   assert loss and acc, out
