@@ -4,8 +4,6 @@ import gzip
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -86,12 +84,28 @@ def test_missing_package_is_one_line(monkeypatch):
 SHIPPED_ZERO_SHOT = ("arc_easy", "boolq", "hellaswag", "piqa")
 
 
+_LOAD_BENCHMARK = benchmarks.load_benchmark
+_LOADED: dict[tuple[str, str, int], list] = {}
+
+
+def _load_once(name, split, *, shots=0):
+  """``benchmarks.load_benchmark``, each (set, split, shots) read once while one set is tested
+  (only the current set's lists are kept): the derived splits (tune / heldout) are cut by the
+  package's code from the validation (or test) questions the earlier cases have read already."""
+  if any(key[0] != name for key in _LOADED):
+    _LOADED.clear()
+  if (name, split, shots) not in _LOADED:
+    _LOADED[name, split, shots] = _LOAD_BENCHMARK(name, split, shots=shots)
+  return _LOADED[name, split, shots]
+
+
 @needs_package
 @pytest.mark.parametrize(
     "name,split",
     [(b.name, s) for b in benchmarks.BENCHMARKS.values() if b.kind == "choice" for s in b.splits],
 )
-def test_choice_sets_have_the_official_sizes(name, split):
+def test_choice_sets_have_the_official_sizes(name, split, monkeypatch):
+  monkeypatch.setattr(benchmarks, "load_benchmark", _load_once)
   bench = benchmarks.get_benchmark(name)
   few = benchmarks.load_benchmark(name, split, shots=5)
   zero = benchmarks.load_benchmark(name, split, shots=0)
@@ -107,6 +121,18 @@ def test_choice_sets_have_the_official_sizes(name, split):
         benchmarks.package_root() + f"/{bench.folder}/rc_0shot/requests.jsonl.gz"
     )
     assert zero == shipped
+  if split == "heldout":
+    _LOADED.clear()
+
+
+@needs_package
+def test_zero_shot_questions_read_the_few_shot_file_once(monkeypatch):
+  reads = []
+  read = benchmarks._read_jsonl_gz
+  monkeypatch.setattr(benchmarks, "_read_jsonl_gz", lambda path: reads.append(path) or read(path))
+  zero = benchmarks.load_benchmark("arc_easy", "validation", shots=0)
+  assert len(zero) == benchmarks.get_benchmark("arc_easy").splits["validation"]
+  assert len(reads) == 1 and reads[0].endswith("_rc_5shot/requests.jsonl.gz")
 
 
 @needs_package
@@ -139,10 +165,11 @@ def test_mbpp_reference_solutions_pass_in_the_sandbox():
 
 
 @needs_package
-def test_anlr_benchmarks_lists_every_set_with_split_and_size():
-  out = subprocess.run(
-      [sys.executable, "-m", "anlr_jax", "benchmarks"], capture_output=True, text=True, check=True
-  ).stdout
+def test_anlr_benchmarks_lists_every_set_with_split_and_size(capsys):
+  from anlr_jax.app import cli
+
+  assert cli.main(["benchmarks"]) == 0
+  out = capsys.readouterr().out
   for bench in benchmarks.BENCHMARKS.values():
     for split, size in bench.splits.items():
       line = next(x for x in out.splitlines() if f"benchmark://{bench.name}/{split} " in x)

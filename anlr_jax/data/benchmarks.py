@@ -198,9 +198,14 @@ def read_choice_requests(path: str | os.PathLike[str]) -> list[ChoiceQuestion]:
       of range or whose choices disagree with its ``doc`` (the message names the file and doc).
   """
   path = os.fspath(path)
+  return _choice_questions(path, _read_jsonl_gz(path))
+
+
+def _choice_questions(path: str, rows: list[dict[str, Any]]) -> list[ChoiceQuestion]:
+  """:func:`read_choice_requests` of the ``rows`` already read from ``path``."""
   offset = _uncond_offset(path)
   groups: dict[int, list[dict[str, Any]]] = {}
-  for row in _read_jsonl_gz(path):
+  for row in rows:
     doc_id = row.get("doc_id")
     if not isinstance(doc_id, int):
       raise DataFormatError(f"{path}: a request without an integer doc_id")
@@ -239,12 +244,14 @@ def _variant_path(bench: Benchmark, variant: str) -> str:
   return os.path.join(package_root(), bench.folder, variant, "requests.jsonl.gz")
 
 
-def _zero_shot(bench: Benchmark, split: str, few: list[ChoiceQuestion]) -> list[ChoiceQuestion]:
-  """The few-shot questions with the question alone as context (``doc["query"]``)."""
-  path = _variant_path(bench, f"{_FOLDER_SPLIT[split]}_rc_5shot")
+def _zero_shot(
+    bench: Benchmark, path: str, rows: list[dict[str, Any]], few: list[ChoiceQuestion]
+) -> list[ChoiceQuestion]:
+  """The few-shot questions ``few`` (read from the 5-shot ``rows`` of ``path``) with the question
+  alone as context (``doc["query"]``)."""
   offset = _uncond_offset(path)
   queries: dict[int, str] = {}
-  for row in _read_jsonl_gz(path):
+  for row in rows:
     query = (row.get("doc") or {}).get("query")
     if query is None:  # no query (WinoGrande): the package's own zero-shot variant
       return read_choice_requests(_variant_path(bench, "rc_0shot"))
@@ -327,8 +334,10 @@ def load_benchmark(name: str, split: str, *, shots: int = 0) -> list:
     return _mbpp_problems(bench, shots)
   if split in _DERIVED_SPLITS:
     return _derived_split(bench, split, shots)
-  few = read_choice_requests(_variant_path(bench, f"{_FOLDER_SPLIT[split]}_rc_5shot"))
-  return few if shots else _zero_shot(bench, split, few)
+  path = _variant_path(bench, f"{_FOLDER_SPLIT[split]}_rc_5shot")
+  rows = _read_jsonl_gz(path)  # read once: the zero-shot questions come from the same rows
+  few = _choice_questions(path, rows)
+  return few if shots else _zero_shot(bench, path, rows, few)
 
 
 _DERIVED_SPLITS = ("tune", "heldout")
