@@ -225,7 +225,9 @@ def test_a_second_process_loads_the_compiled_step_from_the_cache(trained, tmp_pa
   root, config, _ = trained
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
   env["JAX_DEBUG_LOG_MODULES"] = "jax._src.compiler"  # logs each persistent-cache hit
+  # no evaluation: the train step is the program in question (and final_loss what both must agree on)
   argv = [sys.executable, "-m", "anlr_jax", "train", "--config", str(config), "method=lora"]
+  argv.append("eval.tasks={}")
   cache = tmp_path / "xla"
   for run in ("a", "b"):
     done = subprocess.run(
