@@ -212,34 +212,45 @@ def test_train_run_with_the_chat_template(tmp_path):
   assert evaluated.accuracy == results["accuracy"]
 
 
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+  """A run trained with every default (ChatML tokenizer, alpaca template), its checkpoint kept."""
+  from anlr_jax.app import cli
+
+  root = tmp_path_factory.mktemp("default_run")
+  tok = chat_tokenizer(root / "model")
+  save_tiny_llama(root / "model", len(tok))
+  records = [{"query": f"What is {i} + 1?", "response": f"#### {i + 1}"} for i in range(8)]
+  (root / "train.json").write_text(json.dumps(records))
+  config = {
+      "method": "lora",
+      "run_dir": str(root / "run"),
+      "model": {"path": str(root / "model")},
+      "lora": {"rank": 2, "alpha": 4, "dropout": 0.0},
+      "data": {"train": str(root / "train.json"), "max_length": 64},
+      "trainer": {"steps": 2, "global_batch": 8, "compute_dtype": "float32", "progress": False},
+      "eval": {"tasks": {}},
+  }
+  (root / "c.yaml").write_text(yaml.safe_dump(config))
+  assert cli.main(["train", "--config", str(root / "c.yaml")]) == 0
+  return root
+
+
 @pytest.mark.parametrize(
     "override", ["data.template=chat", "model.matmul_dtype=bfloat16"], ids=["template", "matmul"]
 )
-def test_a_default_run_resumed_with_a_key_it_never_stored_is_refused(tmp_path, capsys, override):
+def test_a_default_run_resumed_with_a_key_it_never_stored_is_refused(
+    default_run, tmp_path, capsys, override
+):
   """``data.template`` and ``model.matmul_dtype`` enter a run's identity only when not the default,
   so a checkpoint saved with the defaults lacks them: resuming it with either set is refused, the
   key named (``<unset>`` in the checkpoint), exactly as for a key it stored."""
   from anlr_jax.app import cli
 
-  tok = chat_tokenizer(tmp_path / "model")
-  save_tiny_llama(tmp_path / "model", len(tok))
-  records = [{"query": f"What is {i} + 1?", "response": f"#### {i + 1}"} for i in range(8)]
-  (tmp_path / "train.json").write_text(json.dumps(records))
-  config = {
-      "method": "lora",
-      "run_dir": str(tmp_path / "run"),
-      "model": {"path": str(tmp_path / "model")},
-      "lora": {"rank": 2, "alpha": 4, "dropout": 0.0},
-      "data": {"train": str(tmp_path / "train.json"), "max_length": 64},
-      "trainer": {"steps": 2, "global_batch": 8, "compute_dtype": "float32", "progress": False},
-      "eval": {"tasks": {}},
-  }
-  (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
-  assert cli.main(["train", "--config", str(tmp_path / "c.yaml")]) == 0
   capsys.readouterr()
   key, value = override.split("=")
-  argv = ["train", "--config", str(tmp_path / "c.yaml"), f"run_dir={tmp_path / 'again'}"]
-  argv += [f"trainer.ckpt_dir={tmp_path / 'run' / 'checkpoints'}", override]
+  argv = ["train", "--config", str(default_run / "c.yaml"), f"run_dir={tmp_path / 'again'}"]
+  argv += [f"trainer.ckpt_dir={default_run / 'run' / 'checkpoints'}", override]
   assert cli.main(argv) == 2
   err = capsys.readouterr().err
   assert f"{key}: '<unset>' -> '{value}'" in err and "belongs to a run with other settings" in err

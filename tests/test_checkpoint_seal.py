@@ -4,6 +4,7 @@ values train to NaN (corrupt without a checksum to say so)."""
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -119,19 +120,44 @@ def test_a_second_non_finite_streak_stops_the_run_naming_both_checkpoints(tmp_pa
   trainer.close()
 
 
-def test_anlr_train_past_a_corrupt_newest_checkpoint_is_one_line_and_no_traceback(tmp_path, capsys):
+SAVE_EVERY_2 = ["trainer.save_every=2"]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+  """``anlr train`` of the tiny setup with checkpoints 2 and 4 (sealed): the run that the two tests
+  below each copy, then damage as a kill would have left it."""
+  from anlr_jax.app import cli
+  from tests.helpers.tiny_run import tiny_run_setup
+
+  root = tmp_path_factory.mktemp("trained")
+  config = tiny_run_setup(root)
+  assert cli.main(["train", "--config", str(config), f"run_dir={root / 'run'}", *SAVE_EVERY_2]) == 0
+  return root
+
+
+def _copy_of_the_run(trained_run, tmp_path):
+  """A copy of the trained run directory (checkpoints inside it), its adapter and results deleted
+  as if killed right after its last checkpoint; the ``anlr train`` arguments that resume it."""
+  from anlr_jax.rundir import LORA_FILE, RESULTS_FILE
+
+  run = tmp_path / "run"
+  shutil.copytree(trained_run / "run", run)
+  for name in (LORA_FILE, RESULTS_FILE):
+    (run / name).unlink()
+  config = trained_run / "tiny.yaml"
+  return run, ["train", "--config", str(config), f"run_dir={run}", *SAVE_EVERY_2]
+
+
+def test_anlr_train_past_a_corrupt_newest_checkpoint_is_one_line_and_no_traceback(
+    trained_run, tmp_path, capsys
+):
   """The issue's user: a run killed after checkpoint 4 (of 2 and 4), a file of checkpoint 4 cut
   in half; the same command again names it, restores checkpoint 2 and finishes."""
   from anlr_jax.app import cli
-  from anlr_jax.rundir import LORA_FILE, RESULTS_FILE
-  from tests.helpers.tiny_run import tiny_run_setup
+  from anlr_jax.rundir import LORA_FILE
 
-  config = tiny_run_setup(tmp_path)
-  run = tmp_path / "run"
-  args = ["train", "--config", str(config), f"run_dir={run}", "trainer.save_every=2"]
-  assert cli.main(args) == 0
-  for name in (LORA_FILE, RESULTS_FILE):
-    (run / name).unlink()  # as if killed right after its last checkpoint
+  run, args = _copy_of_the_run(trained_run, tmp_path)
   folder = run / "checkpoints" / "4"
   victim = max(
       (p for p in folder.rglob("*") if p.is_file() and p.name != CHECKSUM_FILE),
@@ -232,20 +258,13 @@ def test_a_failed_restore_leaves_no_traceback_of_its_dropped_reads_and_hides_not
   assert "another unraisable error" in done.stderr and "another task error" in done.stderr
 
 
-def test_anlr_train_past_a_truncated_unsealed_checkpoint_has_a_clean_stderr(tmp_path):
+def test_anlr_train_past_a_truncated_unsealed_checkpoint_has_a_clean_stderr(trained_run, tmp_path):
   """The issue's user, killed before checkpoint 4 was sealed: a file of it cut in half and no
   checksums. A fresh process (as a user re-runs the command) prints exactly one line about it on
   stderr, no traceback from the reads the failed restore dropped, and finishes from checkpoint 2."""
-  from anlr_jax.app import cli
-  from anlr_jax.rundir import LORA_FILE, RESULTS_FILE
-  from tests.helpers.tiny_run import tiny_run_setup
+  from anlr_jax.rundir import LORA_FILE
 
-  config = tiny_run_setup(tmp_path)
-  run = tmp_path / "run"
-  args = ["train", "--config", str(config), f"run_dir={run}", "trainer.save_every=2"]
-  assert cli.main(args) == 0
-  for name in (LORA_FILE, RESULTS_FILE):
-    (run / name).unlink()
+  run, args = _copy_of_the_run(trained_run, tmp_path)
   (run / "checkpoints" / "4" / CHECKSUM_FILE).unlink()
   _truncate_state_data(run / "checkpoints" / "4")
   done = subprocess.run(

@@ -42,16 +42,24 @@ def _last_multipliers(run) -> dict[str, np.ndarray]:
   return {name: np.asarray(f["multipliers"]) for name, f in snapshot.modules.items()}
 
 
-@pytest.mark.parametrize("kappa", [1.05, 1.5])
-def test_anlr_kappa_bounds_the_multipliers_of_a_run(tmp_path, kappa):
-  """Past the warmup, ``log s`` is clamped to ``[-log kappa, log kappa]`` and mean-normalised, so
-  every module's ``max s / min s <= kappa^2``; the paper's kappa = 3 leaves wider spreads."""
+@pytest.fixture(scope="module")
+def kappa_runs(tmp_path_factory):
+  """The AnLR run config of the kappa test (diagnostics every update), and its run at the paper's
+  kappa = 3, which both parametrisations compare with."""
+  root = tmp_path_factory.mktemp("kappa")
   config = _config(
-      tmp_path,
+      root,
       method="anlr",
       **{"trainer.steps": 3, "trainer.diag_every": 1, "anlr.warmup_steps": 1, "eval.tasks": {}},
   )
-  wide = _last_multipliers(_train(config, tmp_path / "kappa3", "anlr.kappa=3"))
+  return config, _last_multipliers(_train(config, root / "kappa3", "anlr.kappa=3"))
+
+
+@pytest.mark.parametrize("kappa", [1.05, 1.5])
+def test_anlr_kappa_bounds_the_multipliers_of_a_run(kappa_runs, tmp_path, kappa):
+  """Past the warmup, ``log s`` is clamped to ``[-log kappa, log kappa]`` and mean-normalised, so
+  every module's ``max s / min s <= kappa^2``; the paper's kappa = 3 leaves wider spreads."""
+  config, wide = kappa_runs
   tight = _last_multipliers(_train(config, tmp_path / "tight", f"anlr.kappa={kappa}"))
   assert sorted(wide) == sorted(tight) and len(wide) == 2 * 5
   spread = {name: s.max(-1) / s.min(-1) for name, s in tight.items()}

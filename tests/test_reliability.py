@@ -66,7 +66,8 @@ def _err(capsys) -> str:
 
 # ------------------------------------------------------------------ 1. checkpoints belong to a run
 def test_compare_mode_gives_each_method_its_own_checkpoints(tmp_path):
-  config = _config(tmp_path, compare=["lora", "anlr"], **{"trainer.ckpt_dir": str(tmp_path / "ck")})
+  changes = {"trainer.ckpt_dir": str(tmp_path / "ck"), "eval.tasks": {}}  # training is the point
+  config = _config(tmp_path, compare=["lora", "anlr"], **changes)
   assert cli.main(["train", "--config", str(config)]) == 0
   assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["anlr", "lora"]
   lora = load_file(tmp_path / "run" / "lora" / LORA_FILE)
@@ -75,7 +76,8 @@ def test_compare_mode_gives_each_method_its_own_checkpoints(tmp_path):
 
 
 def test_method_and_seed_expand_in_path_keys(tmp_path):
-  config = _config(tmp_path, **{"trainer.ckpt_dir": str(tmp_path / "ck-{method}-{seed}")})
+  changes = {"trainer.ckpt_dir": str(tmp_path / "ck-{method}-{seed}"), "eval.tasks": {}}
+  config = _config(tmp_path, **changes)
   assert cli.main(["train", "--config", str(config), "seed=3", "method=lora"]) == 0
   assert (tmp_path / "ck-lora-3").is_dir() and not (tmp_path / "ck-{method}-{seed}").exists()
 
@@ -175,7 +177,7 @@ def test_trainer_refuses_a_checkpoint_of_another_structure(tmp_path):
     return make_toy_trainer(optax.adamw(1e-2), model=model, checkpoint_dir=tmp_path, steps=2)
 
   first = trainer(4)
-  first.run()
+  first.save()  # of the initial state: the structure is the point, no update needs compiling
   first.close()
   with pytest.raises(
       CheckpointMismatchError,
@@ -193,14 +195,16 @@ def test_rerunning_a_finished_run_says_it_is_complete(finished, capsys):
   assert (root / "run" / RESULTS_FILE).read_text() == before
 
 
-def test_a_run_killed_after_its_final_checkpoint_completes(tmp_path, capsys):
-  config = _config(tmp_path, method="anlr")
-  assert cli.main(["train", "--config", str(config)]) == 0
-  run = tmp_path / "run"
+def test_a_run_killed_after_its_final_checkpoint_completes(finished, tmp_path, capsys):
+  _, config = finished
+  run = _copy_run(finished, tmp_path)
+  for later in (run / "checkpoints").iterdir():  # other tests resume its checkpoints to 6
+    if later.name.isdigit() and int(later.name) > 4:
+      shutil.rmtree(later)
   expected = json.loads((run / RESULTS_FILE).read_text())
   for name in (RESULTS_FILE, LORA_FILE, "accuracy.csv", "eval_winogrande.jsonl"):
     (run / name).unlink()  # as if killed right after the final checkpoint
-  assert cli.main(["train", "--config", str(config)]) == 0
+  assert cli.main(["train", "--config", str(config), f"run_dir={run}"]) == 0
   again = json.loads((run / RESULTS_FILE).read_text())
   assert again["accuracy"] == expected["accuracy"]
   assert again["final_loss"] == pytest.approx(expected["final_loss"])  # from all 4 rows
@@ -458,7 +462,7 @@ def _wait_for_rows(run: pathlib.Path, n: int, proc, timeout=180):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_saves_a_checkpoint_and_the_run_resumes(tmp_path, signum):
+def test_a_signal_saves_a_checkpoint_and_the_run_resumes(tmp_path, capsys, signum):
   config = _config(
       tmp_path,
       method="lora",
@@ -479,20 +483,11 @@ def test_a_signal_saves_a_checkpoint_and_the_run_resumes(tmp_path, signum):
   if signum == signal.SIGINT:
     return  # the resume below is the same for both signals: shown once
 
-  # resumed to a slightly longer end: one row per step, none repeated
-  proc = _cli_process(
-      [
-          "train",
-          "--config",
-          str(config),
-          f"trainer.steps={step + 3}",
-          "trainer.resume_allow=[trainer.steps]",
-      ],
-      tmp_path,
-  )
-  out, err = proc.communicate(timeout=240)
-  assert proc.returncode == 0, err
-  assert f"resumed at update {step}" in out
+  # resumed to a slightly longer end: one row per step, none repeated (resumed in this process:
+  # what the signalled one left on disk is what counts)
+  argv = ["train", "--config", str(config), f"trainer.steps={step + 3}"]
+  assert cli.main(argv + ["trainer.resume_allow=[trainer.steps]"]) == 0
+  assert f"resumed at update {step}" in capsys.readouterr().out
   lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
   assert [json.loads(l)["step"] for l in lines] == list(range(1, step + 4))
   csv_steps = [l.split(",")[0] for l in (tmp_path / "run" / "metrics.csv").read_text().splitlines()]
@@ -646,7 +641,7 @@ def test_a_comparison_whose_second_method_cannot_run_stops_before_the_first_trai
 
 
 def test_the_data_report_counts_dropped_records_and_clipped_warmup(tmp_path, capsys):
-  config = _config(tmp_path, method="lora", **{"trainer.lr_warmup_steps": 10})
+  config = _config(tmp_path, method="lora", **{"trainer.lr_warmup_steps": 10, "eval.tasks": {}})
   with open(tmp_path / "train.jsonl", "a") as f:
     for i in range(5):  # responses beyond max_length: dropped
       record = {"instruction": "word " * 200, "input": "", "output": "x", "answer": "option1"}

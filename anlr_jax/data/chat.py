@@ -22,10 +22,12 @@ something other than a prefix of a longer one, cannot be split this way: :func:`
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from anlr_jax.data.formats import Message, Turn
+
+if TYPE_CHECKING:  # transformers takes most of a second to import: only tokenizers' type
+  from transformers import PreTrainedTokenizerBase
 
 TEMPLATES = ("alpaca", "chat")
 """Prompt formats of ``data.template``: the paper's Alpaca template, or the tokenizer's chat template."""

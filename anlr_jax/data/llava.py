@@ -65,16 +65,18 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tqdm
 from PIL import Image, UnidentifiedImageError
-from transformers import PreTrainedTokenizerBase
 
 from anlr_jax.data.formats import DataFormatError, Example, OnError, scan_records
 from anlr_jax.data.source import LengthBucketedSource
 from anlr_jax.data.tokenize import tokenize_examples
+
+if TYPE_CHECKING:  # transformers takes most of a second to import: only tokenizers' type
+  from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 

@@ -36,14 +36,15 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-import grain
 import numpy as np
-from transformers import PreTrainedTokenizerBase
 
 from anlr_jax.data.formats import OnError, read_examples
 from anlr_jax.data.tokenize import TokenizedExamples, tokenize_examples
+
+if TYPE_CHECKING:  # transformers takes most of a second to import: only tokenizers' type
+  from transformers import PreTrainedTokenizerBase
 
 _BATCH_ORDER_SEED_OFFSET = 0x9E3779B9
 """Mixed into the seed of the batch-order shuffle so it never equals the example-order stream."""
@@ -64,6 +65,8 @@ class BatchSource(Protocol):
 
 def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
   """Grain's deterministic permutation of `range(n)` for `epoch` (grain reseeds with `seed + epoch`)."""
+  import grain  # with orbax, most of a second to import: only when a run's data is shuffled
+
   shuffled = grain.MapDataset.range(n).shuffle(seed=seed % 2**32)
   return np.fromiter((shuffled[epoch * n + i] for i in range(n)), dtype=np.int64, count=n)
 

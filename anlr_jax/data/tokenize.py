@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-from transformers import PreTrainedTokenizerBase
 
 from anlr_jax.data.chat import TEMPLATES, chat_turns, end_of_turn_id
 from anlr_jax.data.formats import Example, Turn
+
+if TYPE_CHECKING:  # transformers takes most of a second to import: only tokenizers' type
+  from transformers import PreTrainedTokenizerBase
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,6 @@ import time
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from anlr_jax.fileio import atomic_write
@@ -215,7 +214,7 @@ class CorruptCheckpointError(ValueError):
 
 
 class TrainCheckpointer:
-  """Thin wrapper over ``ocp.CheckpointManager`` with items ``state`` (+ ``frozen``) and ``meta``.
+  """Thin wrapper over orbax's ``CheckpointManager`` with items ``state`` (+ ``frozen``) and ``meta``.
 
   Args:
     directory: checkpoint root (created if missing).
@@ -238,6 +237,9 @@ class TrainCheckpointer:
       raise ValueError(f'save_every={save_every} must be >= 0')
     self.directory = os.path.abspath(os.fspath(directory))
     self.save_every = save_every
+    import orbax.checkpoint as ocp  # not at module import: most of a second, and `anlr eval`,
+    # `export`, `generate` and `--help` never checkpoint
+
     options = ocp.CheckpointManagerOptions(
         save_interval_steps=max(save_every, 1),
         max_to_keep=keep,
@@ -354,6 +356,8 @@ class TrainCheckpointer:
       raise self.failure
     if step in self.manager.all_steps():
       return False
+    import orbax.checkpoint as ocp
+
     items = {
         'state': ocp.args.StandardSave(flatten_for_checkpoint(state)),
         'meta': ocp.args.JsonSave(dict(meta, step=int(step))),
@@ -387,6 +391,8 @@ class TrainCheckpointer:
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f'no complete checkpoint under {self.directory}')
+    import orbax.checkpoint as ocp
+
     items = {
         'state': ocp.args.StandardRestore(abstract_for_checkpoint(state_template)),
         'meta': ocp.args.JsonRestore(),
@@ -414,6 +420,8 @@ class TrainCheckpointer:
 
   def read_meta(self, step: int) -> dict:
     """The ``meta`` item of checkpoint ``step`` alone (no array is read)."""
+    import orbax.checkpoint as ocp
+
     _quiet_abandoned_reads()
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
