@@ -72,7 +72,7 @@ def test_state_dtypes_and_structure_fixed_bf16():
   for tree in (st.nu_bar, st.snr, st.multipliers):
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(tree))
   assert st.multipliers["stack"].shape == (8, 4)
-  u, _ = tx.update(_grads(params, 9), state, params)
+  u, _ = jax.jit(tx.update)(_grads(params, 9), state, params)  # _run's compiled update
   chex.assert_trees_all_equal_dtypes(u, params)
   assert all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in jax.tree.leaves(u))
 
@@ -143,14 +143,15 @@ def test_multisteps_equals_mean_gradient():
   tx = optax.MultiSteps(anlr_jax.anlr(1e-2, warmup_steps=1), every_k_schedule=2)
   ref = anlr_jax.anlr(1e-2, warmup_steps=1)
   state, ref_state = tx.init(params), ref.init(params)
+  update, ref_update = jax.jit(tx.update), jax.jit(ref.update)  # one program each, not op by op
   p, p_ref = params, params
   for step in range(3):
     g1, g2 = _grads(p, 2 * step), _grads(p, 2 * step + 1)
-    u, state = tx.update(g1, state, p)
+    u, state = update(g1, state, p)
     p = optax.apply_updates(p, u)
-    u, state = tx.update(g2, state, p)
+    u, state = update(g2, state, p)
     p = optax.apply_updates(p, u)
-    u_ref, ref_state = ref.update(jax.tree.map(lambda a, b: (a + b) / 2, g1, g2), ref_state, p_ref)
+    u_ref, ref_state = ref_update(jax.tree.map(lambda a, b: (a + b) / 2, g1, g2), ref_state, p_ref)
     p_ref = optax.apply_updates(p_ref, u_ref)
   chex.assert_trees_all_close(p, p_ref, rtol=1e-5, atol=1e-6)
 
@@ -188,9 +189,10 @@ def test_nnx_optimizer_matches_pure_dict_run():
     nnx.update(m, p)
     return jnp.mean(m(x) ** 2)
 
+  ref_grad, ref_update = jax.jit(jax.grad(ref_loss)), jax.jit(tx.update)  # the reference, jitted
   for _ in range(4):
-    g_ref = jax.grad(ref_loss)(p_ref)
-    u, ref_state = tx.update(g_ref, ref_state, p_ref)
+    g_ref = ref_grad(p_ref)
+    u, ref_state = ref_update(g_ref, ref_state, p_ref)
     p_ref = optax.apply_updates(p_ref, u)
     step(model, opt, x)
   chex.assert_trees_all_close(
@@ -252,8 +254,9 @@ def test_degenerate_cases_are_finite():
     g["dead_rank"]["lora_b"] = g["dead_rank"]["lora_b"].at[1].set(0.0)
     return g
 
+  update = jax.jit(tx.update)
   for i in range(3):
-    u, state = tx.update(grads(params, i), state, params)
+    u, state = update(grads(params, i), state, params)
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(u))
     s = anlr_jax.find_anlr_state(state).multipliers
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(s))

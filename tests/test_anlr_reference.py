@@ -137,10 +137,11 @@ def test_proposition_2_post_step_scaling_equals_per_component_lr():
         optax.add_decayed_weights(HP["weight_decay"]),
     )
     adam_state = adam.init(params)
+    update, adam_update = jax.jit(tx.update), jax.jit(adam.update)  # one program each
     for _ in range(6):
       grads = _grads(rng, params)
-      updates, state = tx.update(grads, state, params)
-      direction, adam_state = adam.update(grads, adam_state, params)
+      updates, state = update(grads, state, params)
+      direction, adam_state = adam_update(grads, adam_state, params)
       s = anlr_jax.find_anlr_state(state).multipliers
       # Per-parameter learning rate: s_k * eta on component k, eta elsewhere.
       lr = jax.tree.map(lambda x: np.full(x.shape, eta), params)
@@ -190,6 +191,7 @@ def test_peft_layout_equals_flax_layout():
   tx_f = anlr_jax.anlr(1e-2, warmup_steps=0)
   tx_p = anlr_jax.anlr(1e-2, warmup_steps=0, lora_dims=anlr_jax.PEFT)
   sf, sp = tx_f.init(flax_p), tx_p.init(peft_p)
+  update_f, update_p = jax.jit(tx_f.update), jax.jit(tx_p.update)  # one program each
   for _ in range(5):
     g = {
         "m": {
@@ -198,8 +200,8 @@ def test_peft_layout_equals_flax_layout():
         }
     }
     gp = {"m": {"lora_A": {"weight": g["m"]["lora_a"].T}, "lora_B": {"weight": g["m"]["lora_b"].T}}}
-    uf, sf = tx_f.update(g, sf, flax_p)
-    up, sp = tx_p.update(gp, sp, peft_p)
+    uf, sf = update_f(g, sf, flax_p)
+    up, sp = update_p(gp, sp, peft_p)
     chex.assert_trees_all_close(up["m"]["lora_A"]["weight"], uf["m"]["lora_a"].T, rtol=1e-6)
     chex.assert_trees_all_close(up["m"]["lora_B"]["weight"], uf["m"]["lora_b"].T, rtol=1e-6)
     flax_p, peft_p = optax.apply_updates(flax_p, uf), optax.apply_updates(peft_p, up)

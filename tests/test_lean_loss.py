@@ -9,6 +9,7 @@ number but the memory: XLA's compiled memory analysis on CPU shrinks accordingly
 """
 
 import collections
+import functools
 import re
 
 import jax
@@ -69,13 +70,25 @@ def _keep_grads():
   )
 
 
-def _step(model, batch, *, stacked=False, **kwargs):
+_KEEP_GRADS = _keep_grads()
+
+
+@functools.cache
+def _jitted_step(graphdef, stacked, remat, loss_chunk):
+  """One jitted step per program (the graphdef holds the model's static config): the tests that
+  run the same program on other values share its compilation."""
+  step = make_train_step(
+      graphdef, _KEEP_GRADS, stacked_layers=stacked, remat=remat, loss_chunk=loss_chunk
+  )
+  return jax.jit(step)
+
+
+def _step(model, batch, *, stacked=False, remat='none', loss_chunk=0):
   """``(metrics, grads)`` of one train step over ``model`` and ``batch``."""
   graphdef, lora, frozen, extra = split_model(model)
-  tx = _keep_grads()
   lora = stack_layers(lora) if stacked else lora
-  step = jax.jit(make_train_step(graphdef, tx, stacked_layers=stacked, **kwargs))
-  state, metrics = step(init_train_state(lora, extra, tx), frozen, batch)
+  step = _jitted_step(graphdef, stacked, remat, loss_chunk)
+  state, metrics = step(init_train_state(lora, extra, _KEEP_GRADS), frozen, batch)
   return jax.device_get(metrics), jax.device_get(state.opt_state)
 
 

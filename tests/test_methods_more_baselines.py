@@ -231,7 +231,8 @@ def test_lora_file_round_trips_adalora_and_dash_directions(tmp_path):
     load_lora_params(fresh, tmp_path / "a.safetensors")
     chex.assert_trees_all_equal(nnx.state(fresh, nnx.LoRAParam), nnx.state(model, nnx.LoRAParam))
     chex.assert_trees_all_equal(nnx.state(fresh, DashDirections), nnx.state(model, DashDirections))
-    np.testing.assert_allclose(fresh(ids), model(ids), rtol=1e-6, atol=1e-6)
+    forward = nnx.jit(lambda m: m(ids))  # one program per layer kind, not op-by-op dispatch
+    np.testing.assert_allclose(forward(fresh), forward(model), rtol=1e-6, atol=1e-6)
     if inject is not inject_adalora:
       assert anlr_jax.nn.dash_launched(fresh)
       assert fresh.model.layers[0].self_attn.q_proj.dash_index[...].dtype == jnp.int32
@@ -246,29 +247,30 @@ class _LlamaBatches(ToyBatches):
     return batch
 
 
-@pytest.mark.parametrize("lora_layout", ["stacked", "per-layer"])
-def test_orth_regulariser_is_added_to_the_loss(lora_layout):
-  """One AdaLoRA update equals rank_allocator(adamw) on grad(CE) + grad(R) computed apart; the
-  `loss` metric is the cross-entropy alone and `regularizer` is R at the params of the step."""
-  weight = 0.5
-  model = inject_adalora(
+def _adalora_model():
+  return inject_adalora(
       _tiny_llama(), target_modules=TARGETS, rank=2, alpha=4.0, dropout=0.0, rngs=nnx.Rngs(1)
   )
-  batches = _LlamaBatches(global_batch=4, seq_len=8, vocab=32)
-  cfg = TrainerConfig(
-      steps=4,
-      global_batch=4,
-      compute_dtype="float32",
-      progress=False,
-      lora_layout=lora_layout,
-      **ONE_DEVICE,
-  )
+
+
+_ORTH_WEIGHT = 0.5
+_ORTH_BATCHES = functools.partial(_LlamaBatches, global_batch=4, seq_len=8, vocab=32)
+
+
+def _orth_tx():
   ada = AdaLoRAConfig(init_r=2, target_r=1, total_step=4)
-  tx = method_optimizer("adalora", 1e-2, adalora_config=ada, clip_norm=None)
-  reg = functools.partial(orth_regularization, orth_reg_weight=weight)
-  graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+  return method_optimizer("adalora", 1e-2, adalora_config=ada, clip_norm=None)
+
+
+@pytest.fixture(scope="module")
+def orth_reference():
+  """grad(CE) and grad(R) of the first batch computed apart, and one rank_allocator(adamw) update
+  on their sum and on grad(CE) alone: the same for either layout, so computed once."""
+  reg = functools.partial(orth_regularization, orth_reg_weight=_ORTH_WEIGHT)
+  tx = _orth_tx()
+  graphdef, lora, rest = nnx.split(_adalora_model(), nnx.LoRAParam, ...)
   lora = nnx.to_pure_dict(lora)
-  batch = jax.tree.map(jnp.asarray, batches.get_batch(0))
+  batch = jax.tree.map(jnp.asarray, _ORTH_BATCHES().get_batch(0))
 
   def cross_entropy(lora):
     logits = nnx.merge(graphdef, lora, rest)(
@@ -282,20 +284,44 @@ def test_orth_regulariser_is_added_to_the_loss(lora_layout):
   # the reference under jit: one program each, not hundreds of op-by-op dispatches
   ce, grads = jax.jit(jax.value_and_grad(cross_entropy))(lora)
   r, reg_grads = jax.jit(jax.value_and_grad(reg))(lora)
-  assert r > 0.1  # N(0, 0.02) factors are far from orthonormal
   total = jax.tree.map(jnp.add, grads, reg_grads)
   update = jax.jit(lambda g: optax.apply_updates(lora, tx.update(g, tx.init(lora), lora)[0]))
-  expected, ce_only = update(total), update(grads)
+  return jax.device_get(
+      dict(ce=ce, r=r, total=total, expected=update(total), ce_only=update(grads))
+  )
 
-  trainer = Trainer(model, batches, cfg, tx, loss_regularizer=reg, devices=jax.devices()[:1])
+
+@pytest.mark.parametrize("lora_layout", ["stacked", "per-layer"])
+def test_orth_regulariser_is_added_to_the_loss(lora_layout, orth_reference):
+  """One AdaLoRA update equals rank_allocator(adamw) on grad(CE) + grad(R) computed apart; the
+  `loss` metric is the cross-entropy alone and `regularizer` is R at the params of the step."""
+  ref = orth_reference
+  assert ref["r"] > 0.1  # N(0, 0.02) factors are far from orthonormal
+  cfg = TrainerConfig(
+      steps=4,
+      global_batch=4,
+      compute_dtype="float32",
+      progress=False,
+      lora_layout=lora_layout,
+      **ONE_DEVICE,
+  )
+  reg = functools.partial(orth_regularization, orth_reg_weight=_ORTH_WEIGHT)
+  trainer = Trainer(
+      _adalora_model(),
+      _ORTH_BATCHES(),
+      cfg,
+      _orth_tx(),
+      loss_regularizer=reg,
+      devices=jax.devices()[:1],
+  )
   metrics = jax.device_get(trainer.train_step())
-  np.testing.assert_allclose(metrics["loss"], ce, rtol=1e-5)
-  np.testing.assert_allclose(metrics["regularizer"], r, rtol=1e-5)
-  np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(total), rtol=1e-5)
+  np.testing.assert_allclose(metrics["loss"], ref["ce"], rtol=1e-5)
+  np.testing.assert_allclose(metrics["regularizer"], ref["r"], rtol=1e-5)
+  np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(ref["total"]), rtol=1e-5)
   got = jax.device_get(trainer.lora_params())
-  chex.assert_trees_all_close(got, expected, atol=1e-6, rtol=1e-5)
+  chex.assert_trees_all_close(got, ref["expected"], atol=1e-6, rtol=1e-5)
   diff = max(
-      jnp.max(jnp.abs(a - b)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ce_only))
+      np.max(np.abs(a - b)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref["ce_only"]))
   )
   assert diff > 1e-4  # without the regulariser the update differs
   trainer.close()
@@ -352,43 +378,58 @@ def _dash_state(trainer):
   )
 
 
-def test_dash_launches_after_update_t_and_resumes_without_relaunch(tmp_path, monkeypatch):
-  trainer = _dash_trainer(2, str(tmp_path / "ckpt"))
-  seen, launch = [], trainer.on_step
+@pytest.fixture(scope="module")
+def dash_run(tmp_path_factory):
+  """One run of 4 updates launched after update 2, checkpointed at every step: what the launch hook
+  saw at each call, the directions a layer's ``task_directions`` picks from the state after update
+  2 (before the hook launches), the ``dash_scale`` after update 3 and the final state."""
+  ckpt = tmp_path_factory.mktemp("dash") / "ckpt"
+  trainer = _dash_trainer(2, str(ckpt))
+  seen, chosen, scales, launch = [], {}, {}, trainer.on_step
 
   def on_step(t, step):  # the launch hook, then whether the state's model is launched
+    if step == 2:  # c A B after update 2, with W0's SVD, before the launch
+      model = nnx.merge(t.graphdef, t.lora_params(), t.frozen, t.state.extra)
+      chosen["up_proj"] = jax.device_get(model.model.layers[1].mlp.up_proj.task_directions())
     launch(t, step)
     model = nnx.merge(t.graphdef, t.lora_params(), t.frozen, t.state.extra)
     seen.append((step, anlr_jax.nn.dash_launched(model)))
+    scales[step] = jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam)))
 
   trainer.on_step = on_step
   trainer.run()
-  assert seen == [(0, False), (1, False), (2, True), (3, True), (4, True)]
-  assert trainer.step_traces == 1  # the launch does not recompile the step
-  directions, lora = _dash_state(trainer)
+  out = dict(
+      ckpt=ckpt,
+      seen=seen,
+      traces=trainer.step_traces,
+      state=_dash_state(trainer),
+      chosen=chosen["up_proj"],
+      lora_after=scales,
+  )
+  trainer.close()
+  return out
+
+
+def test_dash_launches_after_update_t_and_resumes_without_relaunch(dash_run, monkeypatch):
+  assert dash_run["seen"] == [(0, False), (1, False), (2, True), (3, True), (4, True)]
+  assert dash_run["traces"] == 1  # the launch does not recompile the step
+  directions, lora = dash_run["state"]
   scale = lora["model"]["layers"][0]["self_attn"]["q_proj"]["dash_scale"]
   assert np.abs(scale).max() > 0  # trained for 2 updates after the launch
-  trainer.close()
 
   # The directions are chosen from c A B after update 2, with W0's SVD.
-  ref = _dash_trainer(2, steps=2)
-  ref.on_step = None
-  ref.run()
-  model = ref.updated_model()
-  layer = model.model.layers[1].mlp.up_proj
-  chosen = layer.task_directions()
+  chosen = dash_run["chosen"]
   saved = directions["model"]["layers"][1]["mlp"]["up_proj"]
   np.testing.assert_array_equal(saved["dash_index"], chosen.index)
   np.testing.assert_allclose(np.abs(saved["dash_u"]), np.abs(chosen.u), atol=1e-5)
-  ref.close()
 
   # Resume from the checkpoint of update 3 (past t = 2): directions restored, never relaunched.
   import shutil
 
-  shutil.rmtree(tmp_path / "ckpt" / "4")
+  shutil.rmtree(dash_run["ckpt"] / "4")
   calls = []
   monkeypatch.setattr(anlr_jax.nn, "launch_dash", lambda *a, **k: calls.append(1))
-  resumed = _dash_trainer(2, str(tmp_path / "ckpt"))
+  resumed = _dash_trainer(2, str(dash_run["ckpt"]))
   assert resumed.step == 3
   resumed.run()
   assert calls == []
@@ -422,16 +463,13 @@ def test_dash_launch_at_zero_is_before_the_first_update():
   trainer.close()
 
 
-def test_the_first_dash_update_is_adams_first_step_in_a_run():
+def test_the_first_dash_update_is_adams_first_step_in_a_run(dash_run):
   """Launched after update 2 of a run, dash_scale's first update (update 3) is Adam's first step,
   ``-lr g / (|g| + eps)``, of size lr; a count started at update 1 would give 0.64 lr."""
-  trainer = _dash_trainer(2, steps=3)
-  trainer.run()
-  _, lora = _dash_state(trainer)
+  lora = dash_run["lora_after"][3]
   for layer in (0, 1):
     scale = lora["model"]["layers"][layer]["self_attn"]["q_proj"]["dash_scale"]
     np.testing.assert_allclose(np.abs(scale), 1e-2, rtol=1e-2)  # |g| >> eps
-  trainer.close()
 
 
 @pytest.mark.parametrize("method", ["loradash", "anlr+loradash"])
@@ -454,7 +492,8 @@ def test_dash_scale_adam_counts_from_the_launch(method):
   params = {"q": {"lora_a": f32(6, 2), "lora_b": f32(2, 5), "dash_scale": jnp.zeros(3)}}
   factors = {"q": {k: params["q"][k] for k in ("lora_a", "lora_b")}}
   state, factors_state = tx.init(params), factors_tx.init(factors)
-  update = jax.jit(tx.update)
+  update, factors_update = jax.jit(tx.update), jax.jit(factors_tx.update)
+  dash_update = jax.jit(dash_ref.update)  # the references under jit too: no op-by-op dispatch
   for n in range(1, 10):
     grads = {"q": {"lora_a": f32(6, 2), "lora_b": f32(2, 5), "dash_scale": f32(3)}}
     if n <= t:  # before the launch dash_scale's gradient is exactly zero
@@ -463,7 +502,7 @@ def test_dash_scale_adam_counts_from_the_launch(method):
     assert jax.tree.structure(new_state) == jax.tree.structure(state)
     state = new_state
     factor_grads = {"q": {k: grads["q"][k] for k in ("lora_a", "lora_b")}}
-    factor_updates, factors_state = factors_tx.update(factor_grads, factors_state, factors)
+    factor_updates, factors_state = factors_update(factor_grads, factors_state, factors)
     chex.assert_trees_all_close(
         {"q": {k: updates["q"][k] for k in factors["q"]}}, factor_updates, rtol=1e-5, atol=1e-9
     )
@@ -475,9 +514,7 @@ def test_dash_scale_adam_counts_from_the_launch(method):
       np.testing.assert_allclose(dash, want, rtol=1e-5)
       dash_state = dash_ref.init(params["q"]["dash_scale"])
     if n > t:
-      ref, dash_state = dash_ref.update(
-          grads["q"]["dash_scale"], dash_state, params["q"]["dash_scale"]
-      )
+      ref, dash_state = dash_update(grads["q"]["dash_scale"], dash_state, params["q"]["dash_scale"])
       np.testing.assert_allclose(dash, ref, rtol=1e-5, atol=1e-8)
     params = optax.apply_updates(params, updates)
     factors = {"q": {k: params["q"][k] for k in factors["q"]}}

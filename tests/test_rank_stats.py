@@ -234,7 +234,7 @@ def test_diagnostics_summaries():
   tx = optax.chain(optax.clip_by_global_norm(1.0), anlr_jax.anlr(1e-2, warmup_steps=0))
   state = tx.init(params)
   g = {"m": {"lora_a": jnp.ones((6, 4)) * jnp.arange(1.0, 5.0), "lora_b": jnp.zeros((4, 5))}}
-  _, state = tx.update(g, state, params)
+  _, state = jax.jit(tx.update)(g, state, params)
   d = jax.jit(anlr_jax.diagnostics)(state)
   nu = np.asarray(anlr_jax.find_anlr_state(state).nu_bar["m"])
   np.testing.assert_allclose(

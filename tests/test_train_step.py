@@ -31,39 +31,52 @@ def _numpy_loss(logits, batch):
   return (nll * w).sum() / w.sum()
 
 
-@pytest.mark.parametrize('lora_layout', ['stacked', 'per-layer'])
-def test_loss_and_adamw_update_match_reference(lora_layout):
-  batches = ToyBatches()
+@pytest.fixture(scope='module')
+def adamw_reference():
+  """The first batch's loss (float64 NumPy from the logits), the gradient of an independent loss
+  (no scan, no mesh, log_softmax by hand) and optax.adamw's update from it: the same for either
+  layout, so computed once, under jit (one program each, not op-by-op dispatch)."""
   tx = optax.adamw(1e-2, weight_decay=0.1)
-  trainer = _trainer(tx, batches, lora_layout=lora_layout)
   model = make_toy_model()
-  batch = batches.get_batch(0)
-  logits = model(
-      jnp.asarray(batch['input_ids']), attention_mask=jnp.asarray(batch['attention_mask'])
-  )
+  batch = ToyBatches().get_batch(0)
   graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
   lora = lora.to_pure_dict()
+  forward = jax.jit(
+      lambda lora, ids, mask: nnx.merge(graphdef, lora, rest)(ids, attention_mask=mask)
+  )
+  logits = forward(lora, batch['input_ids'], batch['attention_mask'])
 
   def ref_loss(lora):  # independent path: no scan, no mesh, log_softmax by hand
-    logits = nnx.merge(graphdef, lora, rest)(
-        batch['input_ids'], attention_mask=batch['attention_mask']
-    )
+    logits = forward(lora, batch['input_ids'], batch['attention_mask'])
     logp = jax.nn.log_softmax(logits[:, :-1])
     nll = -jnp.take_along_axis(logp, batch['input_ids'][:, 1:, None], -1)[..., 0]
     w = batch['loss_mask'][:, 1:]
     return jnp.sum(nll * w) / jnp.sum(w)
 
-  grads = jax.grad(ref_loss)(lora)
-  updates, _ = tx.update(grads, tx.init(lora), lora)
+  grads = jax.jit(jax.grad(ref_loss))(lora)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(lora), lora)
   expected = optax.apply_updates(lora, updates)
+  return dict(
+      loss=_numpy_loss(logits, batch),
+      grad_norm=optax.tree.norm(grads),
+      expected=jax.device_get(expected),
+      batch=batch,
+  )
 
+
+@pytest.mark.parametrize('lora_layout', ['stacked', 'per-layer'])
+def test_loss_and_adamw_update_match_reference(lora_layout, adamw_reference):
+  ref, batch = adamw_reference, adamw_reference['batch']
+  trainer = _trainer(optax.adamw(1e-2, weight_decay=0.1), ToyBatches(), lora_layout=lora_layout)
   frozen_before = jax.device_get(trainer.frozen)
   metrics = jax.device_get(trainer.train_step())
-  np.testing.assert_allclose(metrics['loss'], _numpy_loss(logits, batch), rtol=1e-5)
-  np.testing.assert_allclose(metrics['grad_norm'], optax.tree.norm(grads), rtol=1e-5)
+  np.testing.assert_allclose(metrics['loss'], ref['loss'], rtol=1e-5)
+  np.testing.assert_allclose(metrics['grad_norm'], ref['grad_norm'], rtol=1e-5)
   assert metrics['loss_tokens'] == batch['loss_mask'][:, 1:].sum()
   assert metrics['tokens'] == batch['attention_mask'].sum()
-  chex.assert_trees_all_close(jax.device_get(trainer.lora_params()), expected, atol=1e-6, rtol=1e-5)
+  chex.assert_trees_all_close(
+      jax.device_get(trainer.lora_params()), ref['expected'], atol=1e-6, rtol=1e-5
+  )
   stacked = lora_layout == 'stacked'
   assert ('*' in trainer.state.lora['blocks']) == stacked, trainer.state.lora['blocks'].keys()
   chex.assert_trees_all_equal(jax.device_get(trainer.frozen), frozen_before)  # base frozen
