@@ -57,6 +57,8 @@ class BenchConfig:
   targets: tuple = TARGETS
   dtype: str = "float32"
   remat: str = "none"  # JAX only: 'none' | 'full' | 'dots'
+  # JAX only: tokens per chunk of the next-token loss (0: the model's whole (B, T, V) logits)
+  loss_chunk: int = 0
   threads: int = 0  # 0: every core (os.cpu_count())
   # JAX only: LoRA params in the train state stacked per projection over the layers (the trainer's
   # default, anlr_jax.train.stack_layers: one optimizer module per projection) or per layer
@@ -80,6 +82,8 @@ class BenchConfig:
     for name in ("hidden", "layers", "heads", "ffn", "vocab", "batch", "seq", "rank"):
       if int(getattr(self, name)) < 1:
         raise ValueError(f"BenchConfig.{name}={getattr(self, name)} must be >= 1")
+    if self.loss_chunk < 0:
+      raise ValueError(f"BenchConfig.loss_chunk={self.loss_chunk} must be >= 0 (0: whole logits)")
     if self.hidden % self.heads:
       raise ValueError(f"BenchConfig.heads={self.heads} must divide hidden={self.hidden}")
     if self.lora_layout not in LORA_LAYOUTS:
@@ -412,7 +416,7 @@ class JaxStep:
         compute_dtype=None if dtype == jnp.float32 else dtype,
         remat=cfg.remat,
         stacked_layers=stacked,
-        **step_kwargs,
+        **{"loss_chunk": cfg.loss_chunk, **step_kwargs},
     )
     self.batch = jax_batch(cfg) if batch is None else batch
     self.state = init_train_state(lora, extra, tx)

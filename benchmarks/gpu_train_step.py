@@ -292,7 +292,7 @@ def jax_worker(
   try:
     built = _build_jax_steps(cfg, attention, unbatched, batch_modules)
   except Exception as e:  # cuDNN's fused attention refuses some shape/dtype/version combinations
-    if attention != "cudnn":
+    if attention != "cudnn" or isinstance(e, ImportError):  # a missing package is no cuDNN refusal
       raise
     print(
         f"attention='cudnn' failed ({type(e).__name__}: {e}); retrying with 'xla'",
@@ -417,7 +417,9 @@ def report(cfg: BenchConfig, results: dict) -> str:
   lines = [
       f"device: {device or '?'}; model: hidden {cfg.hidden}, {cfg.layers} layers, {cfg.heads} heads,"
       f" FFN {cfg.ffn}, vocab {cfg.vocab}, {cfg.dtype}; batch {cfg.batch} x {cfg.seq}; LoRA r "
-      f"{cfg.rank} on {','.join(cfg.targets)}; attention {jax_part.get('attention', '?')}",
+      f"{cfg.rank} on {','.join(cfg.targets)}; attention {jax_part.get('attention', '?')}; JAX: "
+      f"{cfg.lora_layout} LoRA layout, remat {cfg.remat}, "
+      + (f"loss in chunks of {cfg.loss_chunk} tokens" if cfg.loss_chunk else "whole logits"),
       f"FLOPs/token: LoRA step {fl['lora_step'] / 1e9:.2f} G, 6N convention {fl['palm_6n'] / 1e9:.2f}"
       f" G; datasheet peak {peak} TFLOP/s; measured bf16 matmul "
       + (f"{measured:.0f} TFLOP/s" if measured else "n/a"),

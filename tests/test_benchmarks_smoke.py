@@ -7,12 +7,14 @@ To stay cheap, each script runs end to end once, on the smallest shapes (:data:`
 XLA's cheapest compile; logic that needs several runs (the scaling sweeps) is checked with a stub.
 """
 
+import dataclasses
 import json
 import re
 
+import optax
 import pytest
 
-from benchmarks import gpu_train_step, scaling, train_step
+from benchmarks import common, gpu_train_step, scaling, train_step
 from benchmarks.common import BenchConfig, interleave, paired_ratio
 
 TINY = [
@@ -246,6 +248,40 @@ def test_gpu_train_step_runs_on_cpu_and_reports_consistent_figures(tmp_path, cap
   assert diff and sum(count for _, count, _ in diff) > 0
   png = gpu_train_step.plot(str(out_json), str(tmp_path / "gpu.png"))
   assert (tmp_path / "gpu.png").stat().st_size > 5000 and png.endswith("gpu.png")
+
+
+def test_gpu_train_step_falls_back_from_cudnn_only_when_cudnn_refuses(monkeypatch):
+  """A cuDNN refusal retries with XLA attention; a missing package (an incomplete install) stops
+  the run instead of timing another attention under the same name."""
+
+  def missing(cfg, attention, *args):
+    if attention == "cudnn":
+      raise ModuleNotFoundError("No module named 'gguf'")
+    raise AssertionError(f"retried with attention={attention!r}")
+
+  monkeypatch.setattr(gpu_train_step, "_build_jax_steps", missing)
+  cfg = BenchConfig(hidden=32, layers=1, heads=2, ffn=64, vocab=64, batch=1, seq=8, rank=2)
+  with pytest.raises(ModuleNotFoundError, match="gguf"):
+    gpu_train_step.jax_worker(cfg, "cudnn", runs=1, warmup=0)
+
+
+def test_bench_config_loss_chunk_reaches_the_train_step(monkeypatch):
+  import anlr_jax.train
+
+  seen = {}
+
+  def capture(graphdef, tx, **kwargs):
+    seen.update(kwargs)
+    raise KeyboardInterrupt  # stop before compiling
+
+  monkeypatch.setattr(anlr_jax.train, "make_train_step", capture)
+  cfg = BenchConfig(hidden=32, layers=1, heads=2, ffn=64, vocab=64, batch=1, seq=8, rank=2)
+  for chunk in (0, 4):
+    with pytest.raises(KeyboardInterrupt):
+      common.JaxStep(dataclasses.replace(cfg, loss_chunk=chunk, remat="full"), optax.adamw(1e-3))
+    assert seen["loss_chunk"] == chunk and seen["remat"] == "full"
+  with pytest.raises(ValueError, match="loss_chunk=-1"):
+    BenchConfig(loss_chunk=-1)
 
 
 def test_kernel_kinds_drop_numeric_suffixes_and_diff_by_count():
