@@ -177,7 +177,7 @@ def _profile_summary(run_steps, n_steps: int, top: int = 25) -> dict:
             "events_per_step": len(events) / n_steps,
             "busy_ms_per_step": total / 1e6 / n_steps,
         }
-        if "Op" in line.name and total > busiest_ns:
+        if _is_device_op_line(plane.name, line.name) and total > busiest_ns:
           busiest, busiest_ns = events, total
         if "XLAEigen" in line.name or "XLAPjRtCpuClient" in line.name:
           cpu_kernels += [e for e in events if not e[0].startswith(_CPU_RUNTIME_EVENTS)]
@@ -206,6 +206,12 @@ def _profile_summary(run_steps, n_steps: int, top: int = 25) -> dict:
 
 
 _CPU_RUNTIME_EVENTS = ("ThunkExecutor", "end:", "SlinkyThreadPool", "ThreadpoolListener")
+
+
+def _is_device_op_line(plane: str, line: str) -> bool:
+  """A trace line of kernels on an accelerator: XLA's op lines, or a GPU stream's (the CUDA traces
+  name their lines after the stream, e.g. ``Stream #14(Memset,Compute)``)."""
+  return "Op" in line or (plane.startswith("/device:") and "Compute" in line)
 
 
 def kernel_kind(name: str) -> str:

@@ -284,6 +284,14 @@ def test_bench_config_loss_chunk_reaches_the_train_step(monkeypatch):
     BenchConfig(loss_chunk=-1)
 
 
+def test_profile_reads_kernels_from_xla_op_lines_and_gpu_compute_streams():
+  is_op = gpu_train_step._is_device_op_line
+  assert is_op("/device:GPU:0", "Stream #14(Memset,Compute)")  # a CUDA trace's kernels
+  assert is_op("/device:TPU:0", "XLA Ops")
+  assert not is_op("/device:GPU:0", "Stream #15(MemcpyH2D)")
+  assert not is_op("/host:CPU", "XLAEigen")
+
+
 def test_kernel_kinds_drop_numeric_suffixes_and_diff_by_count():
   assert gpu_train_step.kernel_kind("loop_add_fusion_12") == "loop_add_fusion"
   assert gpu_train_step.kernel_kind("input_reduce_fusion.3_1") == "input_reduce_fusion"
