@@ -11,8 +11,10 @@ A run of method ``m`` on base weights ``W_0``:
 with ``L`` the response-token cross-entropy, ``\eta_t`` the linear warmup/decay schedule, then
 greedy generation on each eval task (:mod:`anlr_jax.app.evaluate`). The run directory's files are
 listed in :mod:`anlr_jax.rundir`; with ``compare`` each method gets a sub-directory and the top level
-holds the comparison. Every process trains and evaluates; only process 0 writes files (a
-``{timestamp}`` in ``run_dir`` is process 0's on every process).
+holds the comparison; the compared methods and the base row share what they read (the eval sets,
+read and checked once; the training file, read and tokenised once). Every process trains and
+evaluates; only process 0 writes files (a ``{timestamp}`` in ``run_dir`` is process 0's on every
+process).
 
 Method-specific parts: AdaLoRA's orthogonal regulariser is added to the loss (``regularizer``
 metric) and its allocator runs over the run's updates; LoRA-Dash chooses its directions after
