@@ -38,7 +38,7 @@ pytestmark = pytest.mark.slow  # the module's fixture trains six methods
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
   """Every method trained by `anlr sweep`, each cell through the `anlr train` command line the
-  sweep builds, all cells in one process of their own (tests/helpers/s41_sweep.py): a fresh
+  sweep builds, all cells in one process of their own (tests/helpers/sweep_in_process.py): a fresh
   interpreter on one CPU device, as `anlr sweep` runs its cells, where this session's 8 devices
   would shard every train step 8 ways and compile it for them (~14 s more CPU)."""
   root = tmp_path_factory.mktemp("baselines")
@@ -47,7 +47,7 @@ def swept(tmp_path_factory):
   argv += ["--out", str(root / "sweep"), *OVERRIDES]
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   proc = subprocess.run(
-      [sys.executable, "-m", "tests.helpers.s41_sweep", str(root / "commands.json"), *argv],
+      [sys.executable, "-m", "tests.helpers.sweep_in_process", str(root / "commands.json"), *argv],
       cwd=REPO,
       env=env,
       capture_output=True,

@@ -36,10 +36,10 @@ def test_config_compares_lora_and_anlr_with_the_base_model():
 
 
 def _run_scripts(runs):
-  """stdout of ``[(script, argv), ...]`` run by tests/helpers/s41_run_scripts.py in a process."""
+  """stdout of ``[(script, argv), ...]`` run by tests/helpers/run_scripts.py in a process."""
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   proc = subprocess.run(
-      [sys.executable, "-m", "tests.helpers.s41_run_scripts", json.dumps(runs)],
+      [sys.executable, "-m", "tests.helpers.run_scripts", json.dumps(runs)],
       cwd=REPO,
       env=env,
       capture_output=True,

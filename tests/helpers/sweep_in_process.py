@@ -2,7 +2,7 @@
 which the sweep would start as a process of its own, goes to ``cli.main`` here instead (one
 interpreter start for every cell, on this process's devices).
 
-  python -m tests.helpers.s41_sweep COMMANDS_JSON [anlr sweep arguments ...]
+  python -m tests.helpers.sweep_in_process COMMANDS_JSON [anlr sweep arguments ...]
 
 writes the cells' command lines to ``COMMANDS_JSON`` and exits with the sweep's status.
 """

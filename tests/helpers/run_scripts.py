@@ -1,7 +1,7 @@
 """Runs the ``main(argv)`` of scripts (an example, a benchmark) one after the other in this
 process, for a test that runs them in a process of their own: one interpreter start for all.
 
-  python -m tests.helpers.s41_run_scripts '[["examples/a.py", ["--x", "1"]], ["b.py", []]]'
+  python -m tests.helpers.run_scripts '[["examples/a.py", ["--x", "1"]], ["b.py", []]]'
 
 Exits with the first non-zero status of a ``main``, else 0.
 """
