@@ -2,8 +2,10 @@
 on a tiny random HF LLaMA (tests/test_cli.py's setup); plain lora and loraplus train beside them."""
 
 import json
+import os
 import re
 import subprocess
+import sys
 
 import chex
 import jax.numpy as jnp
@@ -29,30 +31,32 @@ OVERRIDES = (
     "loraplus.lr_ratio=4",
 )
 Q = "model.layers.0.self_attn.q_proj"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow  # the module's fixture trains six methods
 
 
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
   """Every method trained by `anlr sweep`, each cell through the `anlr train` command line the
-  sweep builds (run in this process instead of a subprocess, to save the imports)."""
+  sweep builds, all cells in one process of their own (tests/helpers/sweep_in_process.py): a fresh
+  interpreter on one CPU device, as `anlr sweep` runs its cells, where this session's 8 devices
+  would shard every train step 8 ways and compile it for them (~14 s more CPU)."""
   root = tmp_path_factory.mktemp("baselines")
   config = tiny_run_setup(root)
-  commands = []
-
-  def call(command, **_):
-    commands.append(command)
-    assert command[1:4] == ["-m", "anlr_jax", "train"]
-    return cli.main(command[3:])
-
-  patch = pytest.MonkeyPatch()
-  patch.setattr(subprocess, "call", call)
-  try:
-    argv = ["--config", str(config), "--methods", ",".join(METHODS), "--lrs", "5e-3"]
-    argv += ["--out", str(root / "sweep"), *OVERRIDES]
-    assert cli.main(["sweep", *argv]) == 0
-  finally:
-    patch.undo()
+  argv = ["--config", str(config), "--methods", ",".join(METHODS), "--lrs", "5e-3"]
+  argv += ["--out", str(root / "sweep"), *OVERRIDES]
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, "-m", "tests.helpers.sweep_in_process", str(root / "commands.json"), *argv],
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  commands = json.loads((root / "commands.json").read_text())
+  assert all(c[1:4] == ["-m", "anlr_jax", "train"] for c in commands), commands
   assert [c[c.index("train") + 4] for c in commands] == [f"method={m}" for m in METHODS]
   cells = {m: root / "sweep" / m / "lr0.005" / "seed0" for m in METHODS}
   return root, config, cells

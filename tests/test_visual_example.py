@@ -1,12 +1,15 @@
 """examples/visual_llava_cpu.py end to end on tiny settings (a tiny random LLaMA as the language model,
 a one-layer 28-pixel vision tower, two updates): the task and the LLaVA are built, base, LoRA and
 AnLR-LoRA are scored on the held-out views with their records saved, and the rank-one figures are
-drawn."""
+drawn. The example and the step benchmark on its output run in one process of their own, on one
+CPU device as on a user's CPU (this session's 8 devices would shard and compile each train step 8
+ways)."""
 
-import importlib.util
 import json
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -22,13 +25,6 @@ CONFIG = os.path.join(REPO, "configs", "smollm2_llava_visual_cpu.yaml")
 BENCHMARK = os.path.join(REPO, "benchmarks", "llava_step.py")
 
 
-def _example():
-  spec = importlib.util.spec_from_file_location("visual_llava_cpu", EXAMPLE)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def test_config_compares_lora_and_anlr_with_the_base_model():
   config = load_config(CONFIG)
   assert config.compare == ["lora", "anlr"] and config.eval.include_base
@@ -39,12 +35,28 @@ def test_config_compares_lora_and_anlr_with_the_base_model():
   }
 
 
+def _run_scripts(runs):
+  """stdout of ``[(script, argv), ...]`` run by tests/helpers/run_scripts.py in a process."""
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, "-m", "tests.helpers.run_scripts", json.dumps(runs)],
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout
+
+
 @pytest.mark.slow
-def test_example_runs_end_to_end_on_tiny_settings(tmp_path, capsys):
+def test_example_runs_end_to_end_on_tiny_settings(tmp_path):
   lm = tmp_path / "lm"
   save_tiny_llama(lm, len(build_tiny_tokenizer(lm)), max_position_embeddings=512)
   out = tmp_path / "out"
-  code = _example().main(
+  example = (
+      EXAMPLE,
       [
           "--out",
           str(out),
@@ -72,10 +84,26 @@ def test_example_runs_end_to_end_on_tiny_settings(tmp_path, capsys):
           "anlr.warmup_steps=1",
           "eval.batch_size=8",
           "eval.max_new_tokens=2",
-      ]
+      ],
   )
-  printed = capsys.readouterr().out
-  assert code == 0
+  # the step benchmark on the example's model and task (after it, in the same process): the text
+  # batch is the image batch without its image positions
+  benchmark = (
+      BENCHMARK,
+      [
+          "--out",
+          str(out),
+          "--rounds",
+          "1",
+          "--warmup",
+          "0",
+          "--json",
+          str(tmp_path / "s.json"),
+          "data.template=vicuna_v1",
+          "data.pad_multiple=32",
+      ],
+  )
+  printed = _run_scripts([example, benchmark])
   # the LLaVA keeps the language model's weights, with <image> added as its last token
   model, config = load_llava_model(out / "model")
   text, _ = load_hf_model(lm)
@@ -98,28 +126,6 @@ def test_example_runs_end_to_end_on_tiny_settings(tmp_path, capsys):
   assert figures, "anlr analyze drew the rank-one figures"
   assert re.search(r"^\s*base\s+[\d.]+\s+[\d.]+", printed, flags=re.M), printed
 
-  # the step benchmark on the example's model and task: the text batch is the image batch without
-  # its image positions
-  spec = importlib.util.spec_from_file_location("llava_step", BENCHMARK)
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
-  assert (
-      bench.main(
-          [
-              "--out",
-              str(out),
-              "--rounds",
-              "1",
-              "--warmup",
-              "0",
-              "--json",
-              str(tmp_path / "s.json"),
-              "data.template=vicuna_v1",
-              "data.pad_multiple=32",
-          ]
-      )
-      == 0
-  )
   result = json.loads((tmp_path / "s.json").read_text())
   assert result["images"] > 0 and result["image_positions_per_image"] == 4
   assert result["real_tokens"]["image"] - result["real_tokens"]["text"] == 4 * result["images"]

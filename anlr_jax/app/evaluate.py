@@ -198,9 +198,11 @@ def evaluate_tasks(
     out_dir: str | None = None,
     log: Log = say,
     tasks: Sequence[str] | None = None,
+    sets: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
   """Scores ``model`` on every ``eval.tasks`` file (or the named ``tasks``); returns
-  ``{task: EvalResult}``. Every file is read and checked before the first is scored.
+  ``{task: EvalResult}``. Every file is read and checked before the first is scored; ``sets``,
+  what :func:`load_eval_sets` returned for ``config``, saves reading them again.
 
   Prompts follow ``data.template`` (the Alpaca or the chat template the model was trained with); a
   code task (humaneval) gets ``eval.code_max_new_tokens`` greedy tokens and pass@1 of its unit tests
@@ -208,7 +210,10 @@ def evaluate_tasks(
   HumanEval's stop sequences), with ``chat`` it is asked for the function in its chat template and
   the code is taken from its reply (:mod:`anlr_jax.evals.code`).
   """
-  sets = load_eval_sets(config, tasks)
+  if sets is None:
+    sets = load_eval_sets(config, tasks)
+  else:
+    sets = {t: examples for t, examples in sets.items() if tasks is None or t in tasks}
   if not sets:
     return {}
   text = [t for t in sets if not _is_visual(sets, t)]
@@ -287,13 +292,20 @@ def accuracy_summary(results: Mapping[str, Any]) -> tuple[dict[str, float], floa
   return accuracy, (float(np.mean(list(accuracy.values()))) if accuracy else None)
 
 
-def evaluate_base(config: RunConfig, out_dir: str, *, log: Log = say) -> dict[str, float]:
-  """Accuracy fractions of the base model without adapters."""
+def evaluate_base(
+    config: RunConfig,
+    out_dir: str,
+    *,
+    log: Log = say,
+    sets: Mapping[str, Any] | None = None,
+) -> dict[str, float]:
+  """Accuracy fractions of the base model without adapters (``sets``: as :func:`evaluate_tasks`)."""
   model, _, tokenizer = load_base(config)
   log("[base] evaluating the base model (no adapters)")
   if is_writer():
     os.makedirs(out_dir, exist_ok=True)
-  accuracy, _ = accuracy_summary(evaluate_tasks(model, tokenizer, config, out_dir=out_dir, log=log))
+  evals = evaluate_tasks(model, tokenizer, config, out_dir=out_dir, log=log, sets=sets)
+  accuracy, _ = accuracy_summary(evals)
   return accuracy
 
 

@@ -11,8 +11,10 @@ A run of method ``m`` on base weights ``W_0``:
 with ``L`` the response-token cross-entropy, ``\eta_t`` the linear warmup/decay schedule, then
 greedy generation on each eval task (:mod:`anlr_jax.app.evaluate`). The run directory's files are
 listed in :mod:`anlr_jax.rundir`; with ``compare`` each method gets a sub-directory and the top level
-holds the comparison. Every process trains and evaluates; only process 0 writes files (a
-``{timestamp}`` in ``run_dir`` is process 0's on every process).
+holds the comparison; the compared methods and the base row share what they read (the eval sets,
+read and checked once; the training file, read and tokenised once). Every process trains and
+evaluates; only process 0 writes files (a ``{timestamp}`` in ``run_dir`` is process 0's on every
+process).
 
 Method-specific parts: AdaLoRA's orthogonal regulariser is added to the loss (``regularizer``
 metric) and its allocator runs over the run's updates; LoRA-Dash chooses its directions after
@@ -110,10 +112,43 @@ def _check_settings(config: RunConfig) -> None:
     check_schedule(config, int(config.trainer.steps))
 
 
-def _check_inputs(config: RunConfig) -> str:
+class _RunInputs:
+  """What the methods of one ``anlr train`` read from their inputs, read once and shared: the eval
+  sets (:func:`load_eval_sets`) and the training batches (:func:`training_source`) of methods whose
+  settings for them are the same (compared methods differ in their method, not their data)."""
+
+  def __init__(self):
+    self._eval_sets: list[tuple[tuple, dict[str, list]]] = []
+    self._sources: list[tuple[tuple, LengthBucketedSource]] = []
+
+  @staticmethod
+  def _get(cache: list, key: tuple, make):
+    for stored, value in cache:
+      if stored == key:
+        return value
+    value = make()
+    cache.append((key, value))
+    return value
+
+  def eval_sets(self, config: RunConfig) -> dict[str, list]:
+    """:func:`load_eval_sets` of ``config``, read at its first call."""
+    key = (config.eval, config.model.path)  # a visual task checks the model it is scored on
+    return self._get(self._eval_sets, key, lambda: load_eval_sets(config))
+
+  def source(self, config: RunConfig, path: str, tokenizer, model_config) -> LengthBucketedSource:
+    """:func:`training_source` of ``config``, read and tokenised at its first call."""
+    key = (path, config.data, config.trainer.global_batch, config.seed, config.model)
+    return self._get(
+        self._sources,
+        key,
+        lambda: training_source(config, path, tokenizer, model_config=model_config),
+    )
+
+
+def _check_inputs(config: RunConfig, inputs: _RunInputs | None = None) -> str:
   """Checks that every input of a method's run exists (``model.path``, ``model.tokenizer`` when
-  set, ``data.train``, every test file, read): before anything is written or trained, so a
-  comparison never stops at its second method. Returns the training file's path."""
+  set, ``data.train``, every test file, read into ``inputs``): before anything is written or
+  trained, so a comparison never stops at its second method. Returns the training file's path."""
   require_path(config.model.path, "model.path", kind="HF model directory")
   if config.model.tokenizer is not None:
     require_path(config.model.tokenizer, "model.tokenizer", kind="tokenizer directory")
@@ -129,7 +164,7 @@ def _check_inputs(config: RunConfig) -> str:
       raise ConfigError(f"data.train: {err}") from None
   else:
     train_path = require_path(config.data.train, "data.train", kind="training file")
-  load_eval_sets(config)
+  (inputs or _RunInputs()).eval_sets(config)
   return train_path
 
 
@@ -141,11 +176,20 @@ def _finish(
     identity: Mapping[str, Any],
     result: RunResult,
     log: Log,
+    inputs: _RunInputs,
 ) -> RunResult:
   """Evaluates the tasks that ``result`` lacks, writes results.json and the tables."""
   missing = [t for t in config.eval.tasks if t not in result.accuracy]
   start = time.perf_counter()
-  evals = evaluate_tasks(model, tokenizer, config, out_dir=run_dir, log=log, tasks=missing)
+  evals = evaluate_tasks(
+      model,
+      tokenizer,
+      config,
+      out_dir=run_dir,
+      log=log,
+      tasks=missing,
+      sets=inputs.eval_sets(config),
+  )
   accuracy = {**result.accuracy, **accuracy_summary(evals)[0]}
   result = dataclasses.replace(
       result,
@@ -184,12 +228,15 @@ def train_method(config: RunConfig, *, log: Log = say) -> tuple[RunResult, LossC
   """
   config = _method_config(config, config.method, config.run_dir, several=False)
   _check_settings(config)
-  return _train_method(config, _check_inputs(config), log)
+  inputs = _RunInputs()
+  return _train_method(config, _check_inputs(config, inputs), log, inputs)
 
 
-def _train_method(config: RunConfig, train_path: str, log: Log) -> tuple[RunResult, LossCurve]:
+def _train_method(
+    config: RunConfig, train_path: str, log: Log, inputs: _RunInputs
+) -> tuple[RunResult, LossCurve]:
   """:func:`train_method` of a method's config (:func:`_method_config`) whose inputs are checked
-  (:func:`_check_inputs`, which returned ``train_path``)."""
+  (:func:`_check_inputs`, which returned ``train_path`` and read them into ``inputs``)."""
   method, run_dir = config.method, config.run_dir
   os.makedirs(run_dir, exist_ok=True)
   with DirectoryLock(run_dir, what="run directory") if is_writer() else no_lock():
@@ -220,10 +267,10 @@ def _train_method(config: RunConfig, train_path: str, log: Log) -> tuple[RunResu
       )
     else:
       model, result, curve = _train(
-          config, model, model_config.vocab_size, tokenizer, train_path, identity, log
+          config, model, model_config.vocab_size, tokenizer, train_path, identity, log, inputs
       )
     model.eval()
-    return _finish(config, run_dir, model, tokenizer, identity, result, log), curve
+    return _finish(config, run_dir, model, tokenizer, identity, result, log, inputs), curve
 
 
 def training_source(
@@ -318,14 +365,13 @@ def _train(
     train_path: str,
     identity: Mapping[str, Any],
     log: Log,
+    inputs: _RunInputs,
 ) -> tuple[Any, RunResult, LossCurve]:
   """Adapts the base ``model`` to ``config.method`` (:func:`build_method`), trains its adapters into
   ``config.run_dir`` (resuming from its newest checkpoint) and writes the adapter file and loss
   plot; returns the trained model, its result (not yet evaluated) and its loss curve."""
   method, run_dir, tc = config.method, config.run_dir, config.trainer
-  source = training_source(
-      config, train_path, tokenizer, model_config=getattr(model, "config", None)
-  )
+  source = inputs.source(config, train_path, tokenizer, getattr(model, "config", None))
   log(f"[{method}] data: {_describe_data(source, train_path, config)}")
   _check_vocab(source, vocab_size, config)
   total = tc.total_steps(len(source))
@@ -410,11 +456,14 @@ def train_run(config: RunConfig, *, log: Log = say, timestamp: str | None = None
   for method_config in method_configs:  # every method's settings before any input is read
     _check_settings(method_config)
   # (config, training file) of each method: every input checked once, up front (a start that
-  # fails on a missing file creates no run directory)
-  planned = [(method_config, _check_inputs(method_config)) for method_config in method_configs]
+  # fails on a missing file creates no run directory); what they read is shared by the methods
+  inputs = _RunInputs()
+  planned = [
+      (method_config, _check_inputs(method_config, inputs)) for method_config in method_configs
+  ]
   os.makedirs(run_dir, exist_ok=True)
   with DirectoryLock(run_dir, what="run directory") if is_writer() else no_lock():
-    return _train_run(config, planned, run_dir, log)
+    return _train_run(config, planned, run_dir, log, inputs)
 
 
 def _method_config(config: RunConfig, method: str, run_dir: str, several: bool) -> RunConfig:
@@ -430,11 +479,15 @@ def _method_config(config: RunConfig, method: str, run_dir: str, several: bool) 
 
 
 def _train_run(
-    config: RunConfig, planned: list[tuple[RunConfig, str]], run_dir: str, log: Log
+    config: RunConfig,
+    planned: list[tuple[RunConfig, str]],
+    run_dir: str,
+    log: Log,
+    inputs: _RunInputs,
 ) -> dict:
   methods = [method_config.method for method_config, _ in planned]
   if len(methods) == 1 and not config.eval.include_base:
-    result, _ = _train_method(*planned[0], log)
+    result, _ = _train_method(*planned[0], log, inputs)
     return {
         "run_dir": run_dir,
         "runs": [result.to_json()],
@@ -445,13 +498,14 @@ def _train_run(
   start = time.perf_counter()
   runs, curves = [], {}
   for method_config, train_path in planned:
-    result, curves[method_config.method] = _train_method(method_config, train_path, log)
+    result, curves[method_config.method] = _train_method(method_config, train_path, log, inputs)
     runs.append(result)
   if len(methods) > 1:  # the comparison's config, once every method's settings are checked
     _save_config(dataclasses.replace(config, run_dir=run_dir), run_dir)
   base_dir = run_dir if len(methods) > 1 else os.path.join(run_dir, rundir.BASE_DIR)
+  base_config = expand_paths(config, methods[0], run_dir)
   base = (
-      evaluate_base(expand_paths(config, methods[0], run_dir), base_dir, log=log)
+      evaluate_base(base_config, base_dir, log=log, sets=inputs.eval_sets(base_config))
       if config.eval.include_base and config.eval.tasks
       else None
   )
