@@ -4,8 +4,6 @@ on a tiny random HF LLaMA (tests/test_cli.py's setup); plain lora and loraplus t
 import json
 import os
 import re
-import subprocess
-import sys
 
 import chex
 import jax.numpy as jnp
@@ -19,6 +17,7 @@ from anlr_jax.app import cli
 from anlr_jax.app.config import load_config
 from anlr_jax.rundir import LORA_FILE
 from anlr_jax.app.model import load_adapted_model
+from tests.helpers.fresh_process import run_helper
 from tests.helpers.tiny_run import tiny_run_setup
 
 METHODS = ("lora", "loraplus", "adalora", "lorapro", "loradash", "anlr+loradash")
@@ -31,7 +30,6 @@ OVERRIDES = (
     "loraplus.lr_ratio=4",
 )
 Q = "model.layers.0.self_attn.q_proj"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow  # the module's fixture trains six methods
 
 
@@ -39,22 +37,13 @@ pytestmark = pytest.mark.slow  # the module's fixture trains six methods
 def swept(tmp_path_factory):
   """Every method trained by `anlr sweep`, each cell through the `anlr train` command line the
   sweep builds, all cells in one process of their own (tests/helpers/sweep_in_process.py): a fresh
-  interpreter on one CPU device, as `anlr sweep` runs its cells, where this session's 8 devices
+  interpreter on one CPU device, as `anlr sweep` runs its cells, where this test process's 8 devices
   would shard every train step 8 ways and compile it for them (~14 s more CPU)."""
   root = tmp_path_factory.mktemp("baselines")
   config = tiny_run_setup(root)
   argv = ["--config", str(config), "--methods", ",".join(METHODS), "--lrs", "5e-3"]
   argv += ["--out", str(root / "sweep"), *OVERRIDES]
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  proc = subprocess.run(
-      [sys.executable, "-m", "tests.helpers.sweep_in_process", str(root / "commands.json"), *argv],
-      cwd=REPO,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=600,
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  run_helper("sweep_in_process", str(root / "commands.json"), *argv)
   commands = json.loads((root / "commands.json").read_text())
   assert all(c[1:4] == ["-m", "anlr_jax", "train"] for c in commands), commands
   assert [c[c.index("train") + 4] for c in commands] == [f"method={m}" for m in METHODS]

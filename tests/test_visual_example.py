@@ -2,20 +2,19 @@
 a one-layer 28-pixel vision tower, two updates): the task and the LLaVA are built, base, LoRA and
 AnLR-LoRA are scored on the held-out views with their records saved, and the rank-one figures are
 drawn. The example and the step benchmark on its output run in one process of their own, on one
-CPU device as on a user's CPU (this session's 8 devices would shard and compile each train step 8
+CPU device as on a user's CPU (this test process's 8 devices would shard and compile each train step 8
 ways)."""
 
 import json
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from anlr_jax.app.config import load_config
 from anlr_jax.models import load_llava_model, load_hf_model
+from tests.helpers.fresh_process import run_helper
 from tests.helpers.tiny_llama import save_tiny_llama
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
@@ -37,17 +36,7 @@ def test_config_compares_lora_and_anlr_with_the_base_model():
 
 def _run_scripts(runs):
   """stdout of ``[(script, argv), ...]`` run by tests/helpers/run_scripts.py in a process."""
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  proc = subprocess.run(
-      [sys.executable, "-m", "tests.helpers.run_scripts", json.dumps(runs)],
-      cwd=REPO,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=600,
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return proc.stdout
+  return run_helper("run_scripts", json.dumps(runs)).stdout
 
 
 @pytest.mark.slow
