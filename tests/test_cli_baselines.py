@@ -2,7 +2,6 @@
 on a tiny random HF LLaMA (tests/test_cli.py's setup); plain lora and loraplus train beside them."""
 
 import json
-import os
 import re
 
 import chex
