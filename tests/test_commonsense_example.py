@@ -88,6 +88,7 @@ def test_example_runs_the_protocol_on_a_tiny_model(tmp_path, capsys, monkeypatch
           f"run_dir={tmp_path}/runs/s{{seed}}",
           "data.pad_multiple=320",  # = data.max_length: one batch shape, one train step to compile
           "trainer.steps=2",
+          "trainer.devices=1",
           "trainer.global_batch=8",
           "trainer.lr_warmup_steps=1",
           "anlr.warmup_steps=1",

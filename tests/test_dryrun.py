@@ -159,6 +159,18 @@ def test_cli_dry_run_prints_per_device_bytes_and_writes_nothing(tmp_path, capsys
   )
 
 
+def test_cli_dry_run_plans_for_trainer_devices_unless_devices_is_given(capsys):
+  """Without --devices a dry run plans for the devices the run would use: ``trainer.devices``
+  when set (here 2 of the session's 8), else all of them."""
+  args = ["train", "--config", "quickstart", "--dry_run"]
+  assert cli.main(args + ["trainer.devices=2"]) == 0
+  assert "fsdp 2 x tensor 1 = 2 devices" in capsys.readouterr().out
+  assert cli.main(args) == 0
+  assert "fsdp 8 x tensor 1 = 8 devices" in capsys.readouterr().out
+  assert cli.main(args + ["--devices", "4", "trainer.devices=2"]) == 0
+  assert "fsdp 4 x tensor 1 = 4 devices" in capsys.readouterr().out
+
+
 def test_cli_dry_run_reads_a_gguf_models_sizes_from_its_metadata(capsys):
   """The SmolLM2 configs name a .gguf file: its config comes from the file's metadata (134.5 M
   parameters, float32), not from a config.json it does not have."""

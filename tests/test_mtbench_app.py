@@ -272,6 +272,7 @@ def test_the_dialogue_config_and_example_run_end_to_end(tiny, tmp_path, capsys):
   argv += [f"model.path={path}", f"eval.judge.model={path}", "eval.dialogue_max_new_tokens=3"]
   argv += ["eval.judge.max_new_tokens=3", "data.max_length=64", "data.pad_multiple=64"]
   argv += ["trainer.global_batch=8", "trainer.micro_batches=1", "trainer.remat=none"]
+  argv += ["trainer.devices=1"]
   argv += ["trainer.log_every=1", "eval.batch_size=16", "eval.judge.batch_size=16"]
   assert example.main(argv) == 0
   out = capsys.readouterr().out

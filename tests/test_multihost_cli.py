@@ -27,7 +27,12 @@ from anlr_jax.train.lock import DirectoryLock
 from tests.helpers.tiny_run import tiny_run_setup
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MESH = ["trainer.mesh_data=2", "trainer.mesh_fsdp=2", "trainer.mesh_tensor=2"]
+MESH = [
+    "trainer.devices=null",
+    "trainer.mesh_data=2",
+    "trainer.mesh_fsdp=2",
+    "trainer.mesh_tensor=2",
+]
 
 
 def _free_port() -> int:

@@ -38,6 +38,7 @@ def test_short_quickstart_writes_table_results_metrics_and_plot(tmp_path, monkey
               "train",
               f"run_dir={tmp_path}/qs-{{timestamp}}",
               f"trainer.steps={steps}",
+              "trainer.devices=1",
               "anlr.warmup_steps=2",  # below the run's 4 updates, or AnLR would never switch on
               "trainer.log_every=1",
               "eval.limit=16",

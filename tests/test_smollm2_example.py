@@ -127,6 +127,7 @@ def test_peft_logits_check_on_a_tiny_chat_run(example, tmp_path):
           "data.max_length=256",
           "data.pad_multiple=32",
           "trainer.steps=3",
+          "trainer.devices=1",
           "trainer.learning_rate=1e-2",
           "anlr.warmup_steps=1",
           "trainer.progress=false",

@@ -12,7 +12,7 @@ from anlr_jax.models.config import ModelConfig
 from anlr_jax.models.llama import LlamaForCausalLM
 from anlr_jax.nn.inject import inject_lora
 from anlr_jax.train.mesh import make_mesh
-from anlr_jax.train.trainer import Trainer, TrainerConfig
+from anlr_jax.train.trainer import Trainer, TrainerConfig, first_devices
 from tests.helpers.toy_lm import ToyBatches
 
 VOCAB = 512
@@ -79,3 +79,23 @@ def test_make_mesh_sizes_and_errors():
       assert match in str(e), (bad, e)
     else:
       raise AssertionError(f'make_mesh({bad}) did not raise')
+
+
+def test_trainer_devices_takes_the_first_n_devices_and_names_itself_when_too_many():
+  """``trainer.devices: 2`` builds the default mesh over the first 2 of the 8 devices; the LoRA
+  params and the batch live there; more devices than visible is a one-line error naming the key."""
+  tx = anlr_jax.anlr(1e-2, warmup_steps=1)
+  cfg = TrainerConfig(steps=1, global_batch=8, compute_dtype='float32', progress=False, devices=2)
+  trainer = Trainer(tiny_lora_llama(), ToyBatches(seq_len=16, vocab=VOCAB), cfg, tx)
+  assert list(trainer.mesh.devices.flat) == jax.devices()[:2]
+  assert dict(trainer.mesh.shape) == {'data': 1, 'fsdp': 2, 'tensor': 1}
+  batch = trainer.global_batch(0)['input_ids']
+  assert batch.sharding.device_set == set(jax.devices()[:2])
+  assert np.isfinite(float(trainer.train_step()['loss']))
+  assert first_devices(8) == jax.devices()
+  try:
+    first_devices(9)
+  except ValueError as e:
+    assert 'trainer.devices=9' in str(e) and '8 devices' in str(e) and '\n' not in str(e)
+  else:
+    raise AssertionError('trainer.devices=9 on 8 devices did not raise')

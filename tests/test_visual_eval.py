@@ -258,6 +258,7 @@ def test_train_scores_base_and_adapters_on_a_visual_task(setup):
           "lora.rank=2",
           "lora.dropout=0.0",
           "trainer.steps=1",
+          "trainer.devices=1",
           "trainer.global_batch=8",
           "trainer.progress=false",
           "trainer.compute_dtype=float32",

@@ -216,7 +216,8 @@ def describe(result: dict[str, Any], config: RunConfig) -> str:
 def dry_run(config: RunConfig, *, devices: int | None = None, preset: str | None = None) -> str:
   """``anlr train --dry_run``: the report of :func:`describe` (of the first method compared)."""
   config = dataclasses.replace(config, method=config.methods()[0])
-  result = estimate(config, devices=devices or jax.device_count(), preset=preset)
+  devices = devices or config.trainer.devices or jax.device_count()  # --devices, then the config
+  result = estimate(config, devices=devices, preset=preset)
   return describe(result, config)
 
 

@@ -196,6 +196,11 @@ class TrainerConfig:
       Range(0, lo_open=True),
       identity=True,
   )
+  devices: int | None = setting(
+      None,
+      'train on the first N of jax.devices() (one process only); None: on all of them',
+      Range(1),
+  )
   mesh_data: int = setting(1, "devices on the 'data' mesh axis")
   mesh_fsdp: int = setting(-1, "devices on the 'fsdp' mesh axis (-1: all the rest)")
   mesh_tensor: int = setting(1, "devices on the 'tensor' mesh axis")
@@ -270,6 +275,24 @@ class TrainerConfig:
     )
 
 
+def first_devices(count: int) -> list[jax.Device]:
+  """The first ``count`` of ``jax.devices()`` (``trainer.devices``); a multi-process run uses all.
+
+  Raises:
+    ValueError: one line naming ``trainer.devices`` when there are fewer devices, or when several
+      processes run and ``count`` is not all of them.
+  """
+  available = jax.device_count()
+  if count > available:
+    raise ValueError(f'trainer.devices={count}: only {available} devices are visible')
+  if jax.process_count() > 1 and count != available:
+    raise ValueError(
+        f'trainer.devices={count}: a run of {jax.process_count()} processes uses all'
+        f' {available} devices (set trainer.devices: null)'
+    )
+  return jax.devices()[:count]
+
+
 class Trainer:
   """Places a LoRA model on a mesh and trains it; see the module docstring.
 
@@ -290,7 +313,8 @@ class Trainer:
       old key is compared with the new key's.
     schedule: the learning-rate schedule ``tx`` runs on, for the ``lr`` metric (None: no metric).
     mesh: a ``('data', 'fsdp', 'tensor')`` mesh (default: from the config's sizes over ``devices``).
-    devices: devices for the default mesh (default: all).
+    devices: devices for the default mesh (default: the first ``config.devices`` of
+      ``jax.devices()``, all of them when that is None).
     logical_axis_rules: logical name -> mesh axis table.
     loss_regularizer: ``R(lora) -> scalar`` added to the differentiated loss (see
       :func:`anlr_jax.train.step.make_train_step`; the ``loss`` metric stays the cross-entropy and
@@ -334,6 +358,8 @@ class Trainer:
     self.checkpoint_dir, self.log_dir = checkpoint_dir, log_dir
     self.identity = {**trainer_identity(config), **dict(identity or {})}
     self.renamed_keys = dict(renamed_keys or {})
+    if mesh is None and devices is None and config.devices is not None:
+      devices = first_devices(config.devices)
     self.mesh = (
         mesh
         if mesh is not None
