@@ -618,6 +618,25 @@ def test_the_metrics_writer_writes_tensorboard_scalars_without_importing_torch(t
   import torch  # noqa: F401  installed: the test would pass vacuously without it
 
 
+def test_without_tensorboardx_the_metrics_writer_warns_once_and_writes_the_jsonl(
+    tmp_path, monkeypatch, caplog
+):
+  """A missing logging extra is no reason to lose a training run: one warning naming the package
+  and the folder left empty, and the metric rows still written."""
+  monkeypatch.setitem(sys.modules, "tensorboardX", None)  # `import tensorboardX` raises
+  with caplog.at_level("WARNING", logger="anlr_jax"):
+    w = MetricsWriter(str(tmp_path), total_steps=2, progress=False, is_writer=True)
+    w.record(1, {"loss": 2.5, "tokens": 8.0, "skipped": 0.0})
+    w.record(2, {"loss": 1.25, "tokens": 8.0, "skipped": 0.0})
+    w.close()
+  warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+  assert len(warnings) == 1 and "tensorboardX is not installed" in warnings[0], warnings
+  assert str(tmp_path / "tensorboard") in warnings[0]
+  rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [(r["step"], r["loss"]) for r in rows] == [(1, 2.5), (2, 1.25)]
+  assert not (tmp_path / "tensorboard").exists()
+
+
 # ---------------------------------------------------------------- 8. say what the config does
 def test_anlr_warmup_beyond_the_run_is_an_error(tmp_path, capsys):
   config = _config(tmp_path, method="anlr", **{"anlr.warmup_steps": 100})

@@ -71,7 +71,8 @@ def _scalar_items(tree: Mapping[str, Any], prefix: str = '') -> dict[str, float]
 
 
 def _summary_writer_class():
-  """tensorboardX's ``SummaryWriter``, imported without torch where torch is not loaded yet.
+  """tensorboardX's ``SummaryWriter``, imported without torch where torch is not loaded yet; None
+  when tensorboardX cannot be imported.
 
   tensorboardX's writer module imports torch (when installed) only to accept torch tensors, which the
   floats written here never are; that import costs about a second of every ``anlr`` start. Hiding
@@ -82,10 +83,14 @@ def _summary_writer_class():
     sys.modules['torch'] = None  # type: ignore[assignment]
     try:
       import tensorboardX  # noqa: F401  (its first import, the one that would load torch)
+    except ImportError:
+      return None
     finally:
       del sys.modules['torch']
-  from tensorboardX import SummaryWriter
-
+  try:
+    from tensorboardX import SummaryWriter
+  except ImportError:
+    return None
   return SummaryWriter
 
 
@@ -128,13 +133,21 @@ class MetricsWriter:
         self._truncate_files(start_step)
         self._jsonl = open(os.path.join(run_dir, METRICS_FILE), 'a')
         SummaryWriter = _summary_writer_class()
-        # a queue that one row never fills: its writer thread may have died (a full disk) since
-        # the check before the row, and a put into a full queue would wait forever
-        self._tb = SummaryWriter(
-            os.path.join(run_dir, TENSORBOARD_DIR),
-            purge_step=start_step + 1 if start_step else None,
-            max_queue=TENSORBOARD_QUEUE,
-        )
+        if SummaryWriter is None:  # a logging extra missing does not stop the training
+          logger.warning(
+              'tensorboardX is not installed: no TensorBoard events in %s (%s is written);'
+              ' pip install tensorboardX',
+              os.path.join(run_dir, TENSORBOARD_DIR),
+              METRICS_FILE,
+          )
+        else:
+          # a queue that one row never fills: its writer thread may have died (a full disk) since
+          # the check before the row, and a put into a full queue would wait forever
+          self._tb = SummaryWriter(
+              os.path.join(run_dir, TENSORBOARD_DIR),
+              purge_step=start_step + 1 if start_step else None,
+              max_queue=TENSORBOARD_QUEUE,
+          )
     use_bar = sys.stderr.isatty() if progress is None else progress
     if self.is_writer and use_bar:
       from tqdm.auto import tqdm
