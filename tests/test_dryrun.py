@@ -161,7 +161,7 @@ def test_cli_dry_run_prints_per_device_bytes_and_writes_nothing(tmp_path, capsys
 
 def test_cli_dry_run_plans_for_trainer_devices_unless_devices_is_given(capsys):
   """Without --devices a dry run plans for the devices the run would use: ``trainer.devices``
-  when set (here 2 of the session's 8), else all of them."""
+  when set (here 2 of the test process's 8), else all of them."""
   args = ["train", "--config", "quickstart", "--dry_run"]
   assert cli.main(args + ["trainer.devices=2"]) == 0
   assert "fsdp 2 x tensor 1 = 2 devices" in capsys.readouterr().out

@@ -79,15 +79,13 @@ def _summary_writer_class():
   torch for the duration of the import (a ``None`` entry in ``sys.modules`` makes ``import torch``
   raise ``ImportError``, the branch tensorboardX takes without torch) leaves it unloaded.
   """
-  if 'tensorboardX' not in sys.modules and 'torch' not in sys.modules:
-    sys.modules['torch'] = None  # type: ignore[assignment]
-    try:
-      import tensorboardX  # noqa: F401  (its first import, the one that would load torch)
-    except ImportError:
-      return None
-    finally:
-      del sys.modules['torch']
   try:
+    if 'tensorboardX' not in sys.modules and 'torch' not in sys.modules:
+      sys.modules['torch'] = None  # type: ignore[assignment]
+      try:
+        import tensorboardX  # noqa: F401  (its first import, the one that would load torch)
+      finally:
+        del sys.modules['torch']
     from tensorboardX import SummaryWriter
   except ImportError:
     return None

@@ -62,7 +62,7 @@ def tiny_run_setup(root: pathlib.Path, *, n_train=48, n_test=8):
           "learning_rate": 5e-3,
           "compute_dtype": "float32",
           "progress": False,
-          # one of the session's 8 fake devices: an 8-way sharded step compiles slower, and the
+          # one of the test process's 8 fake devices: an 8-way sharded step compiles slower, and the
           # mesh tests ask for the devices they shard over (trainer.devices=null)
           "devices": 1,
       },
