@@ -530,3 +530,63 @@ def test_an_unreadable_line_in_the_middle_names_the_file_and_line(tmp_path):
   path.write_text('{"a": 1}\nnot json\n{"a": 2}\n')
   with pytest.raises(ValueError, match=r"x.jsonl:2: invalid JSON"):
     read_records(path)
+
+
+def test_a_one_bracket_number_before_the_double_bracket_rating_is_not_the_rating():
+  """FastChat looks for ``[[N]]`` in the whole reply first and only then for ``[N]``: a ``[1]``
+  earlier in the text (a step, a footnote) is not the rating."""
+  assert judging.parse_rating("Step [1] is fine. Rating: [[8]]") == 8.0
+  assert judging.parse_rating("See [2] and [3].\n\nRating: [[6.5]]") == 6.5
+
+
+@needs_package
+def test_pairwise_judging_interrupted_between_the_turns_of_a_question_resumes_each_turn_once(
+    questions, prompts, tmp_path
+):
+  """Interrupted after one turn of a question was judged (both games), the resumed run judges the
+  other turn and nothing twice: every (question, turn) ends with exactly one record and two games.
+  """
+  picked = questions[:2]
+  ones = {
+      q.question_id: [f"one{q.question_id} first", f"one{q.question_id} second"] for q in picked
+  }
+  twos = {
+      q.question_id: [f"two{q.question_id} first", f"two{q.question_id} second"] for q in picked
+  }
+  path = str(tmp_path / "pair.jsonl")
+  games = []  # (question id, turn) of every prompt the judge saw
+
+  def which(user):
+    (qid,) = [q for q in ones if ones[q][0] in user]
+    return qid, 2 if ones[qid][1] in user else 1
+
+  def judge_fn(batch, stop_after=None):
+    if stop_after is not None and len(games) >= stop_after:
+      raise KeyboardInterrupt
+    games.extend(which(user) for _, user in batch)
+    return ["[[A]]"] * len(batch)
+
+  def run(fn):
+    return judging.judge_pair(
+        fn,
+        picked,
+        ones,
+        twos,
+        path,
+        model_1="one",
+        model_2="two",
+        judge_name="j",
+        prompts=prompts,
+        batch_size=2,  # one (question, turn) per batch: its two games
+        progress=False,
+    )
+
+  with pytest.raises(KeyboardInterrupt):
+    run(lambda batch: judge_fn(batch, stop_after=2))
+  saved = [(r["question_id"], r["turn"]) for r in read_jsonl(path)]
+  assert len(saved) == 1 and games == saved * 2  # one turn of one question, the other not yet
+  records = run(judge_fn)
+  wanted = sorted((q.question_id, t) for q in picked for t in (1, 2))
+  assert sorted((r["question_id"], r["turn"]) for r in records) == wanted
+  assert sorted(games) == sorted(wanted * 2)  # each turn's two games, once
+  assert len(read_jsonl(path)) == 4
