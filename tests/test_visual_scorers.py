@@ -564,3 +564,24 @@ def test_command_line(tmp_path, capsys):
   )
   assert result.returncode == 0 and result.stderr == "", result.stderr
   assert result.stdout.startswith("pope: 66.67 (f1) on 2 questions")
+
+
+def test_mmbench_circular_counts_a_question_only_when_every_round_and_copy_is_right(tmp_path):
+  """Wrong in an early round (or copy) and right in the last is wrong: the circular evaluation
+  needs every rotation right, not the last one nor any one."""
+  path = _mmbench(tmp_path)
+  # Question 0 (answer B of four): the right rounds are B, A, D, C. Question 2 (A of two): A, B.
+  predictions = {0: ["A", "A", "D", "C"], 2: ["B", "B"]}
+  score = score_mmbench(predictions, path, circular=True, on_missing="skip")
+  assert score.per_question == {"0": 0.0, "2": 0.0}
+  right = {0: ["B", "A", "D", "C"], 2: ["A", "B"]}
+  assert score_mmbench(right, path, circular=True, on_missing="skip").score == 1.0
+  rows = [  # the official files' circular copies: wrong first copy, right last copy
+      [7, "Which?", "", "cat", "dog", "cow", "", "A", "object", ""],
+      [1000007, "Which?", "", "dog", "cow", "cat", "", "C", "object", ""],
+      [2000007, "Which?", "", "cow", "cat", "dog", "", "B", "object", ""],
+  ]
+  path = _write_mmbench(tmp_path / "copies.tsv", rows)
+  copies = score_mmbench({7: "B", 1000007: "C", 2000007: "B"}, path, circular=True)
+  assert copies.per_question == {"7": 0.0}
+  assert score_mmbench({7: "A", 1000007: "C", 2000007: "B"}, path, circular=True).score == 1.0
