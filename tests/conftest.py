@@ -4,7 +4,8 @@ the session ends; no test may leave a run
 in the checkout's (or the working directory's) ``runs/``.
 
 Every test sees the same 8-device CPU backend; unsharded tests simply run on device 0. The files
-holding a test marked ``slow`` are collected first (see ``pytest_collection_modifyitems``).
+holding a test marked ``slow`` are collected first (see ``pytest_collection_modifyitems``). Under
+``CI=true`` a skip is a failure (``tests/helpers/ci_skips.py``).
 """
 
 import atexit
@@ -14,6 +15,9 @@ import shutil
 import tempfile
 
 import pytest
+
+# Under CI=true a skipped test fails (importing the hooks registers them).
+from tests.helpers.ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite is bound by XLA compile time (tiny models, many programs): LLVM's optimisation level 0
