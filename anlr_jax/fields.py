@@ -1,7 +1,7 @@
 """Settings dataclasses whose fields carry their own help text and allowed values.
 
 A settings class (:class:`anlr_jax.train.TrainerConfig`, the sections of the run config in
-:mod:`anlr_jax.app.config`) declares each field with :func:`setting`::
+:mod:`anlr_jax.app.sections`) declares each field with :func:`setting`::
 
     @dataclasses.dataclass
     class LoraSection:

@@ -3,13 +3,17 @@
 :func:`atomic_write` writes to a temporary name in the target's folder and renames it into place
 (``os.replace``), so a reader or a crash sees the old file or the new one, never a partial one.
 :func:`read_json` and :func:`read_yaml` read a document, check that it is of the expected type, and
-name the file (and the line of a syntax error) in every error. :func:`package_data_folder` finds a
+name the file (and the line of a syntax error) in every error. :func:`read_jsonl` reads a JSON Lines
+file (gzipped when its name ends in ``.gz``) under one rule: a bad line raises naming
+``file:line``, except, for a file that a program appends to, an unterminated last line (a write cut
+short by a crash), which is dropped. :func:`package_data_folder` finds a
 data folder inside an installed package without importing it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gzip
 import importlib.util
 import json
 import os
@@ -23,6 +27,8 @@ __all__ = [
     "package_data_folder",
     "parse_json",
     "read_json",
+    "read_jsonl",
+    "read_jsonl_lines",
     "read_yaml",
     "write_json_atomic",
 ]
@@ -103,6 +109,66 @@ def read_json(
   with open(path, encoding="utf-8") as f:
     text = f.read()
   return parse_json(text, path, expect, what=what, error=error)
+
+
+def read_jsonl_lines(
+    path: str | os.PathLike,
+    expect: type | tuple[type, ...] | None = dict,
+    *,
+    what: str = "a JSON object",
+    cut_last: str = "raise",
+    error: type[ValueError] = ValueError,
+) -> list[tuple[int, Any]]:
+  """``(line number, value)`` of each non-blank line of the JSON Lines file ``path`` (gzipped when
+  the name ends in ``.gz``), each value checked to be an ``expect`` (None: any JSON value).
+
+  ``cut_last`` says what an unterminated last line that is not valid JSON is: for a file a program
+  appends to, a write cut short by a crash; ``"drop"`` leaves it out, ``"remove"`` also removes it
+  from the file (so the next append starts on a fresh line), ``"raise"`` (a file read as input)
+  treats it as any other bad line.
+
+  Raises:
+    FileNotFoundError: no such file. error: ``'<path>:<line>: invalid JSON: ...'`` or
+      ``'<path>:<line>: expected <what>, got <type>'``.
+  """
+  if cut_last not in ("raise", "drop", "remove"):
+    raise ValueError(f"cut_last must be 'raise', 'drop' or 'remove', got {cut_last!r}")
+  path = os.fspath(path)
+  opener = gzip.open if path.endswith(".gz") else open
+  with opener(path, "rt", encoding="utf-8") as f:
+    text = f.read()
+  lines = text.split("\n")  # the last item is "" when the file ends with a newline
+  out = []
+  for number, line in enumerate(lines, start=1):
+    if not line.strip():
+      continue
+    try:
+      value = json.loads(line)
+    except json.JSONDecodeError as err:
+      if number == len(lines) and cut_last != "raise":  # unterminated: a write cut short
+        if cut_last == "remove":
+          with atomic_write(path, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines[:-1]) + ("\n" if len(lines) > 1 else ""))
+        break
+      raise error(f"{path}:{number}: invalid JSON: {err.msg}") from None
+    if expect is not None:
+      _check_type(value, expect, f"{path}:{number}", what, error)
+    out.append((number, value))
+  return out
+
+
+def read_jsonl(
+    path: str | os.PathLike,
+    expect: type | tuple[type, ...] | None = dict,
+    *,
+    what: str = "a JSON object",
+    cut_last: str = "raise",
+    error: type[ValueError] = ValueError,
+) -> list[Any]:
+  """The values of the JSON Lines file ``path``: :func:`read_jsonl_lines` without the line
+  numbers."""
+  rows = read_jsonl_lines(path, expect, what=what, cut_last=cut_last, error=error)
+  return [value for _, value in rows]
 
 
 def read_yaml(

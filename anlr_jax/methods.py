@@ -265,6 +265,7 @@ def method_optimizer(
     lora_scale: float | None = None,
     lorapro_mode: str = "full",
     dash_launch_step: int | None = None,
+    batch_modules: bool | None = None,
 ) -> optax.GradientTransformation:
   r"""``clip_by_global_norm(clip_norm)`` followed by the method's optimizer on ``learning_rate``.
 
@@ -290,6 +291,8 @@ def method_optimizer(
     dash_launch_step: LoRA-Dash's ``t`` (``loradash.launch_step``), required by the ``loradash``
       layer's methods: ``dash_scale`` gets AdamW with its step count starting at the launch
       (:func:`anlr_jax.nn.dash_optimizer`). Ignored by the other methods.
+    batch_modules: AnLR methods: :func:`anlr_jax.anlr`'s ``batch_modules`` (None: its default).
+      Ignored by the other methods.
 
   Returns:
     An optax transformation over the LoRA param tree.
@@ -307,7 +310,9 @@ def method_optimizer(
     unknown = sorted(set(knobs) - set(ANLR_DEFAULTS))
     if unknown:
       raise ValueError(f"anlr_kwargs has unknown keys {unknown}; allowed: {sorted(ANLR_DEFAULTS)}")
-    inner = anlr(learning_rate, **adam, **knobs, signal=spec.signal, seed=seed)
+    inner = anlr(
+        learning_rate, **adam, **knobs, signal=spec.signal, seed=seed, batch_modules=batch_modules
+    )
   elif spec.optimizer is Optimizer.ADALORA:
     if not isinstance(adalora_config, AdaLoRAConfig):
       raise ValueError(

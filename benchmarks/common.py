@@ -353,22 +353,28 @@ def _peft_lora_config(cfg: BenchConfig):
   )
 
 
+BENCH_OPTIMIZERS = {"adamw": "lora", "anlr": "anlr", "anlr-unbatched": "anlr"}
+"""The benchmarks' optimizer labels and the method (:data:`anlr_jax.methods.METHODS`) of each."""
+
+
 def jax_optimizer(name: str, *, batch_modules: bool | None = None):
-  """The benchmarks' optimizers, lr 1e-4, weight decay 0.01: ``adamw`` (``optax.adamw``), ``anlr``
-  (``anlr_jax.anlr(warmup_steps=0)``: every timed step anisotropic, ``batch_modules`` as given) and
-  ``anlr-unbatched`` (the same with ``batch_modules=False``: statistics module by module)."""
-  import optax
+  """The benchmarks' optimizers, lr 1e-4, weight decay 0.01, no clipping, through the one method
+  assembly (:func:`anlr_jax.methods.method_optimizer`): ``adamw`` (method ``lora``:
+  ``optax.adamw``), ``anlr`` (``anlr_jax.anlr(warmup_steps=0)``: every timed step anisotropic,
+  ``batch_modules`` as given) and ``anlr-unbatched`` (the same with ``batch_modules=False``:
+  statistics module by module)."""
+  from anlr_jax.methods import method_optimizer
 
-  import anlr_jax
-
-  if name == "adamw":
-    return optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
-  if name in ("anlr", "anlr-unbatched"):
-    batched = False if name == "anlr-unbatched" else batch_modules
-    return anlr_jax.anlr(
-        LEARNING_RATE, weight_decay=WEIGHT_DECAY, warmup_steps=0, batch_modules=batched
-    )
-  raise ValueError(f"optimizer {name!r} must be 'adamw', 'anlr' or 'anlr-unbatched'")
+  if name not in BENCH_OPTIMIZERS:
+    raise ValueError(f"optimizer {name!r} must be one of {list(BENCH_OPTIMIZERS)}")
+  return method_optimizer(
+      BENCH_OPTIMIZERS[name],
+      LEARNING_RATE,
+      weight_decay=WEIGHT_DECAY,
+      clip_norm=None,
+      anlr_kwargs={"warmup_steps": 0},
+      batch_modules=False if name == "anlr-unbatched" else batch_modules,
+  )
 
 
 class JaxStep:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import anlr_jax
+from anlr_jax.methods import method_optimizer
 from benchmarks.common import interleave, timed, tree_bytes, tree_size, write_json
 
 # LLaMA-2-7B: hidden 4096, FFN 11008; the paper's LoRA targets.
@@ -97,15 +97,18 @@ def main(argv=None):
 
   params = lora_tree(args.layers, args.rank, args.stacked, dtype)
   grads = jax.tree.map(lambda x: (0.01 * jnp.ones_like(x)).astype(x.dtype), params)
-  optimizers = {
-      "adamw": optax.adamw(1e-4, weight_decay=1e-4),
-      # warmup_steps=0: the timed steps are all anisotropic (the full AnLR computation).
-      "anlr": anlr_jax.anlr(1e-4, weight_decay=1e-4, warmup_steps=0),
-  }
+  # through the one method assembly: "adamw" is method lora (optax.adamw), "anlr" AnLR-LoRA with
+  # warmup_steps=0: the timed steps are all anisotropic (the full AnLR computation)
+  tx_of = functools.partial(
+      method_optimizer,
+      learning_rate=1e-4,
+      weight_decay=1e-4,
+      clip_norm=None,
+      anlr_kwargs={"warmup_steps": 0},
+  )
+  optimizers = {"adamw": tx_of("lora"), "anlr": tx_of("anlr")}
   if args.unbatched:
-    optimizers["anlr-unbatched"] = anlr_jax.anlr(
-        1e-4, weight_decay=1e-4, warmup_steps=0, batch_modules=False
-    )
+    optimizers["anlr-unbatched"] = tx_of("anlr", batch_modules=False)
   runs = {}
   for name, tx in optimizers.items():
     p = jax.tree.map(jnp.copy, params)

@@ -70,6 +70,7 @@ from anlr_jax.models import (  # noqa: E402
     load_tokenizer,
     save_hf_model,
 )
+from anlr_jax.methods import method_optimizer  # noqa: E402
 from anlr_jax.nn import inject_lora  # noqa: E402
 
 # --------------------------------------------------------------------------------------------------
@@ -501,12 +502,15 @@ def lora_finetune(
 ) -> dict:
   """LoRA (r=8, alpha=16) fine-tune of the base model with `method` in {'adamw', 'anlr'}."""
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, steps // 10, steps, end_value=0.0)
-  if method == "adamw":
-    tx = optax.adamw(schedule, weight_decay=0.0)
-  elif method == "anlr":
-    tx = anlr_jax.anlr(schedule, weight_decay=0.0, warmup_steps=steps // 10)
-  else:
+  if method not in ("adamw", "anlr"):
     raise ValueError(f"method must be 'adamw' or 'anlr', got {method!r}")
+  tx = method_optimizer(  # the one method assembly: "adamw" is method lora (optax.adamw)
+      "lora" if method == "adamw" else "anlr",
+      schedule,
+      weight_decay=0.0,
+      clip_norm=None,
+      anlr_kwargs={"warmup_steps": steps // 10},
+  )
   tokenizer = load_tokenizer(asset_dir)
   model, _ = load_hf_model(asset_dir, dtype=jnp.float32)
   model = inject_lora(

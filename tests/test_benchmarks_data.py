@@ -201,7 +201,8 @@ def test_tuning_set_is_a_completion_training_file(tmp_path):
   first = benchmarks.load_benchmark("arc_challenge", "tune")[0]
   assert read.examples[0].turns == ((first.contexts[first.gold], first.continuations[first.gold]),)
   with pytest.raises(ValueError, match="gsm8k is not a multiple-choice set"):
-    benchmarks.write_tuning_set(tmp_path / "x.jsonl", ["gsm8k"])
+    benchmarks.write_tuning_set(tmp_path / "x.jsonl", ["arc_easy", "gsm8k"])
+  assert sorted(os.listdir(tmp_path)) == ["tune.jsonl"]  # whole or not at all: no partial file
 
 
 def test_a_training_uri_names_the_tuning_split_of_choice_sets():
@@ -234,7 +235,7 @@ def test_a_training_uri_is_written_once_and_reused(tmp_path, monkeypatch):
   expected = tmp_path / "expected.jsonl"
   write(expected, ["winogrande"])
   assert open(path).read() == expected.read_text()
-  assert not [p for p in os.listdir(os.path.dirname(path)) if p.endswith(".partial")]
+  assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]  # no partial file left
   assert benchmarks.training_file("benchmark://winogrande/tune", tmp_path) == path
   assert len(writes) == 1  # the second call reads what the first wrote
   monkeypatch.setenv(benchmarks.CACHE_ENV, str(tmp_path / "env"))

@@ -69,3 +69,32 @@ def test_the_identity_keys_in_docs_reliability_are_the_codes():
   documented = set(re.findall(r"`([a-z_0-9]+(?:\.[a-z_0-9]+)?)`", bullets))
   documented.discard("identity")  # the word, as the code names the metadata
   assert documented == identity_keys()
+
+
+def _sources():
+  for folder in ("anlr_jax", "configs", "examples", "benchmarks", "scripts", "tests"):
+    for path in sorted((ROOT / folder).rglob("*")):
+      if path.suffix in (".py", ".yaml", ".md") and path.is_file():
+        yield path
+
+
+def test_every_docs_page_the_code_and_the_configs_name_exists():
+  missing = sorted(
+      f"{path.relative_to(ROOT)}: {page}"
+      for path in _sources()
+      for page in re.findall(r"\bdocs/[\w.-]+\.md\b", path.read_text())
+      if not (ROOT / page).is_file()
+  )
+  assert not missing, missing
+
+
+def test_every_python_m_command_names_an_existing_module():
+  """Each ``python -m`` command of a module of this package in the README, the docs, the configs
+  and the code runs a module that exists (a renamed module leaves no stale command behind)."""
+  missing = set()
+  for path in [*PAGES, *_sources()]:
+    for module in re.findall(r"python -m (anlr_jax(?:\.\w+)*)", path.read_text()):
+      file = ROOT / module.replace(".", "/")
+      if not (file.with_suffix(".py").is_file() or (file / "__main__.py").is_file()):
+        missing.add(f"{path.relative_to(ROOT)}: {module}")
+  assert not missing, sorted(missing)

@@ -150,6 +150,20 @@ def test_config_reads_transformers_config(pair):
   assert config.text_config.num_key_value_heads == 2
 
 
+def test_the_language_model_loader_points_a_llava_directory_to_load_llava_model(tmp_path):
+  from anlr_jax.models import load_hf_model
+  from anlr_jax.models.llava import is_llava_config
+
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava"}))
+  assert is_llava_config(tmp_path)
+  with pytest.raises(ValueError, match="load it with anlr_jax.models.load_llava_model"):
+    load_hf_model(tmp_path)
+  (tmp_path / "config.json").write_text('{"model_type": "llava",\n oops}')
+  assert not is_llava_config(tmp_path)
+  with pytest.raises(ValueError, match=r"config\.json:2: invalid JSON"):
+    LlavaConfig.from_pretrained(tmp_path)
+
+
 def test_sparse_config_takes_transformers_defaults():
   """A llava-hf style config.json lists only non-default text/vision fields."""
   sparse = {

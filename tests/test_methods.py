@@ -279,3 +279,28 @@ def test_random_control_differs_from_the_fused_rule_and_stays_in_range():
       method_optimizer("anlr", 1e-2, clip_norm=None, anlr_kwargs=knobs), params, grads
   )
   assert np.abs(s - np.asarray(anlr_jax.find_anlr_state(fused).multipliers["q"])).max() > 1e-3
+
+
+def test_the_benchmarks_optimizers_come_from_the_method_assembly(monkeypatch):
+  """benchmarks/common.jax_optimizer builds through method_optimizer, which hands AnLR its
+  batch_modules (anlr-unbatched: False)."""
+  import anlr_jax.methods as methods_module
+  from benchmarks.common import jax_optimizer
+
+  seen = []
+  real = methods_module.anlr
+  monkeypatch.setattr(
+      methods_module, "anlr", lambda *a, **kw: seen.append(kw["batch_modules"]) or real(*a, **kw)
+  )
+  jax_optimizer("anlr")
+  jax_optimizer("anlr-unbatched")
+  jax_optimizer("anlr", batch_modules=True)
+  assert seen == [None, False, True]
+  params = {"w": jnp.ones((3,))}
+  grads = {"w": jnp.full((3,), 0.5)}
+  tx, ref = jax_optimizer("adamw"), optax.adamw(1e-4, weight_decay=0.01)
+  got, _ = tx.update(grads, tx.init(params), params)
+  want, _ = ref.update(grads, ref.init(params), params)
+  chex.assert_trees_all_close(got, want)
+  with pytest.raises(ValueError, match="must be one of"):
+    jax_optimizer("sgd")

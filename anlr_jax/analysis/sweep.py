@@ -18,7 +18,6 @@ only ``b`` did, the exact McNemar test gives the two-sided
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import subprocess
@@ -27,7 +26,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from anlr_jax import rundir
+from anlr_jax import fileio, rundir
 from anlr_jax.results import read_results
 from anlr_jax.analysis.tables import write_csv, write_markdown
 
@@ -305,22 +304,18 @@ def question_outcomes(run_dir: str, task: str, normalization: str) -> dict[str, 
   if not os.path.isfile(path):
     return {}
   outcomes = {}
-  with open(path, encoding='utf-8') as f:
-    for line_no, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      record = json.loads(line)
-      key = str(record.get('id', record.get('task_id', record.get('index'))))
-      if 'correct' in record:
-        outcomes[key] = bool(record['correct'])
-      elif 'passed' in record:
-        outcomes[key] = bool(record['passed'])
-      elif normalization in record.get('predictions', {}) and 'gold' in record:
-        outcomes[key] = record['predictions'][normalization] == record['gold']
-      else:
-        raise ValueError(
-            f'{path}:{line_no}: a record without correct, passed or predictions[{normalization!r}]'
-        )
+  for line_no, record in fileio.read_jsonl_lines(path):
+    key = str(record.get('id', record.get('task_id', record.get('index'))))
+    if 'correct' in record:
+      outcomes[key] = bool(record['correct'])
+    elif 'passed' in record:
+      outcomes[key] = bool(record['passed'])
+    elif normalization in record.get('predictions', {}) and 'gold' in record:
+      outcomes[key] = record['predictions'][normalization] == record['gold']
+    else:
+      raise ValueError(
+          f'{path}:{line_no}: a record without correct, passed or predictions[{normalization!r}]'
+      )
   return outcomes
 
 

@@ -1,11 +1,13 @@
-"""CSV and Markdown table writers shared by ``anlr analyze`` and ``anlr sweep``."""
+"""CSV and Markdown table writers shared by ``anlr analyze`` and ``anlr sweep`` (each file written
+whole or not at all)."""
 
 from __future__ import annotations
 
 import csv
 import math
-import os
 from typing import Sequence
+
+from anlr_jax.fileio import atomic_write
 
 __all__ = ['write_csv', 'write_markdown', 'format_number']
 
@@ -25,8 +27,7 @@ def write_csv(path: str, rows: Sequence[dict], fields: Sequence[str] | None = No
   """Writes ``rows`` (dicts) with a header; ``fields`` defaults to the keys in first-seen order."""
   if fields is None:
     fields = list(dict.fromkeys(k for row in rows for k in row))
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, 'w', newline='') as f:
+  with atomic_write(path, 'w', newline='') as f:
     writer = csv.DictWriter(f, list(fields), extrasaction='ignore')
     writer.writeheader()
     writer.writerows(rows)
@@ -42,6 +43,6 @@ def write_markdown(
   lines.append('|' + '|'.join(['---'] * len(header)) + '|')
   for row in rows:
     lines.append('| ' + ' | '.join(format_number(c) for c in row) + ' |')
-  with open(path, 'w') as f:
+  with atomic_write(path, 'w') as f:
     f.write('\n'.join(lines) + '\n')
   return path

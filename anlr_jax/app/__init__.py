@@ -7,7 +7,10 @@ for type annotations alone excepted):
   layers, optimizer, schedule, and what a method adds to a run, AdaLoRA's regulariser, LoRA-Dash's
   launch), over the library's method table (:mod:`anlr_jax.methods`: layer + optimizer of each
   ``method:``);
-- :mod:`~anlr_jax.app.config`: the typed run config (YAML + ``key=value`` overrides, checked);
+- :mod:`~anlr_jax.app.sections`: the typed run config's sections and :class:`RunConfig` (each key
+  declared once: type, default, help, allowed values);
+- :mod:`~anlr_jax.app.config`: loading it (YAML + ``key=value`` overrides, renamed keys, checked)
+  and ``--help``;
 - :mod:`~anlr_jax.app.identity`: a run's identity (the settings that determine its trajectory);
 - :mod:`~anlr_jax.app.paths`: ``asset://`` / ``package://`` paths, placeholders, shipped configs;
 - :mod:`~anlr_jax.app.dryrun`: ``anlr train --dry_run`` (memory per device of a config and mesh);

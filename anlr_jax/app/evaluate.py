@@ -29,6 +29,7 @@ from anlr_jax.app.model import is_run_dir, load_adapted_model, load_base
 from anlr_jax.app.paths import require_path, resolve_path
 from anlr_jax.app.report import BASE_ROW, Log, is_writer, no_lock, say
 from anlr_jax.data import alpaca_prompt, chat_prompt, end_of_turn_id
+from anlr_jax.data.chat import require_chat_template
 from anlr_jax.data.llava import LLAVA_TEMPLATES
 from anlr_jax.data import benchmarks
 from anlr_jax.evals import (
@@ -218,10 +219,7 @@ def evaluate_tasks(
     return {}
   text = [t for t in sets if not _is_visual(sets, t)]
   if config.eval.code_prompt == "chat" and any(get_task(t).kind == "code" for t in text):
-    if not getattr(tokenizer, "chat_template", None):
-      raise ValueError(
-          "eval.code_prompt=chat: the tokenizer has no chat template; use eval.code_prompt=raw"
-      )
+    require_chat_template(tokenizer, "eval.code_prompt=chat", "use eval.code_prompt=raw")
   model.eval()
   template, batch_size = config.data.template, config.eval.batch_size
   if text:

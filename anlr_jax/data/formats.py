@@ -52,7 +52,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 logger = logging.getLogger(__name__)
@@ -351,6 +351,30 @@ def scan_records(path: str | os.PathLike[str]) -> Iterator[tuple[int, Any]]:
     yield from _scan_jsonl(text)
 
 
+def check_on_error(on_error: str) -> None:
+  """Raises ValueError unless ``on_error`` is one of :data:`OnError`'s values."""
+  if on_error not in ("raise", "skip"):
+    raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+
+
+def check_read(path: str, examples: Sequence[Any], skipped: Sequence[tuple[int, str]]) -> None:
+  """The end of reading a data file (text or LLaVA records): one warning for the records skipped
+  (``(line, reason)``: their count, the first's line and reason), and DataFormatError when no
+  record was usable."""
+  if skipped:
+    logger.warning(
+        "%s: skipped %d malformed record(s), first at line %d: %s",
+        path,
+        len(skipped),
+        skipped[0][0],
+        skipped[0][1],
+    )
+  if not examples:
+    raise DataFormatError(
+        f"{path}: no usable records" + (f" ({len(skipped)} skipped)" if skipped else "")
+    )
+
+
 def read_examples(
     path: str | os.PathLike[str], *, format: str | None = None, on_error: OnError = "raise"  # noqa: A002
 ) -> ReadResult:
@@ -364,8 +388,7 @@ def read_examples(
   Returns:
     A `ReadResult` with the examples, the format used and the skipped records.
   """
-  if on_error not in ("raise", "skip"):
-    raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+  check_on_error(on_error)
   if format is not None and format not in FORMATS:
     raise ValueError(f"format must be one of {sorted(FORMATS)} or None, got {format!r}")
   path = os.fspath(path)
@@ -385,16 +408,5 @@ def read_examples(
       if on_error == "raise":
         raise DataFormatError(f"{path}:{line}: {err}") from None
       skipped.append((line, str(err)))
-  if skipped:
-    logger.warning(
-        "%s: skipped %d malformed record(s), first at line %d: %s",
-        path,
-        len(skipped),
-        skipped[0][0],
-        skipped[0][1],
-    )
-  if not examples:
-    raise DataFormatError(
-        f"{path}: no usable records" + (f" ({len(skipped)} skipped)" if skipped else "")
-    )
+  check_read(path, examples, skipped)
   return ReadResult(examples=examples, format=format or "", skipped_records=tuple(skipped))

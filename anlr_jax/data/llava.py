@@ -62,7 +62,6 @@ repeat its first row and so also repeat its images.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -71,14 +70,21 @@ import numpy as np
 import tqdm
 from PIL import Image, UnidentifiedImageError
 
-from anlr_jax.data.formats import DataFormatError, Example, OnError, scan_records
+from anlr_jax.data.chat import render_chat
+from anlr_jax.data.formats import (
+    DataFormatError,
+    Example,
+    OnError,
+    check_on_error,
+    check_read,
+    scan_records,
+)
 from anlr_jax.data.source import LengthBucketedSource
 from anlr_jax.data.tokenize import tokenize_examples
 
 if TYPE_CHECKING:  # transformers takes most of a second to import: only tokenizers' type
   from transformers import PreTrainedTokenizerBase
 
-logger = logging.getLogger(__name__)
 
 IMAGE_TOKEN = "<image>"
 """LLaVA's image placeholder in prompts."""
@@ -235,8 +241,7 @@ def read_llava_examples(
     image_token: the image placeholder of the prompts.
     on_error: "raise" (a `DataFormatError` naming file, line and id) or "skip" (count and log it).
   """
-  if on_error not in ("raise", "skip"):
-    raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+  check_on_error(on_error)
   path = os.fspath(path)
   folder = os.fspath(image_folder) if image_folder is not None else os.path.dirname(path)
   if not os.path.isdir(folder):
@@ -258,18 +263,7 @@ def read_llava_examples(
       if on_error == "raise":
         raise DataFormatError(f"{path}:{line}: {reason}") from None
       skipped.append((line, reason))
-  if skipped:
-    logger.warning(
-        "%s: skipped %d malformed record(s), first at line %d: %s",
-        path,
-        len(skipped),
-        skipped[0][0],
-        skipped[0][1],
-    )
-  if not examples:
-    raise DataFormatError(
-        f"{path}: no usable records" + (f" ({len(skipped)} skipped)" if skipped else "")
-    )
+  check_read(path, examples, skipped)
   return LlavaReadResult(examples, tuple(skipped))
 
 
@@ -448,11 +442,7 @@ def generation_prompt_ids(
     head = [] if tokenizer.bos_token_id is None else [int(tokenizer.bos_token_id)]
     ids = head + tokenizer(text.rstrip(" "), add_special_tokens=False).input_ids
   else:
-    text = tokenizer.apply_chat_template(
-        [{"role": role, "content": content} for role, content in messages],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
+    text = render_chat(tokenizer, messages, generation=True)
     ids = tokenizer(text, add_special_tokens=False).input_ids
   ids = np.asarray(ids, dtype=np.int32)
   return np.repeat(ids, np.where(ids == image_id, num_image_tokens, 1)).astype(np.int32)

@@ -18,11 +18,11 @@ single-turn form, turn 2 with the ``-multi-turn`` form, which shows the judge th
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from anlr_jax import fileio
 from anlr_jax.data.formats import DataFormatError
 from anlr_jax.fileio import package_data_folder
 
@@ -107,16 +107,7 @@ def available() -> bool:
 def _read_jsonl(path: str) -> list[dict[str, Any]]:
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{path} is missing: reinstall with {INSTALL_HINT}")
-  rows = []
-  with open(path, encoding="utf-8") as f:
-    for number, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      try:
-        rows.append(json.loads(line))
-      except json.JSONDecodeError as err:
-        raise DataFormatError(f"{path}:{number}: invalid JSON: {err.msg}") from None
-  return rows
+  return fileio.read_jsonl(path, error=DataFormatError)
 
 
 def question_path() -> str:

@@ -32,6 +32,8 @@ from typing import Any
 
 import tqdm
 
+from anlr_jax import fileio
+from anlr_jax.data.chat import render_chat
 from anlr_jax.data.formats import DataFormatError, alpaca_prompt
 from anlr_jax.data.mtbench import TEMPERATURES, Question
 
@@ -52,28 +54,9 @@ def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
   A last line cut short by a crash (no newline, not valid JSON) is dropped from the file, so the
   next run makes that record again; any other unreadable line raises DataFormatError naming it.
   """
-  path = os.fspath(path)
   if not os.path.isfile(path):
     return []
-  with open(path, encoding="utf-8") as f:
-    text = f.read()
-  lines = text.split("\n")
-  records = []
-  for number, line in enumerate(lines, start=1):
-    if not line.strip():
-      continue
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as err:
-      if number == len(lines):  # the unterminated last line: a write cut short
-        with open(path, "w", encoding="utf-8") as f:
-          f.write("\n".join(lines[:-1]) + ("\n" if len(lines) > 1 else ""))
-        break
-      raise DataFormatError(f"{path}:{number}: invalid JSON: {err.msg}") from None
-    if not isinstance(record, dict):
-      raise DataFormatError(f"{path}:{number}: expected a JSON object")
-    records.append(record)
-  return records
+  return fileio.read_jsonl(path, cut_last="remove", error=DataFormatError)
 
 
 def append_records(path: str | os.PathLike[str], records: Iterable[Mapping[str, Any]]) -> None:
@@ -100,15 +83,12 @@ def conversation_prompt(
     for (_, answer), (_, user) in zip(rest[::2], rest[1::2]):
       text += f"{answer}{tokenizer.eos_token}### Instruction:\n{user}\n\n### Response:\n"
     return text
-  if not getattr(tokenizer, "chat_template", None):
-    raise ValueError(
-        "MT-Bench answers are made in the model's chat template, and the tokenizer has none"
-        " (tokenizer.chat_template is empty)"
-    )
-  return tokenizer.apply_chat_template(
-      [{"role": role, "content": content} for role, content in messages],
-      tokenize=False,
-      add_generation_prompt=True,
+  return render_chat(
+      tokenizer,
+      messages,
+      generation=True,
+      context="MT-Bench answers are made in the model's chat template",
+      fix="",
   )
 
 

@@ -100,6 +100,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
+from anlr_jax import fileio
 from anlr_jax.data.formats import DataFormatError
 
 OnMissing = Literal["raise", "skip", "wrong"]
@@ -249,27 +250,14 @@ def _load_json(path: str | os.PathLike[str], what: str) -> Any:
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{what} not found: {path}")
-  with open(path, encoding="utf-8") as f:
-    try:
-      return json.load(f)
-    except json.JSONDecodeError as err:
-      raise DataFormatError(f"{path}:{err.lineno}: invalid JSON: {err.msg}") from None
+  return fileio.read_json(path, object, error=DataFormatError)
 
 
 def _load_jsonl(path: str | os.PathLike[str], what: str) -> list[tuple[int, Any]]:
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{what} not found: {path}")
-  records = []
-  with open(path, encoding="utf-8") as f:
-    for line_number, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      try:
-        records.append((line_number, json.loads(line)))
-      except json.JSONDecodeError as err:
-        raise DataFormatError(f"{path}:{line_number}: invalid JSON: {err.msg}") from None
-  return records
+  return fileio.read_jsonl_lines(path, None, error=DataFormatError)
 
 
 def _is_json_list(path: str) -> bool:
@@ -964,9 +952,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
   print(_report(score))
   if args.out:
-    with open(args.out, "w", encoding="utf-8") as f:
-      json.dump(dataclasses.asdict(score), f, indent=1)
-      f.write("\n")
+    fileio.write_json_atomic(args.out, dataclasses.asdict(score))
   return 0
 
 

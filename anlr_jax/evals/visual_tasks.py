@@ -44,6 +44,7 @@ import numpy as np
 import tqdm
 from PIL import Image, UnidentifiedImageError
 
+from anlr_jax import fileio
 from anlr_jax.data.formats import DataFormatError, scan_records
 from anlr_jax.data.llava import IMAGE_TOKEN, LLAVA_TEMPLATES, generation_prompt_ids
 from anlr_jax.evals.visual import FORMATS, VisualScore, score_file
@@ -114,12 +115,11 @@ class VisualEvalResult:
   def save_records(self, path: str | os.PathLike[str]) -> None:
     """Writes one JSON object per answer (JSONL) and the whole score next to it
     (``<path stem>_score.json``: metrics, breakdown and every question's score)."""
-    with open(path, "w", encoding="utf-8") as f:
+    with fileio.atomic_write(path, "w", encoding="utf-8") as f:
       for record in self.records:
         f.write(json.dumps(dataclasses.asdict(record) | {"task": self.task}) + "\n")
-    with open(score_path(path), "w", encoding="utf-8") as f:
-      json.dump({"task": self.task, "format": self.format} | dataclasses.asdict(self.score), f)
-      f.write("\n")
+    score = {"task": self.task, "format": self.format} | dataclasses.asdict(self.score)
+    fileio.write_json_atomic(score_path(path), score)
 
 
 def score_path(records_path: str | os.PathLike[str]) -> str:

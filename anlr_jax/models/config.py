@@ -20,13 +20,14 @@ Named presets follow the public Hugging Face ``config.json`` of each model;
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Any, Mapping
 
 import jax.numpy as jnp
 import numpy as np
+
+from anlr_jax.models.hf_files import read_hf_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -261,6 +262,12 @@ class ModelConfig:
     if not isinstance(hf_config, Mapping):
       raise ValueError(f"hf_config must be a dict, got {type(hf_config).__name__}.")
     model_type = hf_config.get("model_type")
+    if model_type == "llava":
+      raise ValueError(
+          "model_type 'llava' is a LLaVA checkpoint (a vision tower, a projector and a language"
+          " model): load it with anlr_jax.models.load_llava_model (LlavaConfig.from_pretrained for"
+          f" its config); this reads the language models {SUPPORTED_MODEL_TYPES}."
+      )
     if model_type not in SUPPORTED_MODEL_TYPES:
       raise ValueError(
           f"Unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}."
@@ -309,16 +316,7 @@ class ModelConfig:
   @classmethod
   def from_pretrained(cls, path: str | os.PathLike, **overrides) -> "ModelConfig":
     """Reads ``<path>/config.json`` (or ``path`` itself when it is a file)."""
-    path = os.fspath(path)
-    file = path if os.path.isfile(path) else os.path.join(path, "config.json")
-    if not os.path.isfile(file):
-      raise FileNotFoundError(f"No config.json found at {file}.")
-    try:
-      with open(file) as f:
-        hf_config = json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{file} is not valid JSON (line {e.lineno}): {e.msg}.") from e
-    return cls.from_hf_config(hf_config, **overrides)
+    return cls.from_hf_config(read_hf_config(path), **overrides)
 
   def to_hf_config(self) -> dict[str, Any]:
     """The ``config.json`` dict that transformers reads back into this architecture."""

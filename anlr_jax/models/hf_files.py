@@ -1,7 +1,8 @@
 """The files of a Hugging Face checkpoint directory: their names, shard sizes and the shard writer.
 
 Shared by :mod:`anlr_jax.models.hf_io` (save a model) and :mod:`anlr_jax.models.gguf` (convert a
-GGUF file); neither imports the other for these.
+GGUF file); neither imports the other for these. :func:`read_hf_config` is the one reader of a
+checkpoint's ``config.json`` (LLaMA / Qwen2 and LLaVA configs alike).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from safetensors.numpy import save_file
+
+from anlr_jax import fileio
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -29,6 +32,21 @@ _SIZE_UNITS = {
     "MIB": 2**20,
     "GIB": 2**30,
 }
+
+
+def read_hf_config(path: str | os.PathLike) -> dict:
+  """The ``config.json`` of the checkpoint directory ``path`` (or ``path`` itself when it is a
+  file): a JSON object.
+
+  Raises:
+    FileNotFoundError: no such file. ValueError: not JSON (names the file and line) or not an
+      object.
+  """
+  path = os.fspath(path)
+  file = path if os.path.isfile(path) else os.path.join(path, CONFIG_FILE)
+  if not os.path.isfile(file):
+    raise FileNotFoundError(f"No {CONFIG_FILE} found at {file}.")
+  return fileio.read_json(file, dict, what="a JSON object (the model's settings)")
 
 
 def is_gguf(path: str) -> bool:

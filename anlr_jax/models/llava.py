@@ -34,7 +34,6 @@ Images are prepared by :func:`preprocess_image` exactly as transformers' ``CLIPI
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Any, Mapping, Sequence
@@ -47,7 +46,7 @@ from safetensors import safe_open
 
 from anlr_jax.models.clip import ClipVisionConfig, ClipVisionModel
 from anlr_jax.models.config import ModelConfig
-from anlr_jax.models.hf_files import CONFIG_FILE
+from anlr_jax.models.hf_files import CONFIG_FILE, read_hf_config
 from anlr_jax.models.hf_io import (
     IGNORED_KEY,
     ParamEntry,
@@ -211,15 +210,7 @@ class LlavaConfig:
   @classmethod
   def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> "LlavaConfig":
     """Reads ``<path>/config.json``; ``kwargs`` as in :meth:`from_hf_config`."""
-    file = os.path.join(os.fspath(path), CONFIG_FILE)
-    if not os.path.isfile(file):
-      raise FileNotFoundError(f"No {CONFIG_FILE} found at {file}.")
-    try:
-      with open(file) as f:
-        hf_config = json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{file} is not valid JSON (line {e.lineno}): {e.msg}.") from e
-    return cls.from_hf_config(hf_config, **kwargs)
+    return cls.from_hf_config(read_hf_config(os.path.join(os.fspath(path), CONFIG_FILE)), **kwargs)
 
   def to_hf_config(self) -> dict[str, Any]:
     """The ``config.json`` dict transformers reads back into ``LlavaForConditionalGeneration``."""
@@ -246,11 +237,9 @@ class LlavaConfig:
 
 def is_llava_config(path: str | os.PathLike) -> bool:
   """Whether ``<path>/config.json`` exists and says ``model_type: llava``."""
-  file = os.path.join(os.fspath(path), CONFIG_FILE)
   try:
-    with open(file) as f:
-      return json.load(f).get("model_type") == "llava"
-  except (OSError, ValueError, AttributeError):
+    return read_hf_config(os.path.join(os.fspath(path), CONFIG_FILE)).get("model_type") == "llava"
+  except (OSError, ValueError):
     return False
 
 

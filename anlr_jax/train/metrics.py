@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from anlr_jax import diagnostics_io
-from anlr_jax.fileio import atomic_write
+from anlr_jax.fileio import atomic_write, read_jsonl
 from anlr_jax.rundir import METRICS_CSV, METRICS_FILE, TENSORBOARD_DIR
 from anlr_jax.train import diskfull
 
@@ -257,7 +257,7 @@ class MetricsWriter:
     fields = list(row)
     if self._csv_fields is not None and not set(fields) <= set(self._csv_fields):
       self._csv_fields = self._csv_fields + [f for f in fields if f not in self._csv_fields]
-      rows = [json.loads(line) for line in open(os.path.join(self.run_dir, METRICS_FILE))]
+      rows = read_jsonl(os.path.join(self.run_dir, METRICS_FILE))
       with open(path, 'w', newline='') as f:  # a new column: rewrite the file from the JSONL
         writer = csv.DictWriter(f, self._csv_fields)
         writer.writeheader()
@@ -313,21 +313,17 @@ class MetricsWriter:
 def read_metrics(run_dir: str, *, until_step: int | None = None) -> list[dict[str, float]]:
   """The rows of ``<run_dir>/metrics.jsonl`` (steps ``<= until_step`` if given), one per step.
 
-  A line cut short by a crash is ignored; if a step appears twice (files written before rows were
-  truncated on resume) the later row wins.
+  A last line cut short by a crash is left out (:func:`anlr_jax.fileio.read_jsonl`; any other
+  unreadable line raises ValueError naming it); if a step appears twice (files written before rows
+  were truncated on resume) the later row wins.
   """
   path = os.path.join(run_dir, METRICS_FILE)
   rows: dict[int, dict[str, float]] = {}
   if not os.path.exists(path):
     return []
-  with open(path) as f:
-    for line in f:
-      try:
-        row = json.loads(line)
-      except ValueError:
-        continue
-      if not isinstance(row, dict) or 'step' not in row:
-        continue
-      if until_step is None or row['step'] <= until_step:
-        rows[int(row['step'])] = row
+  for row in read_jsonl(path, cut_last='drop'):
+    if 'step' not in row:
+      continue
+    if until_step is None or row['step'] <= until_step:
+      rows[int(row['step'])] = row
   return [rows[k] for k in sorted(rows)]
