@@ -320,7 +320,11 @@ class QuantLinear(nnx.Linear):
     self.matmul_dtype = lowp_dtype
     self.quantize = mode
     self.bias = linear.bias
-    meta = {k: v for k, v in linear.kernel.get_metadata().items() if k in ("out_sharding",)}
+    meta = {
+        k: v
+        for k, v in linear.kernel.get_metadata().items()
+        if k in ("out_sharding", "eager_sharding")
+    }
     self.kernel_metadata = meta
     like = linear.kernel.get_value()
     self.set_kernel(like if kernel is None else kernel, like=like)
