@@ -53,6 +53,7 @@ from anlr_jax.models.hf_files import (
     write_safetensors_shards,
 )
 from anlr_jax.models.llama import LlamaForCausalLM
+from anlr_jax.nn.quant import QuantLinear, check_mode
 
 # Buffers some older checkpoints store next to the weights; they are recomputed, never loaded.
 IGNORED_KEY = re.compile(r".*rotary_emb\.inv_freq$")
@@ -186,11 +187,23 @@ def check_shape(entry: ParamEntry, found: tuple[int, ...], source: str) -> None:
     )
 
 
-def set_tensor(model: LlamaForCausalLM, entry: ParamEntry, array, dtype) -> None:
-  """Writes one torch-layout checkpoint tensor into the (abstract) model, placed and cast."""
+def set_tensor(
+    model: LlamaForCausalLM, entry: ParamEntry, array, dtype, quantize: str = "none"
+) -> None:
+  """Writes one torch-layout checkpoint tensor into the (abstract) model, placed and cast; with
+  ``quantize`` (int8, nf4) a linear layer's weight is quantised from its float32 values and the
+  layer becomes a :class:`~anlr_jax.nn.quant.QuantLinear`."""
   if entry.transpose:
     array = array.T
-  variable = getattr(tensor_submodule(model, entry.module_path), entry.attr)
+  module = tensor_submodule(model, entry.module_path)
+  if quantize != "none" and entry.attr == "kernel":
+    sharding = getattr(module.kernel.get_value(), "sharding", None)
+    value = _place(jnp.asarray(array).astype(jnp.float32), sharding)
+    name = ".".join(map(str, entry.module_path))
+    layer = QuantLinear(module, quantize, value, name=name)
+    setattr(tensor_submodule(model, entry.module_path[:-1]), entry.module_path[-1], layer)
+    return
+  variable = getattr(module, entry.attr)
   value = jnp.asarray(array).astype(dtype)
   variable.set_value(_place(value, getattr(variable.get_value(), "sharding", None)))
 
@@ -212,6 +225,7 @@ def model_from_hf_tensors(
     dtype=jnp.float32,
     compute_dtype=None,
     source: str = "the given tensors",
+    quantize: str = "none",
     **config_overrides,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
   """Builds a :class:`LlamaForCausalLM` from a ``config.json`` dict and Hugging Face tensors.
@@ -220,7 +234,7 @@ def model_from_hf_tensors(
     hf_config: the Hugging Face ``config.json`` dict (``model_type`` llama or qwen2).
     tensors: ``{hf_name: array}`` in torch layout (NumPy or anything ``jnp.asarray`` takes); a
       lazy mapping is read one tensor at a time.
-    dtype, compute_dtype, **config_overrides: as in :func:`load_hf_model`.
+    dtype, compute_dtype, quantize, **config_overrides: as in :func:`load_hf_model`.
     source: how error messages name where the tensors came from.
 
   Returns:
@@ -237,6 +251,7 @@ def model_from_hf_tensors(
       dtype=dtype if compute_dtype is None else compute_dtype,
       **config_overrides,
   )
+  check_mode(quantize)
   _check_tensor_names(config, tensors.keys(), source, "its config")
   table = hf_param_table(config)
   for entry in table:
@@ -246,14 +261,19 @@ def model_from_hf_tensors(
   for entry in table:
     array = tensors[entry.hf_key]
     check_shape(entry, tuple(array.shape), source)
-    set_tensor(model, entry, array, dtype)
+    set_tensor(model, entry, array, dtype, quantize)
     del array
   check_filled(model)
   return model, config
 
 
 def load_hf_model(
-    path: str | os.PathLike, *, dtype=jnp.float32, compute_dtype=None, **config_overrides
+    path: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    compute_dtype=None,
+    quantize: str = "none",
+    **config_overrides,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
   """Loads a local Hugging Face LLaMA / Qwen2 checkpoint into a :class:`LlamaForCausalLM`.
 
@@ -263,6 +283,10 @@ def load_hf_model(
       :func:`anlr_jax.models.gguf.read_gguf`), dequantised one tensor at a time.
     dtype: parameter dtype (checkpoint tensors are cast to it).
     compute_dtype: activation dtype; defaults to ``dtype``.
+    quantize: ``'none'``, or ``'int8'`` / ``'nf4'``: every linear layer's weight (the output
+      matrix too, not the embedding table) is quantised as it is read
+      (:mod:`anlr_jax.nn.quant`); a GGUF file's blocks are dequantised to float32 first and
+      quantised again.
     **config_overrides: other :class:`ModelConfig` fields, e.g. ``attention_impl='cudnn'``,
       ``remat=True``.
 
@@ -276,6 +300,7 @@ def load_hf_model(
       not have, or the model_type is unsupported (for GGUF files see ``read_gguf``).
   """
   path = os.fspath(path)
+  check_mode(quantize)
   if is_gguf(path):
     hf_config, tensors = read_gguf(path, lazy=True)
     return model_from_hf_tensors(
@@ -284,6 +309,7 @@ def load_hf_model(
         dtype=dtype,
         compute_dtype=compute_dtype,
         source=path,
+        quantize=quantize,
         **config_overrides,
     )
   config_path = os.path.join(path, CONFIG_FILE)
@@ -318,7 +344,7 @@ def load_hf_model(
         if entry.hf_key not in keys:
           raise KeyError(f"Tensor {entry.hf_key!r} not found in {file_path}.")
         check_shape(entry, tuple(f.get_slice(entry.hf_key).get_shape()), file_path)
-        set_tensor(model, entry, f.get_tensor(entry.hf_key), dtype)
+        set_tensor(model, entry, f.get_tensor(entry.hf_key), dtype, quantize)
   check_filled(model)
   return model, config
 

@@ -112,6 +112,7 @@ def _lowp_dot_general(dtype: jnp.dtype):
     return lowp_matmul(lhs, rhs, dtype)
 
   dot_general.__name__ = dot_general.__qualname__ = f"lowp_dot_general_{dtype}"
+  dot_general.matmul_dtype = dtype  # read by a quantised layer (anlr_jax.nn.quant) to do the same
   return dot_general
 
 

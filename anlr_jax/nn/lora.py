@@ -28,6 +28,10 @@ float32 whatever the base dtype (as PEFT's ``autocast_adapter_dtype``). When the
 logical axis names (``out_sharding=(in_axis, out_axis)``), ``A`` gets ``(in_axis, None)``, ``B``
 ``(None, out_axis)`` and the magnitude ``(out_axis,)``: the rank axis is never sharded.
 
+The base may be a quantised :class:`~anlr_jax.nn.quant.QuantLinear` (QLoRA): ``base.kernel[...]``
+is then its dequantised weight, which DoRA's magnitude and norms read; PiSSA/MiLoRA's residual is
+quantised when written back; ``merge()`` is refused (``merged_kernel()`` still works).
+
 References:
   Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", 2021.
   Kalajdzievski, "A Rank Stabilization Scaling Factor for Fine-Tuning with LoRA", 2023.
@@ -340,6 +344,11 @@ class LoRALinear(nnx.Module):
     """Fold the adapter into ``base.kernel`` (the forward then calls only the base)."""
     if self.merged:
       raise ValueError("LoRALinear.merge: the adapter is already merged")
+    if getattr(self.base, "quantize", "none") != "none":
+      raise ValueError(
+          f"LoRALinear.merge: the base is quantised ({self.base.quantize}); merging would"
+          " quantise the adapter too (merged_kernel() gives the dequantised, merged weight)"
+      )
     if self.use_dora:
       self.dora_merged_norm[...] = dora_column_norm(self.base.kernel[...], self.delta_kernel())
     self.base.kernel[...] = self.merged_kernel()

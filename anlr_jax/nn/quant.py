@@ -1,0 +1,452 @@
+r"""A quantised frozen base: NF4 with double quantisation (QLoRA) and blockwise int8.
+
+For a Flax kernel ``W`` of shape ``(d_in, d_out)`` the blocks are ``B = 64`` consecutive inputs of
+one output unit, ``W[64 m : 64 m + 64, j]``: the same blocks as bitsandbytes's in the torch layout
+``(d_out, d_in)`` (``d_in`` must be a multiple of 64).
+
+NF4 (Dettmers et al., 2023, Sec. 3): with ``s_{mj} = max |W[block m, j]|`` (the absmax) every
+weight becomes the index of the nearest of the 16 NormalFloat values ``q_k`` (:data:`NF4_CODEBOOK`,
+the paper's asymmetric NF4: 7 negative and 8 positive normal quantiles scaled to [-1, 1], with an
+exact zero)
+
+.. math::
+
+   c = \arg\min_k |W / s - q_k| \quad\text{(the lower index at an exact tie)}, \qquad
+   \hat W = q_c \, \hat s,
+
+stored two codes a byte: byte ``[i, j]`` holds ``c[2 i, j]`` in its high and ``c[2 i + 1, j]`` in
+its low nibble (bitsandbytes's order). Double quantisation (the paper's DQ) stores the absmax in 8
+bits: with ``mu`` the float32 mean of all of a layer's absmax values and the values read in the
+torch order (output unit major, ``t = j * (d_in / 64) + m``), blocks of 256 consecutive ``s - mu``
+(the last one shorter) get ``a = max |s - mu| \cdot \mathrm{fl}(1 / 127)`` and the int8 codes
+``round(( s - mu) / a)`` (half to even; 0 where ``a = 0``), so ``\hat s = code \cdot a + mu``.
+The paper quantises these centred values to FP8; this module uses int8 with the same 8 bits, whose
+error is uniform over the range (the centred values' error counts absolutely, since ``mu`` is added
+back). Bits per weight: ``4 + 8 / 64 + 32 / (64 \cdot 256) = 4.127``.
+
+int8: ``a_{mj} = s_{mj} \cdot \mathrm{fl}(1 / 127)`` (float32 ``1 / 127``), codes ``round(W / a)`` (half to even) in ``[-127, 127]``,
+``\hat W = code \cdot a``; ``8 + 32 / 64 = 8.5`` bits per weight.
+
+Float32 scales are stored as their raw bits (``uint32``), so nothing that casts a model's floating
+frozen weights (``trainer.base_dtype``) can round them. Every stored array carries the kernel's
+logical axis names where it has the kernel's axes (codes ``(d_in / 2, d_out)`` or
+``(d_in, d_out)``, absmax codes ``(d_in / 64, d_out)``) and shards like the kernel; a mesh must not
+split a block (``d_in`` a multiple of 64 times the devices on the input axis). The double
+quantisation's second-level scales and mean are small and replicated.
+
+:class:`QuantLinear` is a frozen ``nnx.Linear`` holding these arrays. Its forward dequantises inside
+the jitted matmul, and its backward (``jax.custom_vjp``) keeps only the packed arrays and
+dequantises again, so no dequantised weight is held between the passes. ``layer.kernel`` is a
+view: ``kernel[...]`` is the dequantised weight (in ``param_dtype``), and assigning to it
+quantises the new value (PiSSA's residual).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+QUANTIZE_MODES = ("none", "int8", "nf4")
+"""Accepted values of ``model.quantize``."""
+
+BLOCK = 64
+"""Weights per absmax block (along the input axis)."""
+
+DQ_BLOCK = 256
+"""Absmax values per block of the double quantisation."""
+
+NF4_CODEBOOK = np.array(
+    [
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
+    ],
+    np.float32,
+)
+"""The 16 NF4 values (QLoRA, Appendix E; bitsandbytes's table), ascending."""
+
+_INV_127 = np.float32(1 / 127)  # scales are absmax * float32(1 / 127), a multiplication
+
+_NF4_MIDPOINTS = (NF4_CODEBOOK[1:] + NF4_CODEBOOK[:-1]) / np.float32(2)
+
+BYTES_PER_PARAM = {"none": None, "int8": 8.5 / 8, "nf4": (4 + 8 / 64 + 32 / (64 * 256)) / 8}
+"""Stored bytes per base weight of a quantised linear layer (``none``: the weight's dtype)."""
+
+
+class QuantizedParam(nnx.Param):
+  """A packed code or scale array of a quantised frozen kernel (never trained)."""
+
+
+def check_mode(mode: str, key: str = "model.quantize") -> str:
+  if mode not in QUANTIZE_MODES:
+    raise ValueError(f"{key}={mode!r} must be one of {', '.join(QUANTIZE_MODES)}")
+  return mode
+
+
+def _bits(x: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+
+
+def _float(bits: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def block_absmax(w: jax.Array) -> jax.Array:
+  """``max |w|`` of every block: ``(d_in / 64, d_out)`` for a kernel ``(d_in, d_out)``."""
+  w = jnp.asarray(w).astype(jnp.float32)
+  d_in, d_out = w.shape
+  return jnp.max(jnp.abs(w.reshape(d_in // BLOCK, BLOCK, d_out)), axis=1)
+
+
+def _torch_order(s: jax.Array) -> jax.Array:
+  """``(d_in / 64, d_out)`` -> flat in the torch order (output unit major)."""
+  return s.T.reshape(-1)
+
+
+def _from_torch_order(flat: jax.Array, shape) -> jax.Array:
+  return flat.reshape(shape[1], shape[0]).T
+
+
+def _double_quantize(s: jax.Array):
+  """``(codes int8 like s, scales (n_blocks,) float32, mean float32)`` of the absmax ``s``."""
+  mean = jnp.mean(s)
+  flat = _torch_order(s) - mean
+  n = flat.shape[0]
+  pad = -n % DQ_BLOCK
+  blocks = jnp.pad(flat, (0, pad)).reshape(-1, DQ_BLOCK)
+  scale = jnp.max(jnp.abs(blocks), axis=1) * _INV_127
+  safe = jnp.where(scale > 0, scale, 1)[:, None]
+  codes = jnp.where(scale[:, None] > 0, jnp.round(blocks / safe), 0)
+  codes = jnp.clip(codes, -127, 127).astype(jnp.int8).reshape(-1)[:n]
+  return _from_torch_order(codes, s.shape), scale, mean
+
+
+def _double_dequantize(codes: jax.Array, scale: jax.Array, mean: jax.Array) -> jax.Array:
+  flat = _torch_order(codes).astype(jnp.float32)
+  n = flat.shape[0]
+  per_value = jnp.repeat(scale, DQ_BLOCK, total_repeat_length=scale.shape[0] * DQ_BLOCK)[:n]
+  return _from_torch_order(flat * per_value + mean, codes.shape)
+
+
+def quantize_kernel(w: jax.Array, mode: str) -> dict[str, jax.Array]:
+  """The stored arrays of kernel ``w`` ``(d_in, d_out)`` (module doc): ``codes``, ``scales`` and,
+  for nf4, ``dq_scales`` and ``dq_mean`` (float32 values as uint32 bits)."""
+  w = jnp.asarray(w).astype(jnp.float32)
+  d_in, d_out = w.shape
+  s = block_absmax(w)
+  safe = jnp.where(s > 0, s, 1)
+  if mode == "int8":
+    a = s * _INV_127
+    blocks = w.reshape(d_in // BLOCK, BLOCK, d_out)
+    codes = jnp.where(a[:, None] > 0, jnp.round(blocks / jnp.where(a > 0, a, 1)[:, None]), 0)
+    codes = jnp.clip(codes, -127, 127).astype(jnp.int8).reshape(d_in, d_out)
+    return {"codes": codes, "scales": _bits(a)}
+  if mode != "nf4":
+    raise ValueError(f"quantize_kernel: mode {mode!r} is not one of int8, nf4")
+  normed = (w.reshape(d_in // BLOCK, BLOCK, d_out) / safe[:, None]).reshape(d_in, d_out)
+  idx = jnp.searchsorted(jnp.asarray(_NF4_MIDPOINTS), normed, side="left").astype(jnp.uint8)
+  pairs = idx.reshape(d_in // 2, 2, d_out)
+  codes = (pairs[:, 0] << 4) | pairs[:, 1]
+  s_codes, dq_scales, dq_mean = _double_quantize(s)
+  return {
+      "codes": codes,
+      "scales": s_codes,
+      "dq_scales": _bits(dq_scales),
+      "dq_mean": _bits(dq_mean),
+  }
+
+
+def nf4_indices(codes: jax.Array) -> jax.Array:
+  """The 4-bit codes ``(d_in, d_out)`` of packed bytes ``(d_in / 2, d_out)``."""
+  pairs = jnp.stack([codes >> 4, codes & 15], axis=1)
+  return pairs.reshape(codes.shape[0] * 2, codes.shape[1])
+
+
+def dequantize_kernel(arrays: dict[str, jax.Array], mode: str) -> jax.Array:
+  """The float32 kernel ``(d_in, d_out)`` of :func:`quantize_kernel`'s arrays."""
+  if mode == "int8":
+    codes = arrays["codes"]
+    d_in, d_out = codes.shape
+    blocks = codes.astype(jnp.float32).reshape(d_in // BLOCK, BLOCK, d_out)
+    return (blocks * _float(arrays["scales"])[:, None]).reshape(d_in, d_out)
+  idx = nf4_indices(arrays["codes"])
+  d_in, d_out = idx.shape
+  values = jnp.asarray(NF4_CODEBOOK)[idx.astype(jnp.int32)]
+  s = _double_dequantize(arrays["scales"], _float(arrays["dq_scales"]), _float(arrays["dq_mean"]))
+  return (values.reshape(d_in // BLOCK, BLOCK, d_out) * s[:, None]).reshape(d_in, d_out)
+
+
+# ------------------------------------------------------------------------- the jitted matmul
+@dataclasses.dataclass(frozen=True)
+class _MatmulSpec:
+  mode: str
+  dtype: Any  # operand dtype of the product (the compute dtype, or matmul_dtype)
+  lowp: bool  # matmul_dtype: float32 sums, result in x's dtype
+  precision: Any
+
+
+def _dot(x, w, spec: _MatmulSpec, w_axis: int):
+  dims = (((x.ndim - 1,), (w_axis,)), ((), ()))
+  if spec.lowp:
+    y = jax.lax.dot_general(
+        x.astype(spec.dtype), w.astype(spec.dtype), dims, preferred_element_type=jnp.float32
+    )
+    return y.astype(x.dtype)
+  return jax.lax.dot_general(x, w.astype(spec.dtype), dims, precision=spec.precision)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _quant_matmul(x, arrays, spec):
+  return _dot(x, dequantize_kernel(arrays, spec.mode), spec, 0)
+
+
+def _quant_matmul_fwd(x, arrays, spec):
+  return _quant_matmul(x, arrays, spec), (arrays, jnp.zeros((0,), x.dtype))
+
+
+def _quant_matmul_bwd(spec, residuals, g):
+  arrays, x_like = residuals
+  dx = _dot(g, dequantize_kernel(arrays, spec.mode), spec, 1)
+  return dx.astype(x_like.dtype), jax.tree.map(lambda _: None, arrays)
+
+
+_quant_matmul.defvjp(_quant_matmul_fwd, _quant_matmul_bwd)
+
+
+# ------------------------------------------------------------------------- the layer
+class _KernelView:
+  """``QuantLinear.kernel``: reads dequantise, writes quantise (module doc)."""
+
+  def __init__(self, layer: "QuantLinear"):
+    self._layer = layer
+
+  shape = property(lambda self: (self._layer.in_features, self._layer.out_features))
+  ndim = property(lambda self: 2)
+  size = property(lambda self: self._layer.in_features * self._layer.out_features)
+  dtype = property(lambda self: jnp.dtype(self._layer.param_dtype))
+
+  def __getitem__(self, index):
+    return dequantize_kernel(self._layer.arrays(), self._layer.quantize).astype(self.dtype)[index]
+
+  def __setitem__(self, index, value):
+    full = value if index is Ellipsis else self[...].at[index].set(value)
+    self._layer.set_kernel(full)
+
+  def get_value(self):
+    return self[...]
+
+  def set_value(self, value):
+    self[...] = value
+
+  value = property(get_value, set_value)
+
+  def get_metadata(self) -> dict:
+    return self._layer.codes.get_metadata()
+
+
+def _place(value: jax.Array, like: jax.Array | None, spec_axes: bool) -> jax.Array:
+  """``value`` with ``like``'s sharding spec (its logical axes when ``spec_axes``), else as is."""
+  sharding = getattr(like, "sharding", None)
+  if not isinstance(sharding, jax.sharding.NamedSharding) or isinstance(value, jax.core.Tracer):
+    return value
+  spec = sharding.spec if spec_axes else jax.sharding.PartitionSpec()
+  mesh = sharding.mesh
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    mesh = jax.sharding.get_mesh()
+    if mesh is None or getattr(mesh, "empty", False):
+      return value
+  return jax.device_put(value, jax.sharding.NamedSharding(mesh, spec))
+
+
+_quantize_jit = jax.jit(quantize_kernel, static_argnums=1)
+
+
+class QuantLinear(nnx.Linear):
+  """A frozen ``nnx.Linear`` whose kernel is stored quantised (module doc).
+
+  ``bias`` stays an ``nnx.Param`` in ``param_dtype``.
+  """
+
+  def __init__(
+      self, linear: nnx.Linear, mode: str, kernel: jax.Array | None = None, *, name: str = "layer"
+  ):
+    """``linear`` quantised (``kernel``: the weight to quantise instead of ``linear``'s own, e.g.
+    when that one is abstract).
+
+    Raises:
+      ValueError: an unknown mode, ``d_in`` not a multiple of 64, or a layer with a
+        ``dot_general`` this module does not know (no quantised path).
+    """
+    check_mode(mode)
+    if mode == "none":
+      raise ValueError("QuantLinear.from_linear: mode 'none' keeps the nnx.Linear")
+    d_in, d_out = linear.in_features, linear.out_features
+    if d_in % BLOCK:
+      raise ValueError(
+          f"model.quantize={mode}: {name} has input width {d_in}, not a multiple of the block"
+          f" size {BLOCK}"
+      )
+    lowp_dtype = getattr(linear.dot_general, "matmul_dtype", None)
+    if linear.dot_general is not jax.lax.dot_general and lowp_dtype is None:
+      raise ValueError(
+          f"model.quantize={mode}: {name} has no quantised path (a custom dot_general)"
+      )
+    self.in_features, self.out_features = d_in, d_out
+    self.use_bias = linear.bias is not None
+    self.dtype, self.param_dtype = linear.dtype, linear.param_dtype
+    self.precision = linear.precision
+    self.dot_general = linear.dot_general
+    self.promote_dtype = linear.promote_dtype
+    self.preferred_element_type = linear.preferred_element_type
+    self.matmul_dtype = lowp_dtype
+    self.quantize = mode
+    self.bias = linear.bias
+    meta = {
+        k: v
+        for k, v in linear.kernel.get_metadata().items()
+        if k in ("out_sharding", "eager_sharding")
+    }
+    self.kernel_metadata = meta
+    like = linear.kernel.get_value()
+    self.set_kernel(like if kernel is None else kernel, like=like)
+
+  @property
+  def kernel(self) -> _KernelView:
+    return _KernelView(self)
+
+  def arrays(self) -> dict[str, jax.Array]:
+    names = (
+        ("codes", "scales", "dq_scales", "dq_mean")
+        if self.quantize == "nf4"
+        else ("codes", "scales")
+    )
+    return {n: getattr(self, n)[...] for n in names}
+
+  def set_kernel(self, value: jax.Array, like: jax.Array | None = None) -> None:
+    """Quantise ``value`` ``(d_in, d_out)`` into the layer's arrays (placed like ``like``, or like
+    the current codes)."""
+    if tuple(value.shape) != (self.in_features, self.out_features):
+      raise ValueError(
+          f"QuantLinear: kernel shape {value.shape} != {(self.in_features, self.out_features)}"
+      )
+    like = like if like is not None else getattr(self, "codes", None)
+    like = like.get_value() if isinstance(like, nnx.Variable) else like
+    fn = quantize_kernel if isinstance(value, jax.core.Tracer) else _quantize_jit
+    arrays = fn(jnp.asarray(value), self.quantize)
+    for name, array in arrays.items():
+      sharded = name in ("codes", "scales")
+      array = _place(array, like, sharded)
+      if hasattr(self, name) and isinstance(getattr(self, name), QuantizedParam):
+        getattr(self, name).set_value(array)
+      else:
+        setattr(self, name, QuantizedParam(array, **(self.kernel_metadata if sharded else {})))
+
+  def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+    bias = self.bias[...] if self.bias is not None else None
+    dtype = self.dtype
+    if dtype is None:
+      dtype = jnp.result_type(inputs.dtype, self.param_dtype)
+    inputs = inputs.astype(dtype)
+    lowp = self.matmul_dtype is not None
+    spec = _MatmulSpec(
+        self.quantize, jnp.dtype(self.matmul_dtype if lowp else dtype), lowp, self.precision
+    )
+    y = _quant_matmul(inputs, self.arrays(), spec)
+    if bias is not None:
+      y = y + jnp.reshape(bias.astype(dtype), (1,) * (y.ndim - 1) + (-1,))
+    return y
+
+
+def is_quantized(module: Any) -> bool:
+  return isinstance(module, QuantLinear)
+
+
+def quantize_model(model: nnx.Module, mode: str) -> nnx.Module:
+  """Replaces every ``nnx.Linear`` of ``model`` (adapter layers' bases included) by a
+  :class:`QuantLinear` of ``mode``, in place; ``none`` and quantised layers are left as they are.
+
+  Raises:
+    ValueError: ``mode`` unknown, a model type with no quantised path (only the LLaMA / Qwen2
+      models have one), or a layer that cannot be quantised (:class:`QuantLinear`).
+  """
+  from anlr_jax.models.llama import LlamaForCausalLM
+  from anlr_jax.nn.inject import get_submodule, path_str, set_submodule
+
+  check_mode(mode)
+  if mode == "none":
+    return model
+  if not isinstance(model, LlamaForCausalLM):
+    raise ValueError(
+        f"model.quantize={mode}: {type(model).__name__} has no quantised path (LLaMA / Qwen2 only)"
+    )
+  paths = [
+      p for p, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear) and not is_quantized(m)
+  ]
+  for path in paths:
+    linear = get_submodule(model, path)
+    set_submodule(model, path, QuantLinear(linear, mode, name=path_str(path)))
+  return model
+
+
+def check_mesh(model: nnx.Module, shardings) -> None:
+  """Raises ValueError naming the first quantised layer whose blocks a sharding would split.
+
+  ``shardings``: a pytree of ``NamedSharding`` like ``nnx.state(model)`` (as the trainer places it).
+  """
+  flat = dict(nnx.to_flat_state(shardings)) if not isinstance(shardings, dict) else shardings
+  from anlr_jax.nn.inject import path_str
+
+  for path, module in nnx.iter_modules(model):
+    if not is_quantized(module):
+      continue
+    sharding = flat.get((*path, "scales"))
+    sharding = getattr(sharding, "value", sharding)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+      continue
+    axis = sharding.spec[0] if len(sharding.spec) else None
+    names = (axis,) if isinstance(axis, str) else tuple(axis or ())
+    parts = int(np.prod([sharding.mesh.shape[n] for n in names])) if names else 1
+    if module.in_features % (BLOCK * parts):
+      raise ValueError(
+          f"model.quantize={module.quantize}: the mesh splits {path_str(path)}'s input width"
+          f" {module.in_features} over {parts} devices, which would split its {BLOCK}-weight"
+          " blocks; use fewer devices on that axis"
+      )
+
+
+__all__ = [
+    "BLOCK",
+    "BYTES_PER_PARAM",
+    "block_absmax",
+    "DQ_BLOCK",
+    "NF4_CODEBOOK",
+    "QUANTIZE_MODES",
+    "QuantLinear",
+    "QuantizedParam",
+    "check_mesh",
+    "check_mode",
+    "dequantize_kernel",
+    "is_quantized",
+    "nf4_indices",
+    "quantize_kernel",
+    "quantize_model",
+]

