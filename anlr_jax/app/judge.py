@@ -35,6 +35,7 @@ from anlr_jax.app.report import Log, is_writer, say
 from anlr_jax.data import chat_prompt, mtbench
 from anlr_jax.data.formats import DataFormatError
 from anlr_jax.evals import judge as judging
+from anlr_jax.evals.judge_probs import JudgeProbes, local_probes
 from anlr_jax.evals.mtbench import ANSWERS_FILE, answers_by_question, generate_answers, read_records
 from anlr_jax.train.lock import DirectoryLock
 
@@ -101,11 +102,12 @@ def judge_prompt(tokenizer, system: str, user: str) -> str:
 @dataclasses.dataclass
 class Judge:
   """A loaded judge: its name (``eval.judge.model`` as given, or the endpoint's model name),
-  ``judge_fn`` and batch size."""
+  ``judge_fn``, batch size, and a local judge's probabilities (``probes``)."""
 
   name: str
   judge_fn: judging.JudgeFn
   batch_size: int
+  probes: JudgeProbes | None = None
 
 
 def judge_configured(config: RunConfig) -> bool:
@@ -152,7 +154,14 @@ def load_judge(config: RunConfig) -> Judge:
   def judge_fn(prompts: list[tuple[str, str]]) -> list[str]:
     return generate_fn([judge_prompt(tokenizer, system, user) for system, user in prompts])
 
-  return Judge(section.model, judge_fn, batch_size)
+  probes = local_probes(
+      model,
+      tokenizer,
+      lambda system, user: judge_prompt(tokenizer, system, user),
+      batch_size=batch_size,
+      max_new_tokens=section.max_new_tokens,
+  )
+  return Judge(section.model, judge_fn, batch_size, probes)
 
 
 # ------------------------------------------------------------------- a judge behind an endpoint
@@ -319,6 +328,7 @@ def grade_single(judge: Judge, path: str, out_dir: str, *, log: Log = say) -> di
         prompts=mtbench.load_judge_prompts(),
         batch_size=judge.batch_size,
         progress=is_writer(),
+        probes=judge.probes,
     )
   except EndpointError as err:
     raise _kept(err, out) from None
@@ -326,6 +336,7 @@ def grade_single(judge: Judge, path: str, out_dir: str, *, log: Log = say) -> di
   if is_writer():
     _write_json(os.path.join(out_dir, scores_file(model)), summary)
   log(format_scores(model, summary))
+  log(judging.format_single_extras(summary))
   return summary
 
 
@@ -362,6 +373,7 @@ def compare_pair(
         prompts=mtbench.load_judge_prompts(),
         batch_size=judge.batch_size,
         progress=is_writer(),
+        probes=judge.probes,
     )
   except EndpointError as err:
     raise _kept(err, out) from None
@@ -381,6 +393,7 @@ def compare_pair(
       f" two orders; {summary['errors']} pairs without a verdict left out); adjusted win rate"
       f" {'n/a' if rate is None else f'{rate:.3f}'}"
   )
+  log(judging.format_pair_extras(summary))
   return summary
 
 

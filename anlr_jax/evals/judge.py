@@ -20,6 +20,19 @@ FastChat's ``show_result`` does. ``win_rate_adjusted`` counts a tie as half a wi
 Judgments are appended to a JSONL file after each batch, verbatim, with the user prompt the judge
 saw (FastChat's record layout plus ``category``); a rerun judges only what the file does not hold
 for this judge and these models.
+
+**Beside the protocol** (its fields unchanged), each record holds what the judge's own
+probabilities say (:mod:`anlr_jax.evals.judge_probs`, a local judge; ``null`` for a judge behind an
+endpoint, which gives no probabilities): ``prob_rating`` (the expected rating after ``Rating: [[``)
+and ``prob_rating_dist`` (the ten probabilities), or per game ``g1_prob_verdict`` /
+``g2_prob_verdict`` (``{A, B, C}`` probabilities after ``Final verdict: [[``) and
+``g1_prob_winner`` / ``g2_prob_winner``; and ``finish_reason`` (``length`` or ``stop``; per game
+``g1_finish_reason``, ``g2_finish_reason``). The summaries add the protocol's ``parse_rate``, what
+the replies without a verdict were (``failures``: a greedy loop, cut by the token limit, stopped, or
+unknown), and the probability ratings' means, their correlation with the protocol's ratings on the
+judgments that have both, or for pairs the probability verdicts' win / tie / loss, their agreement
+with the protocol's verdicts and the position bias of both (the share of pairs whose two orders
+disagree).
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import scipy.stats
 import tqdm
 
 from anlr_jax.data.mtbench import (
@@ -38,6 +52,17 @@ from anlr_jax.data.mtbench import (
     format_pair,
     format_single,
     judge_prompt_name,
+)
+from anlr_jax.evals.judge_probs import (
+    FAILURE_KINDS,
+    RATING_CUE,
+    RATINGS,
+    VERDICT_CUE,
+    VERDICTS,
+    JudgeProbes,
+    expected_rating,
+    failure_kind,
+    normalise,
 )
 from anlr_jax.evals.mtbench import append_records, read_records
 
@@ -110,6 +135,27 @@ def _check_answers(questions: Sequence[Question], answers: Mapping[int, Sequence
     raise ValueError(f"{where}: no answer to question(s) {missing[:8]}")
 
 
+def _probabilities(probes, judgments, cue, choices) -> list[np.ndarray | None]:
+  """The normalised choice probabilities of each ``(system, user, reply)``; Nones without
+  ``probes``."""
+  if probes is None:
+    return [None] * len(judgments)
+  logprobs = np.asarray(probes.choice_logprobs(judgments, cue, choices))
+  if logprobs.shape != (len(judgments), len(choices)):
+    raise ValueError(
+        f"the judge's probabilities have shape {logprobs.shape}, not {(len(judgments), len(choices))}"
+    )
+  return list(normalise(logprobs))
+
+
+def _finish(probes, judgment: str) -> str | None:
+  return None if probes is None else probes.finish_reason(judgment)
+
+
+def _rounded(probs) -> list[float]:
+  return [round(float(p), 6) for p in probs]
+
+
 # ------------------------------------------------------------------------------------- single
 def judge_single(
     judge_fn: JudgeFn,
@@ -122,9 +168,11 @@ def judge_single(
     prompts: Mapping[str, Mapping[str, Any]],
     batch_size: int,
     progress: bool = True,
+    probes: JudgeProbes | None = None,
 ) -> list[dict[str, Any]]:
   """Grades both turns of each question's answer (see the module doc); returns the records of
-  this judge and model for ``questions`` (those saved before and those made now)."""
+  this judge and model for ``questions`` (those saved before and those made now). ``probes``: the
+  local judge's probabilities and reply lengths (None: those fields are null)."""
   _check_answers(questions, answers, f"answers of {model}")
   saved = read_records(path)
   key = lambda r: (tuple(r["judge"])[0], r["model"], r["question_id"], r["turn"])
@@ -141,7 +189,12 @@ def judge_single(
 
   def write(batch, replies):
     records = []
-    for (q, turn, name, user), (judgment,) in zip(batch, replies):
+    judgments = [
+        (prompts[name]["system_prompt"], user, j)
+        for (_, _, name, user), (j,) in zip(batch, replies)
+    ]
+    dists = _probabilities(probes, judgments, RATING_CUE, RATINGS)
+    for (q, turn, name, user), (judgment,), dist in zip(batch, replies, dists):
       rating = parse_rating(judgment)
       records.append(
           {
@@ -154,6 +207,9 @@ def judge_single(
               "score": UNPARSED if rating is None else rating,
               "turn": turn,
               "tstamp": time.time(),
+              "finish_reason": _finish(probes, judgment),
+              "prob_rating": None if dist is None else expected_rating(dist),
+              "prob_rating_dist": None if dist is None else _rounded(dist),
           }
       )
     append_records(path, records)
@@ -192,10 +248,61 @@ def single_summary(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
       "judgments": len(records),
       "unparsed": len(records) - len(scored),
       "unparsed_rate": (len(records) - len(scored)) / len(records) if records else None,
+      "parse_rate": len(scored) / len(records) if records else None,
+      **_failures(
+          [(r["judgment"], r.get("finish_reason")) for r in records if r["score"] == UNPARSED]
+      ),
+      "prob_rating": _prob_rating_summary(records),
+      "rating_correlation": _correlation(
+          [(r["score"], r["prob_rating"]) for r in scored if r.get("prob_rating") is not None]
+      ),
   }
 
 
+def _failures(replies: Sequence[tuple[str, str | None]]) -> dict[str, Any]:
+  """``failures`` (count per :data:`~anlr_jax.evals.judge_probs.FAILURE_KINDS`) of the replies
+  ``(text, finish_reason)`` without a verdict, and ``failure_shares`` (None without failures)."""
+  counts = dict.fromkeys(FAILURE_KINDS, 0)
+  for text, finish in replies:
+    counts[failure_kind(text, finish)] += 1
+  shares = {k: n / len(replies) for k, n in counts.items()} if replies else None
+  return {"failures": counts, "failure_shares": shares}
+
+
+def _prob_rating_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+  """Means of the probability ratings (overall, per turn, per category); None when no record has
+  one (a judge behind an endpoint)."""
+  rated = [r for r in records if r.get("prob_rating") is not None]
+  if not rated:
+    return None
+  categories = sorted({r.get("category") for r in rated}, key=str)
+  return {
+      "overall": _mean([r["prob_rating"] for r in rated]),
+      "turns": {t: _mean([r["prob_rating"] for r in rated if r["turn"] == t]) for t in TURNS},
+      "categories": {
+          c: _mean([r["prob_rating"] for r in rated if r.get("category") == c]) for c in categories
+      },
+      "judgments": len(rated),
+  }
+
+
+def _correlation(pairs: Sequence[tuple[float, float]]) -> dict[str, Any] | None:
+  """Pearson's and Spearman's correlation of the ``(protocol, probability)`` ratings; None
+  without any pair, None coefficients where fewer than two pairs or a constant side."""
+  if not pairs:
+    return None
+  x, y = (np.asarray(v, np.float64) for v in zip(*pairs))
+  ok = len(pairs) >= 2 and x.std() > 0 and y.std() > 0
+  pearson = float(np.corrcoef(x, y)[0, 1]) if ok else None
+  spearman = float(scipy.stats.spearmanr(x, y).statistic) if ok else None
+  return {"pearson": pearson, "spearman": spearman, "judgments": len(pairs)}
+
+
 # ----------------------------------------------------------------------------------- pairwise
+_WINNER_1 = {"A": "model_1", "B": "model_2", "C": "tie"}  # game 1: model 1 is assistant A
+_WINNER_2 = {"A": "model_2", "B": "model_1", "C": "tie"}  # game 2: model 1 is assistant B
+
+
 def judge_pair(
     judge_fn: JudgeFn,
     questions: Sequence[Question],
@@ -209,9 +316,11 @@ def judge_pair(
     prompts: Mapping[str, Mapping[str, Any]],
     batch_size: int,
     progress: bool = True,
+    probes: JudgeProbes | None = None,
 ) -> list[dict[str, Any]]:
   """Compares the answers of models 1 and 2 on both turns of each question, in both orders (see the
-  module doc); returns the records of this judge and pair for ``questions``."""
+  module doc); returns the records of this judge and pair for ``questions``. ``probes`` as for
+  :func:`judge_single`."""
   if model_1 == model_2:
     raise ValueError(f"the two models of a pairwise comparison need two names, got {model_1!r}")
   _check_answers(questions, answers_1, f"answers of {model_1}")
@@ -234,16 +343,23 @@ def judge_pair(
 
   def write(batch, replies):
     records = []
-    for (q, turn, name, g1, g2), (j1, j2) in zip(batch, replies):
+    games = [
+        (prompts[name]["system_prompt"], g, j)
+        for (_, _, name, g1, g2), (j1, j2) in zip(batch, replies)
+        for g, j in ((g1, j1), (g2, j2))
+    ]
+    dists = _probabilities(probes, games, VERDICT_CUE, VERDICTS)
+    for k, ((q, turn, name, g1, g2), (j1, j2)) in enumerate(zip(batch, replies)):
       v1, v2 = parse_verdict(j1), parse_verdict(j2)
+      d1, d2 = dists[2 * k], dists[2 * k + 1]
       records.append(
           {
               "question_id": q.question_id,
               "category": q.category,
               "model_1": model_1,
               "model_2": model_2,
-              "g1_winner": {"A": "model_1", "B": "model_2"}.get(v1, v1),
-              "g2_winner": {"A": "model_2", "B": "model_1"}.get(v2, v2),
+              "g1_winner": _WINNER_1.get(v1, v1),
+              "g2_winner": _WINNER_2.get(v2, v2),
               "judge": [judge_name, name],
               "g1_user_prompt": g1,
               "g1_judgment": j1,
@@ -251,6 +367,12 @@ def judge_pair(
               "g2_judgment": j2,
               "turn": turn,
               "tstamp": time.time(),
+              "g1_finish_reason": _finish(probes, j1),
+              "g2_finish_reason": _finish(probes, j2),
+              "g1_prob_verdict": None if d1 is None else dict(zip(VERDICTS, _rounded(d1))),
+              "g2_prob_verdict": None if d2 is None else dict(zip(VERDICTS, _rounded(d2))),
+              "g1_prob_winner": None if d1 is None else _WINNER_1[VERDICTS[int(np.argmax(d1))]],
+              "g2_prob_winner": None if d2 is None else _WINNER_2[VERDICTS[int(np.argmax(d2))]],
           }
       )
     append_records(path, records)
@@ -269,10 +391,10 @@ def judge_pair(
   return [r for r in read_records(path) if "model_1" in r and key(r) in wanted]
 
 
-def pair_outcome(record: Mapping[str, Any]) -> str:
+def pair_outcome(record: Mapping[str, Any], *, verdict: str = "winner") -> str:
   """``win`` / ``loss`` (for model 1), ``tie`` (a tie or two games that disagree) or ``error``
-  (a game without a verdict)."""
-  g1, g2 = record["g1_winner"], record["g2_winner"]
+  (a game without a verdict); ``verdict="prob_winner"``: of the probability verdicts."""
+  g1, g2 = record[f"g1_{verdict}"], record[f"g2_{verdict}"]
   if "error" in (g1, g2):
     return "error"
   if g1 == "tie" or g1 != g2:
@@ -303,11 +425,114 @@ def pair_summary(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
       "win_rate": rate(counts["win"]),
       "loss_rate": rate(counts["loss"]),
       "win_rate_adjusted": rate(counts["win"] + 0.5 * counts["tie"]),
+      **_pair_extras(records),
   }
+
+
+def _disagree(records: Sequence[Mapping[str, Any]], verdict: str) -> float | None:
+  """The share of pairs, both games decided, whose two orders disagree (position bias)."""
+  decided = [r for r in records if "error" not in (r[f"g1_{verdict}"], r[f"g2_{verdict}"])]
+  if not decided:
+    return None
+  return sum(r[f"g1_{verdict}"] != r[f"g2_{verdict}"] for r in decided) / len(decided)
+
+
+def _pair_extras(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+  """Parse rate and failures of the games; the probability verdicts' outcomes, agreement with the
+  protocol's verdicts and mean probabilities; the position bias of both (module doc)."""
+  fields = ("winner", "judgment", "finish_reason", "prob_winner", "prob_verdict")
+  games = [{f: r.get(f"{g}_{f}") for f in fields} for r in records for g in ("g1", "g2")]
+  failed = [(g["judgment"], g["finish_reason"]) for g in games if g["winner"] == "error"]
+  probed = [r for r in records if None not in (r.get("g1_prob_winner"), r.get("g2_prob_winner"))]
+  verdicts = None
+  if probed:
+    outcomes = [pair_outcome(r, verdict="prob_winner") for r in probed]
+    both = [g for g in games if g["winner"] != "error" and g["prob_winner"] is not None]
+    dists = [g["prob_verdict"] for g in games if g["prob_verdict"] is not None]
+    verdicts = {
+        "win": outcomes.count("win"),
+        "tie": outcomes.count("tie"),
+        "loss": outcomes.count("loss"),
+        "inconsistent": sum(r["g1_prob_winner"] != r["g2_prob_winner"] for r in probed),
+        "pairs": len(probed),
+        "win_rate_adjusted": (outcomes.count("win") + 0.5 * outcomes.count("tie")) / len(probed),
+        "agreement": _mean([g["winner"] == g["prob_winner"] for g in both]),
+        "agreement_games": len(both),
+        "mean_probs": {v: _mean([d[v] for d in dists]) for v in VERDICTS},
+    }
+  return {
+      "parse_rate": (len(games) - len(failed)) / len(games) if games else None,
+      **_failures(failed),
+      "prob_verdicts": verdicts,
+      "position_bias": {
+          "protocol": _disagree(records, "winner"),
+          "probability": _disagree(probed, "prob_winner") if probed else None,
+      },
+  }
+
+
+def _share(value: float | None) -> str:
+  return "n/a" if value is None else f"{100 * value:.0f}%"
+
+
+def _failure_text(summary: Mapping[str, Any]) -> str:
+  shares = summary["failure_shares"]
+  if not shares:
+    return "no failures"
+  names = {"loop": "greedy loop", "length": "cut by the token limit", "stopped": "stopped"}
+  return ", ".join(
+      f"{_share(shares[k])} {names.get(k, k)}" for k in FAILURE_KINDS if summary["failures"][k]
+  )
+
+
+NO_PROBABILITIES = "none (a judge behind an endpoint gives no probabilities)"
+
+
+def format_single_extras(summary: Mapping[str, Any]) -> str:
+  """One line: the protocol's parse rate and failures, the probability rating and its
+  correlation with the protocol's (of :func:`single_summary`)."""
+  prob, corr = summary["prob_rating"], summary["rating_correlation"]
+  num = lambda v: "n/a" if v is None else f"{v:.2f}"
+  if prob is None:
+    rated = NO_PROBABILITIES
+  else:
+    rated = f"{num(prob['overall'])}/10 over {prob['judgments']} judgments"
+    if corr is not None:
+      rated += (
+          f"; correlation with the protocol's rating r = {num(corr['pearson'])} (Spearman"
+          f" {num(corr['spearman'])}) on the {corr['judgments']} with both"
+      )
+  return (
+      f"  protocol rating parsed in {_share(summary['parse_rate'])} of {summary['judgments']}"
+      f" judgments ({_failure_text(summary)}); probability rating: {rated}"
+  )
+
+
+def format_pair_extras(summary: Mapping[str, Any]) -> str:
+  """One line: the games' parse rate and failures, the probability verdicts and position bias
+  (of :func:`pair_summary`)."""
+  verdicts, bias = summary["prob_verdicts"], summary["position_bias"]
+  if verdicts is None:
+    probs = NO_PROBABILITIES
+  else:
+    probs = (
+        f"{verdicts['win']} win / {verdicts['tie']} tie / {verdicts['loss']} loss, agreeing with"
+        f" the protocol's verdict in {_share(verdicts['agreement'])} of"
+        f" {verdicts['agreement_games']} games"
+    )
+  return (
+      f"  protocol verdict parsed in {_share(summary['parse_rate'])} of {2 * summary['pairs']}"
+      f" games ({_failure_text(summary)}); probability verdicts: {probs}; the two orders"
+      f" disagree in {_share(bias['protocol'])} of pairs (protocol),"
+      f" {_share(bias['probability'])} (probability)"
+  )
 
 
 __all__ = [
     "JudgeFn",
+    "NO_PROBABILITIES",
+    "format_pair_extras",
+    "format_single_extras",
     "UNPARSED",
     "judge_pair",
     "judge_single",
