@@ -47,6 +47,7 @@ from anlr_jax.train.diskfull import (
     DiskFullError,
     as_disk_full,
     is_disk_full,
+    is_late_completion_on_closed_loop,
     quiet_reports_of_disk_full,
 )
 
@@ -54,22 +55,6 @@ logger = logging.getLogger('anlr_jax.train')
 
 SEAL_POLL_SECONDS = 0.05
 """How often a sealing thread looks for the committed step directory."""
-
-
-def _is_late_read_of_abandoned_restore(args) -> bool:
-  """True for the error tensorstore reports when a read of a failed orbax restore completes after
-  orbax closed that restore's event loop: ``RuntimeError('Event loop is closed')`` raised by
-  ``call_soon_threadsafe``. The read's result belongs to nobody; only its report is left."""
-  if not (
-      isinstance(args.exc_value, RuntimeError) and str(args.exc_value) == 'Event loop is closed'
-  ):
-    return False
-  frame = args.exc_traceback
-  while frame is not None:
-    if frame.tb_frame.f_code.co_name == 'call_soon_threadsafe':
-      return True
-    frame = frame.tb_next
-  return False
 
 
 def _is_unretrieved_read_of_abandoned_restore(record: logging.LogRecord) -> bool:
@@ -106,7 +91,7 @@ def _quiet_abandoned_reads() -> None:
     previous = sys.unraisablehook
 
     def hook(args):
-      if not _is_late_read_of_abandoned_restore(args):
+      if not is_late_completion_on_closed_loop(args):
         previous(args)
 
     sys.unraisablehook = hook

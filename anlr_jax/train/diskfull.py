@@ -161,7 +161,7 @@ def quiet_reports_of_disk_full() -> None:
       previous_unraisable = sys.unraisablehook
 
       def unraisable_hook(args):
-        if _drop(args.exc_value) or _is_closed_loop(args):
+        if _drop(args.exc_value) or is_late_completion_on_closed_loop(args):
           return
         previous_unraisable(args)
 
@@ -172,7 +172,7 @@ def quiet_reports_of_disk_full() -> None:
 
       def excepthook(kind, value, tb):  # the same late completions, printed with PyErr_Print
         report = types.SimpleNamespace(exc_value=value, exc_traceback=tb)
-        if _is_closed_loop(report):
+        if is_late_completion_on_closed_loop(report):
           return
         previous_excepthook(kind, value, tb)
 
@@ -180,9 +180,12 @@ def quiet_reports_of_disk_full() -> None:
       sys.excepthook = excepthook
 
 
-def _is_closed_loop(args) -> bool:
-  """tensorstore's late completion of a write that orbax abandoned when another write failed:
-  ``RuntimeError('Event loop is closed')`` from ``call_soon_threadsafe``."""
+def is_late_completion_on_closed_loop(args) -> bool:
+  """Whether an unraisable or uncaught report (``args.exc_value``, ``args.exc_traceback``) is
+  tensorstore's late completion of an orbax write or read abandoned when another one failed:
+  ``RuntimeError('Event loop is closed')`` raised by ``call_soon_threadsafe`` on the closed event
+  loop of that save or restore. Its result belongs to nobody; the failure that made orbax abandon
+  it reaches orbax's caller, who names it."""
   if not (
       isinstance(args.exc_value, RuntimeError) and str(args.exc_value) == 'Event loop is closed'
   ):
@@ -201,6 +204,7 @@ __all__ = [
     'background_failures',
     'failed_path',
     'is_disk_full',
+    'is_late_completion_on_closed_loop',
     'mount_point',
     'quiet_reports_of_disk_full',
 ]
