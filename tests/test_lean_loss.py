@@ -284,3 +284,56 @@ def test_sharded_chunked_loss_and_remat_equal_the_whole_logits_loss():
   chunked, lora = run(24, 'full')
   np.testing.assert_allclose(chunked, whole, rtol=1e-6)
   _assert_relative(lora, whole_lora, 1e-5)
+
+
+@pytest.mark.parametrize('tied', [False, True])
+def test_chunked_loss_gradient_scales_with_the_cotangent(tied):
+  """The custom VJP multiplies by the incoming cotangent: the gradients of ``2 * loss`` and of
+  ``loss / count`` (the mean a caller may differentiate) equal the whole-logits ones, not only the
+  gradient of the sum itself (cotangent 1, the only one the train step gives). A dropped scaling
+  is off by a factor of 2 or of ``count``; the bound allows the float32 rounding of scaling the
+  product rather than its operand."""
+  rng = np.random.default_rng(5)
+  batch = _batch(5)
+  h = jnp.asarray(rng.normal(size=(B, T, 16)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(V, 16) if tied else (16, V)), jnp.float32)
+
+  def whole(h, w):
+    return next_token_loss_sum(h @ (w.T if tied else w), batch['input_ids'], batch['loss_mask'])
+
+  def chunked(h, w):
+    return chunked_next_token_loss_sum(
+        h, w, batch['input_ids'], batch['loss_mask'], transposed=tied, chunk_tokens=20
+    )
+
+  for outer in (lambda total, count: 2.0 * total, lambda total, count: total / count):
+    expected = jax.grad(lambda h, w: outer(*whole(h, w)), (0, 1))(h, w)
+    grads = jax.jit(jax.grad(lambda h, w: outer(*chunked(h, w)), (0, 1)))(h, w)
+    _assert_relative(grads, expected, 1e-5)  # the scaling after the product, not before: 1.4e-6
+
+
+def test_remat_with_lora_dropout_over_updates_and_micro_batches_is_the_same_training():
+  """Two updates of two micro-batches each with LoRA dropout: the same losses and LoRA params with
+  per-layer remat as without. Each micro-batch draws new masks only if the dropout RNG state the
+  rematerialised layer advanced is carried out of it (one step of one micro-batch cannot tell)."""
+  batches = [_batch(6), _batch(7)]
+
+  def train(remat):
+    graphdef, lora, frozen, extra = split_model(_model(layers=2, dropout=0.3))
+    tx = optax.sgd(0.5)  # linear in the gradients: the bound below is on them
+    step = jax.jit(make_train_step(graphdef, tx, micro_batches=2, remat=remat, loss_chunk=16))
+    state, losses = init_train_state(lora, extra, tx), []
+    for batch in batches:
+      state, metrics = step(state, frozen, batch)
+      losses.append(float(metrics['loss']))
+    return losses, jax.device_get(state.lora), jax.device_get(state.extra)
+
+  def raw(x):  # a PRNG key's bits, or the array itself
+    return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+  plain, plain_lora, plain_extra = train('none')
+  losses, lora, extra = train('full')  # 'dots' carries the state out the same way
+  np.testing.assert_allclose(losses, plain, rtol=1e-6)
+  _assert_relative(lora, plain_lora, 1e-5)
+  for a, b in zip(jax.tree.leaves(extra), jax.tree.leaves(plain_extra)):  # the RNG counts
+    np.testing.assert_array_equal(raw(a), raw(b))

@@ -425,3 +425,26 @@ def test_preprocess_matches_clip_image_processor(size):
     assert ours.dtype == np.float32
     np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-6, err_msg=name)
     np.testing.assert_array_equal(preprocess_image(photo, size), ours)
+
+
+@pytest.mark.parametrize("size", [336, 28])
+def test_preprocess_matches_clip_image_processor_when_the_long_side_has_a_large_fraction(size):
+  """COCO's usual 640 x 427 (and 500 x 333) photos: the resized long side ``S * long / short`` has a
+  fraction >= .5 (503.6 at S = 336, 41.97 at 28), where truncating it, as transformers does, and
+  rounding it differ by a pixel; the photos above all have fractions below .5."""
+  from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+  from PIL import Image
+
+  processor = CLIPImageProcessorPil(
+      size={"shortest_edge": size},
+      crop_size={"height": size, "width": size},
+      image_mean=list(OPENAI_CLIP_MEAN),
+      image_std=list(OPENAI_CLIP_STD),
+  )
+  coffee = Image.fromarray(_photos()["coffee"])  # 600 x 400 (width x height)
+  for width, height in [(640, 427), (427, 640), (500, 333)]:
+    photo = coffee.resize((width, height), Image.Resampling.BICUBIC)
+    ref = processor(images=photo, return_tensors="np")["pixel_values"][0]
+    ours = preprocess_image(photo, size)
+    assert ours.shape == ref.shape == (3, size, size)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-6, err_msg=f"{width} x {height}")
