@@ -83,7 +83,7 @@ def build_llava(
   from anlr_jax.models import LlavaForConditionalGeneration, load_hf_model, save_llava_model
   from anlr_jax.models.clip import ClipVisionConfig
   from anlr_jax.models.hf_io import load_tokenizer
-  from anlr_jax.models.llava import LlavaConfig
+  from anlr_jax.models.llava_config import LlavaConfig
 
   path = resolve_path(language_model)
   lm, text = load_hf_model(path)

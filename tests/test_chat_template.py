@@ -260,7 +260,7 @@ def test_a_default_run_resumed_with_a_key_it_never_stored_is_refused(
 def test_prompt_batches_pad_to_power_of_two_widths(monkeypatch):
   """Eval prompt batches share a few widths (16 * 2**j), so decoding compiles a handful of
   programs however the prompt lengths vary, and every prompt still fits."""
-  from anlr_jax.app.evaluate import prompt_width
+  from anlr_jax.models.generation import prompt_width
 
   assert [prompt_width(n) for n in (1, 16, 17, 32, 33, 48, 64, 65, 200)] == [
       16,

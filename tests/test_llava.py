@@ -18,15 +18,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from anlr_jax.models.generation import generate
-from anlr_jax.models.llava import (
-    OPENAI_CLIP_MEAN,
-    OPENAI_CLIP_STD,
-    LlavaConfig,
-    canonical_key,
-    load_llava_model,
-    preprocess_image,
-    save_llava_model,
-)
+from anlr_jax.models.llava_config import LlavaConfig
+from anlr_jax.models.llava_image import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, preprocess_image
+from anlr_jax.models.llava_io import canonical_key, load_llava_model, save_llava_model
 
 VOCAB, IMAGE_TOKEN, PAD = 96, 95, 0
 TOKENS_PER_IMAGE = 4  # (28 / 14)^2 patches, CLS dropped
@@ -152,7 +146,7 @@ def test_config_reads_transformers_config(pair):
 
 def test_the_language_model_loader_points_a_llava_directory_to_load_llava_model(tmp_path):
   from anlr_jax.models import load_hf_model
-  from anlr_jax.models.llava import is_llava_config
+  from anlr_jax.models.llava_config import is_llava_config
 
   (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava"}))
   assert is_llava_config(tmp_path)

@@ -13,7 +13,7 @@ import torch
 from flax import nnx
 
 from anlr_jax.methods import method_optimizer
-from anlr_jax.models.llava import load_llava_model
+from anlr_jax.models.llava_io import load_llava_model
 from anlr_jax.nn import iter_adalora_layers, iter_lora_layers
 from anlr_jax.nn.adalora import inject_adalora
 from anlr_jax.nn.inject import PAPER_TARGET_MODULES, inject_lora

@@ -21,7 +21,7 @@ from anlr_jax.app import cli
 from anlr_jax.app.config import load_config
 from anlr_jax.app.model import load_base
 from anlr_jax.app.train import training_source
-from anlr_jax.models.llava import preprocess_image
+from anlr_jax.models.llava_image import preprocess_image
 from tests.helpers.tiny_llava import save_tiny_llava
 from tests.tiny_tokenizer import build_tiny_tokenizer
 

@@ -16,6 +16,7 @@ from safetensors.numpy import load_file
 
 import anlr_jax
 from anlr_jax import diagnostics_io, naming, rundir
+from anlr_jax.analysis import file_names
 from anlr_jax.results import RunResult, read_results, write_results
 from anlr_jax.analysis import load_run, measures
 from anlr_jax.nn.inject import inject_lora, iter_lora_layers
@@ -344,7 +345,7 @@ def test_file_names_are_distinct_and_paths_follow_them(tmp_path):
   assert rundir.eval_records_path('r', 'gsm8k') == os.path.join('r', 'eval_gsm8k.jsonl')
   assert rundir.method_dir('r', 'lora+') == os.path.join('r', 'lora_')
   assert rundir.method_dir_name('a+b') == 'a_b'
-  assert rundir.sweep_cell_dir('out', 'anlr', 2e-4, 1) == os.path.join(
+  assert file_names.sweep_cell_dir('out', 'anlr', 2e-4, 1) == os.path.join(
       'out', 'anlr', 'lr0.0002', 'seed1'
   )
-  assert len(set(rundir.ANALYSIS_FIGURES)) == 7
+  assert len(set(file_names.ANALYSIS_FIGURES)) == 7

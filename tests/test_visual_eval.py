@@ -23,7 +23,7 @@ from anlr_jax.data.llava import VICUNA_V1_SYSTEM
 from anlr_jax.evals import visual_tasks
 from anlr_jax.evals.visual import read_predictions, score_llava_qa, score_pope
 from anlr_jax.models import generate
-from anlr_jax.models.llava import preprocess_image
+from anlr_jax.models.llava_image import preprocess_image
 from tests.helpers.tiny_llava import save_tiny_llava
 from tests.tiny_tokenizer import build_tiny_tokenizer
 

@@ -556,7 +556,7 @@ def test_command_line(tmp_path, capsys):
   assert err.count("\n") == 1 and "POPE file not found" in err and "absent.json" in err
   # The module entry point, as a user runs it: no warning, the same report.
   result = subprocess.run(
-      [sys.executable, "-m", "anlr_jax.evals.score_visual", "pope", str(answers), str(pope)],
+      [sys.executable, "-m", "anlr_jax.evals.visual", "pope", str(answers), str(pope)],
       capture_output=True,
       text=True,
       check=False,

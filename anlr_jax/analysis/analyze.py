@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from anlr_jax import rundir
+from anlr_jax.analysis import file_names
 from anlr_jax.analysis import figure_data, measures
 from anlr_jax.analysis.logs import RunLogs, load_run
 from anlr_jax.analysis.tables import write_csv, write_markdown
@@ -101,7 +102,7 @@ class _Output:
 def _velocity_bars(o: _Output, diag_runs: list[RunLogs]) -> None:
   """Fig. 1: each rank's final velocity over its module's mean, a few modules per run."""
   bars = {run.run_dir: figure_data.velocity_bars(run) for run in diag_runs}
-  stem = rundir.FIG1_VELOCITY_BARS
+  stem = file_names.FIG1_VELOCITY_BARS
   o.csv(stem, [dict(run=r.label, **row) for r in diag_runs for row in bars[r.run_dir]])
   o.png(
       _figures().velocity_bars_figure(
@@ -114,7 +115,7 @@ def _velocity_trajectory(
     o: _Output, diag_runs: list[RunLogs], chosen: dict[str, str], stability: dict[str, dict]
 ) -> None:
   """Fig. 2a: per-rank velocity over steps in one module, and the ordering's stability."""
-  stem = rundir.FIG2A_VELOCITY_TRAJECTORY
+  stem = file_names.FIG2A_VELOCITY_TRAJECTORY
   o.csv(
       stem,
       [
@@ -126,7 +127,7 @@ def _velocity_trajectory(
   )
   if any(stability.values()):
     o.csv(
-        rundir.FIG2A_ORDERING_STABILITY,
+        file_names.FIG2A_ORDERING_STABILITY,
         [
             dict(run=r.label, module=m, spearman=rho)
             for r in diag_runs
@@ -158,7 +159,7 @@ def _velocity_trajectory(
 def _quartile_magnitude(o: _Output, diag_runs: list[RunLogs]) -> None:
   """Fig. 2b: the contribution magnitude of each velocity quartile over steps."""
   quart = {r.run_dir: figure_data.quartile_magnitude(r) for r in diag_runs}
-  stem = rundir.FIG2B_QUARTILE_MAGNITUDE
+  stem = file_names.FIG2B_QUARTILE_MAGNITUDE
   o.csv(
       stem,
       [
@@ -185,7 +186,7 @@ def _log_multipliers(o: _Output, diag_runs: list[RunLogs], chosen: dict[str, str
   if not heat_runs:
     return
   heat = {r.run_dir: figure_data.log_multipliers(r, chosen[r.run_dir]) for r in heat_runs}
-  stem = rundir.FIG3A_LOG_MULTIPLIERS
+  stem = file_names.FIG3A_LOG_MULTIPLIERS
   o.csv(
       stem,
       [
@@ -216,7 +217,7 @@ def _velocity_vs_concentration(
         'matching module names in the same run.'
     )
     return
-  stem = rundir.FIG2C_VELOCITY_VS_CONCENTRATION
+  stem = file_names.FIG2C_VELOCITY_VS_CONCENTRATION
   o.csv(stem, [dict(run=r.label, **row) for r in both for row in conc[r.run_dir]])
   o.png(
       _figures().concentration_figure(
@@ -248,7 +249,7 @@ def _cumulative_energy(
   if not spec_runs:
     o.missing.append(f'fig3b not drawn: no run has {rundir.LORA_FILE}.')
     return energy
-  stem = rundir.FIG3B_CUMULATIVE_ENERGY
+  stem = file_names.FIG3B_CUMULATIVE_ENERGY
   o.csv(
       stem,
       [
@@ -281,7 +282,7 @@ def _energy_shift(o: _Output, runs: list[RunLogs], energy: dict[str, tuple]) -> 
     o.missing.append(f'fig3c not drawn: the runs have different ranks ({len(pa)} vs {len(pb)}).')
     return
   shift = measures.energy_shift(pa, pb)
-  stem = rundir.FIG3C_ENERGY_SHIFT
+  stem = file_names.FIG3C_ENERGY_SHIFT
   o.csv(
       stem,
       [
@@ -298,7 +299,7 @@ def _summary(o: _Output, runs: list[RunLogs], spectra: dict, stability: dict) ->
       figure_data.summary_row(r, spectra[r.run_dir], stability.get(r.run_dir, {})) for r in runs
   ]
   o.csv(
-      rundir.ANALYSIS_SUMMARY,
+      file_names.ANALYSIS_SUMMARY,
       [
           dict(metric=key, description=desc, **{r.label: s[key] for r, s in zip(runs, summary)})
           for key, desc in figure_data.SUMMARY_COLUMNS
@@ -306,7 +307,7 @@ def _summary(o: _Output, runs: list[RunLogs], spectra: dict, stability: dict) ->
   )
   o.files.append(
       write_markdown(
-          o.path(rundir.ANALYSIS_SUMMARY, 'md'),
+          o.path(file_names.ANALYSIS_SUMMARY, 'md'),
           ['metric'] + [r.label for r in runs],
           [[desc] + [s[key] for s in summary] for key, desc in figure_data.SUMMARY_COLUMNS],
           title='Rank-one dynamics summary',
@@ -369,7 +370,7 @@ def analyze(
   summary = _summary(o, runs, spectra, stability)
 
   if o.missing:
-    missing_file = os.path.join(out, rundir.MISSING_FILE)
+    missing_file = os.path.join(out, file_names.MISSING_FILE)
     with open(missing_file, 'w') as f:
       f.write('\n'.join(o.missing) + '\n')
     o.files.append(missing_file)

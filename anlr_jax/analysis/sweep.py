@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from anlr_jax import fileio, rundir
+from anlr_jax.analysis import file_names
 from anlr_jax.results import read_results
 from anlr_jax.analysis.tables import write_csv, write_markdown
 
@@ -97,8 +98,8 @@ def grid(
 
 
 def cell_dir(out: str, cell: SweepCell) -> str:
-  """``<out>/<method>/lr<lr:g>/seed<seed>`` (:func:`anlr_jax.rundir.sweep_cell_dir`)."""
-  return rundir.sweep_cell_dir(out, cell.method, cell.learning_rate, cell.seed)
+  """``<out>/<method>/lr<lr:g>/seed<seed>`` (:func:`anlr_jax.file_names.sweep_cell_dir`)."""
+  return file_names.sweep_cell_dir(out, cell.method, cell.learning_rate, cell.seed)
 
 
 def subprocess_runner(
@@ -132,7 +133,7 @@ def subprocess_runner(
         ),
         *overrides,
     ]
-    log_path = os.path.join(run_dir, rundir.TRAIN_LOG)
+    log_path = os.path.join(run_dir, file_names.TRAIN_LOG)
     with open(log_path, 'a') as log_file:
       log_file.write('$ ' + ' '.join(command) + '\n')
       log_file.flush()
@@ -407,9 +408,9 @@ def write_sweep_report(
   table = aggregate(rows)
   base = base_result(out)
   paths = dict(
-      results=write_csv(os.path.join(out, rundir.SWEEP_RESULTS_CSV), rows),
+      results=write_csv(os.path.join(out, file_names.SWEEP_RESULTS_CSV), rows),
       summary=write_csv(
-          os.path.join(out, f'{rundir.SWEEP_SUMMARY}.csv'),
+          os.path.join(out, f'{file_names.SWEEP_SUMMARY}.csv'),
           table,
           ['method', 'learning_rate', 'n', 'mean', 'std'],
       ),
@@ -422,7 +423,7 @@ def write_sweep_report(
   }
   base_rows = [['base'] + [f"{base['avg']:.4g}"] * len(lrs)] if base else []
   paths['markdown'] = write_markdown(
-      os.path.join(out, f'{rundir.SWEEP_SUMMARY}.md'),
+      os.path.join(out, f'{file_names.SWEEP_SUMMARY}.md'),
       ['method'] + [f'{lr:g}' for lr in lrs],
       [[m] + [cell_text.get((m, lr), '-') for lr in lrs] for m in methods] + base_rows,
       title='Accuracy (avg) vs learning rate: mean ± std (seeds)',
@@ -460,6 +461,6 @@ def write_sweep_report(
     )
   if table:
     paths['plot'] = figures.accuracy_vs_lr_figure(
-        table, os.path.join(out, rundir.SWEEP_PLOT), base=None if base is None else base['avg']
+        table, os.path.join(out, file_names.SWEEP_PLOT), base=None if base is None else base['avg']
     )
   return paths

@@ -15,6 +15,7 @@ import sys
 from typing import Sequence
 
 from anlr_jax import rundir
+from anlr_jax.analysis import file_names
 from anlr_jax.analysis.analyze import analyze
 from anlr_jax.analysis.sweep import (
     BaseRunner,
@@ -94,8 +95,8 @@ def _sweep_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog='anlr sweep',
       description='Run `anlr train` over methods x learning rates x seeds (resumable: cells with a '
-      f'{rundir.RESULTS_FILE} are skipped), then write {rundir.SWEEP_RESULTS_CSV}, '
-      f'{rundir.SWEEP_SUMMARY}.{{csv,md}} and {rundir.SWEEP_PLOT}.',
+      f'{rundir.RESULTS_FILE} are skipped), then write {file_names.SWEEP_RESULTS_CSV}, '
+      f'{file_names.SWEEP_SUMMARY}.{{csv,md}} and {file_names.SWEEP_PLOT}.',
   )
   p.add_argument('--config', required=True, help='training config passed to every cell')
   p.add_argument(

@@ -57,8 +57,8 @@ from anlr_jax.app.sections import (
     TrainerSection,
     VisualTaskSection,
 )
+from anlr_jax.data.formats import VISUAL_FORMATS
 from anlr_jax.evals.extract import get_task
-from anlr_jax.evals.visual import FORMATS as VISUAL_FORMATS
 from anlr_jax.fields import ConfigError, build_settings, field_help, rule_of, type_name
 from anlr_jax.methods import get_method
 

@@ -50,7 +50,8 @@ from anlr_jax.models.config import PRESETS as MODEL_PRESETS
 from anlr_jax.models.config import ModelConfig
 from anlr_jax.models.gguf import read_gguf
 from anlr_jax.models.hf_files import is_gguf
-from anlr_jax.models.llava import LlavaConfig, LlavaForConditionalGeneration, is_llava_config
+from anlr_jax.models.llava import LlavaForConditionalGeneration
+from anlr_jax.models.llava_config import LlavaConfig, is_llava_config
 from anlr_jax.train.mesh import MESH_AXES, matching_shardings, state_shardings
 
 PRESETS = (*(name for name in MODEL_PRESETS if name != "tiny"), "llava1_5_7b")

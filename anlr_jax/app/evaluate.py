@@ -24,7 +24,7 @@ import numpy as np
 from anlr_jax import rundir
 from anlr_jax.results import EvalRunResult, write_results
 from anlr_jax.app.config import RunConfig, VisualTaskSection, load_config
-from anlr_jax.app.generation import make_generate_fn, prompt_width
+from anlr_jax.app.generation import make_generate_fn
 from anlr_jax.app.model import is_run_dir, load_adapted_model, load_base
 from anlr_jax.app.paths import require_path, resolve_path
 from anlr_jax.app.report import BASE_ROW, Log, is_writer, no_lock, say
@@ -46,7 +46,7 @@ from anlr_jax.evals.loglik import evaluate_choices
 from anlr_jax.evals.visual import score_file
 from anlr_jax.evals.visual_tasks import SELF_SCORED, evaluate_visual, read_visual_questions
 from anlr_jax.models import LlavaForConditionalGeneration, generate
-from anlr_jax.models.llava import is_llava_config
+from anlr_jax.models.llava_config import is_llava_config
 
 
 def load_eval_sets(
@@ -159,7 +159,6 @@ def _evaluate_visual(model, tokenizer, config: RunConfig, task: str, visual: Vis
         template=config.data.template,
         batch_size=config.eval.batch_size,
         max_new_tokens=config.eval.max_new_tokens,
-        width_fn=prompt_width,
     )
   except (ValueError, FileNotFoundError) as err:
     raise ValueError(f"{key}: {err}") from None
@@ -417,6 +416,5 @@ __all__ = [
     "generate_text",
     "load_eval_sets",
     "make_generate_fn",
-    "prompt_width",
     "VisualSet",
 ]

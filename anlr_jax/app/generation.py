@@ -4,22 +4,12 @@ widths so decoding compiles a handful of programs (``anlr eval``, the MT-Bench a
 
 from __future__ import annotations
 
-import math
-
 import jax
 import numpy as np
 
 from anlr_jax.data import end_of_turn_id
 from anlr_jax.models import generate
-
-
-def prompt_width(length: int, multiple: int = 16) -> int:
-  """The padded width of a prompt batch whose longest prompt has ``length`` tokens: the smallest
-  ``multiple * 2**j`` (``j >= 0``) that holds it. Widths grow geometrically, so the number of
-  distinct shapes (compiled programs) grows with ``log(length)``, not with ``length / multiple``;
-  the padding costs at most 2x the prefill (decoding, the bulk of the work, is per token)."""
-  blocks = max(1, math.ceil(length / multiple))
-  return multiple * (1 << (blocks - 1).bit_length())
+from anlr_jax.models.generation import left_padded_batch, prompt_width
 
 
 def make_generate_fn(
@@ -72,12 +62,7 @@ def make_generate_fn(
         ([bos] if bos is not None else []) + tokenizer(p, add_special_tokens=False).input_ids
         for p in prompts
     ]
-    width = prompt_width(max(len(r) for r in rows), width_multiple)
-    n = max(batch_size, len(rows))
-    ids = np.full((n, width), pad, np.int32)
-    mask = np.zeros((n, width), np.int32)
-    for i, row in enumerate(rows + [rows[-1]] * (n - len(rows))):
-      ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+    ids, mask = left_padded_batch(rows, pad, batch_size=batch_size, width_multiple=width_multiple)
     out = generate(
         model,
         ids,

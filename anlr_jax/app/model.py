@@ -32,7 +32,7 @@ from anlr_jax.app.paths import require_path, resolve_path
 from anlr_jax.fields import DTYPES
 from anlr_jax.fileio import atomic_write
 from anlr_jax.models import load_hf_model, load_llava_model, load_tokenizer
-from anlr_jax.models.llava import is_llava_config
+from anlr_jax.models.llava_config import is_llava_config
 from anlr_jax.nn import (
     DashDirections,
     import_adalora_adapter,

@@ -15,9 +15,8 @@ from typing import Any, Mapping
 
 from anlr_jax.methods import METHOD_NAMES
 from anlr_jax.data.chat import TEMPLATES
-from anlr_jax.data.formats import FORMATS
+from anlr_jax.data.formats import FORMATS, VISUAL_FORMATS
 from anlr_jax.evals.extract import TASKS
-from anlr_jax.evals.visual import FORMATS as VISUAL_FORMATS
 from anlr_jax.fields import DTYPES, ConfigError, Each, OneOf, Range, setting
 from anlr_jax.models.config import ATTENTION_IMPLS
 from anlr_jax.nn.inject import PAPER_TARGET_MODULES

@@ -70,7 +70,8 @@ from anlr_jax.data.source import LengthBucketedSource
 from anlr_jax.fields import ConfigError
 from anlr_jax.evals import write_accuracy_table
 from anlr_jax.methods import ADALORA_TOTAL_STEP
-from anlr_jax.models.llava import LlavaConfig, preprocess_image
+from anlr_jax.models.llava_config import LlavaConfig
+from anlr_jax.models.llava_image import preprocess_image
 from anlr_jax.train import Trainer
 from anlr_jax.train.distributed import process0_value
 from anlr_jax.train.lock import DirectoryLock
@@ -279,7 +280,7 @@ def training_source(
   """The training batches of a run: ``path`` read, tokenised and batched as the ``data`` section,
   ``trainer.global_batch`` and ``seed`` of ``config`` say (``anlr train`` and the examples).
 
-  A LLaVA model (``model_config`` a :class:`~anlr_jax.models.llava.LlavaConfig`) trains on LLaVA
+  A LLaVA model (``model_config`` a :class:`~anlr_jax.models.llava_config.LlavaConfig`) trains on LLaVA
   data (``data.format: llava``, the default for it): its images, from ``data.image_folder``, made
   into the vision tower's pixel values; other models on the text formats."""
   data = config.data

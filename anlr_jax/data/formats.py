@@ -282,6 +282,15 @@ FORMATS: dict[str, _Format] = {
 """Known formats and the keys that identify them (see the module docstring)."""
 
 
+VISUAL_BENCHMARKS = ("vqav2", "gqa", "vizwiz", "scienceqa", "textvqa", "pope", "mmbench")
+"""The seven visual benchmarks of LLaVA-1.5, in the column order of its results table (their
+files and scorers: :mod:`anlr_jax.evals.visual`)."""
+
+VISUAL_FORMATS = (*VISUAL_BENCHMARKS, "llava_qa")
+"""Every visual eval format (``eval.tasks.<name>.format``): the seven benchmarks and LLaVA-format
+questions with answers."""
+
+
 def detect_format(record: Mapping[str, Any]) -> str:
   """The name of the first format in `FORMATS` whose identifying keys are all in `record`."""
   for name, spec in FORMATS.items():

@@ -63,14 +63,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tqdm
-from PIL import Image, UnidentifiedImageError
 
 from anlr_jax.data.chat import render_chat
+from anlr_jax.data.images import Preprocess, image_problem, load_image
 from anlr_jax.data.formats import (
     DataFormatError,
     Example,
@@ -98,8 +98,6 @@ VICUNA_V1_SYSTEM = (
 )
 """The system sentence of LLaVA-1.5's ``vicuna_v1`` conversation format."""
 
-Preprocess = Callable[[Image.Image], np.ndarray]
-"""A PIL RGB image -> its ``(3, H, W)`` float32 pixel values."""
 
 _ROLES = {
     "system": "system",
@@ -147,13 +145,9 @@ def _image_paths(record: Mapping[str, Any], folder: str) -> tuple[str, ...]:
   paths = []
   for name in names:
     path = os.path.join(folder, name)
-    if not os.path.isfile(path):
-      raise _RecordError(f"image file not found: {path}")
-    try:
-      with Image.open(path):
-        pass
-    except (UnidentifiedImageError, OSError) as err:
-      raise _RecordError(f"unreadable image {path}: {err}") from None
+    problem = image_problem(path)
+    if problem is not None:
+      raise _RecordError(problem)
     paths.append(path)
   return tuple(paths)
 
@@ -448,16 +442,6 @@ def generation_prompt_ids(
   return np.repeat(ids, np.where(ids == image_id, num_image_tokens, 1)).astype(np.int32)
 
 
-def load_image(path: str, preprocess: Preprocess) -> np.ndarray:
-  """`preprocess` of the image at `path` (converted to RGB), checked to be a `(3, H, W)` array."""
-  with Image.open(path) as image:
-    image.load()
-    pixels = np.asarray(preprocess(image.convert("RGB")), dtype=np.float32)
-  if pixels.ndim != 3 or pixels.shape[0] != 3:
-    raise ValueError(f"preprocess must return a (3, H, W) array, got shape {pixels.shape}")
-  return pixels
-
-
 class LlavaSource(LengthBucketedSource):
   """`LengthBucketedSource` batches plus each row's images (see the module docstring)."""
 
@@ -503,7 +487,7 @@ class LlavaSource(LengthBucketedSource):
     for path in self.examples.images[example]:
       try:
         pixels = load_image(path, self.preprocess)
-      except (UnidentifiedImageError, OSError, SyntaxError) as err:
+      except (OSError, SyntaxError) as err:  # PIL's UnidentifiedImageError is an OSError
         line, rid = self.examples.source_lines[example], self.examples.ids[example]
         record = f"record {rid}: " if rid else ""
         raise DataFormatError(

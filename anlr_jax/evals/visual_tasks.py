@@ -21,7 +21,7 @@ image), in the template the model was trained with (``vicuna_v1``: LLaVA-1.5's c
 ``chat``: the tokenizer's), up to where the answer starts, with the ``<image>`` token expanded to the
 model's ``num_image_tokens`` positions (:func:`anlr_jax.data.llava.generation_prompt_ids`, the ids
 that start a training sequence of the same turn). The image is made into pixel values as in
-training (:func:`anlr_jax.models.llava.preprocess_image`). Prompts go to the model ``batch_size`` at
+training (:func:`anlr_jax.models.llava_image.preprocess_image`). Prompts go to the model ``batch_size`` at
 a time, left-padded to a few widths, each row's image in its slot of a ``(B, 1, 3, S, S)`` array
 (one compiled shape per width); decoding is greedy and stops at eos (``vicuna_v1``) or at the chat
 template's end-of-turn token. The answers are scored by the format's scorer against its official
@@ -30,24 +30,21 @@ file (``annotations``; the question file itself for ``pope``, ``mmbench`` and ``
 
 from __future__ import annotations
 
-import base64
-import csv
 import dataclasses
-import io
 import json
 import os
-import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import tqdm
-from PIL import Image, UnidentifiedImageError
 
 from anlr_jax import fileio
 from anlr_jax.data.formats import DataFormatError, scan_records
 from anlr_jax.data.llava import IMAGE_TOKEN, LLAVA_TEMPLATES, generation_prompt_ids
-from anlr_jax.evals.visual import FORMATS, VisualScore, score_file
+from anlr_jax.data.formats import VISUAL_FORMATS as FORMATS
+from anlr_jax.data.images import image_problem, load_image
+from anlr_jax.evals.visual import VisualScore, read_mmbench, score_file
 
 SELF_SCORED = ("pope", "mmbench", "llava_qa")
 """Formats whose question file is also the file the scorer reads (no ``annotations`` needed)."""
@@ -139,16 +136,6 @@ def _with_instruction(text: str, instruction: str | None) -> str:
   return text
 
 
-def _check_image(path: str, where: str) -> None:
-  if not os.path.isfile(path):
-    raise DataFormatError(f"{where}: image file not found: {path}")
-  try:
-    with Image.open(path):
-      pass
-  except (UnidentifiedImageError, OSError) as err:
-    raise DataFormatError(f"{where}: unreadable image {path}: {err}") from None
-
-
 def _from_record(record: Any, where: str, folder: str, instruction: str | None) -> VisualQuestion:
   if not isinstance(record, Mapping):
     raise DataFormatError(f"{where}: a question must be a JSON object, got {type(record).__name__}")
@@ -180,7 +167,9 @@ def _from_record(record: Any, where: str, folder: str, instruction: str | None) 
     if not isinstance(image, str) or not image:
       raise DataFormatError(f"{where}: 'image' must be one file name")
     image = os.path.join(folder, image)
-    _check_image(image, where)
+    problem = image_problem(image)
+    if problem is not None:
+      raise DataFormatError(f"{where}: {problem}")
   if text.count(IMAGE_TOKEN) > (image is not None):
     raise DataFormatError(f"{where}: holds more {IMAGE_TOKEN} tokens than images")
   text = text.replace(IMAGE_TOKEN, "").strip()
@@ -188,35 +177,15 @@ def _from_record(record: Any, where: str, folder: str, instruction: str | None) 
 
 
 def _mmbench_questions(path: str, instruction: str | None) -> list[VisualQuestion]:
-  csv.field_size_limit(sys.maxsize)  # the image column holds whole base64 images
-  with open(path, encoding="utf-8", newline="") as f:
-    reader = csv.DictReader(f, delimiter="\t")
-    for key in ("index", "question", "A", "B", "image"):
-      if key not in (reader.fieldnames or []):
-        raise DataFormatError(f"{path}: missing column {key!r} (columns: {reader.fieldnames})")
-    out = []
-    for line, row in enumerate(reader, start=2):
-      where = f"{path}:{line}"
-      try:
-        qid = str(int(float(row["index"])))
-      except (TypeError, ValueError):
-        raise DataFormatError(f"{where}: index {row['index']!r} is not a number") from None
-      text = row["question"].strip()
-      hint = (row.get("hint") or "").strip()
-      if hint and hint.lower() != "nan":
-        text = f"{hint}\n{text}"
-      for letter in "ABCD":
-        option = (row.get(letter) or "").strip()
-        if not option or option.lower() == "nan":
-          break
-        text += f"\n{letter}. {option}"
-      try:
-        image = base64.b64decode(row["image"], validate=True)
-        Image.open(io.BytesIO(image)).verify()
-      except (ValueError, UnidentifiedImageError, OSError) as err:
-        raise DataFormatError(f"{where}: the 'image' cell is not a base64 image: {err}") from None
-      answer = (row.get("answer") or "").strip() or None
-      out.append(VisualQuestion(qid, _with_instruction(text, instruction), image, answer, where))
+  """LLaVA's question of each row of the MMBench TSV (:func:`anlr_jax.evals.visual.read_mmbench`):
+  the hint (when there is one), the question, then one line ``"A. <option>"`` per option."""
+  out = []
+  for row in read_mmbench(path, answers=False, images=True):
+    text = f"{row['hint']}\n{row['question']}" if row["hint"] else row["question"]
+    text += "".join(f"\n{letter}. {option}" for letter, option in row["options"].items())
+    question = _with_instruction(text, instruction)
+    answer = row["answer"] or None
+    out.append(VisualQuestion(str(row["index"]), question, row["image"], answer, row["where"]))
   return out
 
 
@@ -268,12 +237,9 @@ def read_visual_questions(
 
 
 def _pixels(question: VisualQuestion, preprocess) -> np.ndarray:
-  source = io.BytesIO(question.image) if isinstance(question.image, bytes) else question.image
   try:
-    with Image.open(source) as image:
-      image.load()
-      return np.asarray(preprocess(image.convert("RGB")), np.float32)
-  except (UnidentifiedImageError, OSError) as err:
+    return load_image(question.image, preprocess)
+  except (OSError, SyntaxError) as err:  # PIL's UnidentifiedImageError is an OSError
     raise DataFormatError(
         f"{question.where}: unreadable image {question.image_name}: {err}"
     ) from None
@@ -298,15 +264,14 @@ def generate_answers(
     batch_size: int,
     max_new_tokens: int,
     desc: str = "visual",
-    width_fn: Callable[[int], int] | None = None,
 ) -> tuple[list[str], list[str]]:
   """Greedy answers of a LLaVA ``model`` to ``questions`` (see the module docstring), with a tqdm
-  bar; returns ``(prompts as text, answers)``. ``width_fn``: the padded width of a batch whose
-  longest prompt has ``n`` tokens (default: ``n`` rounded up to a multiple of 16; ``anlr eval``
-  passes :func:`anlr_jax.app.generation.prompt_width`, which compiles fewer widths)."""
+  bar; returns ``(prompts as text, answers)``. Prompts are batched as the text evaluations batch
+  theirs (:func:`anlr_jax.models.generation.left_padded_batch`)."""
   from anlr_jax.data.chat import end_of_turn_id
   from anlr_jax.models import generate
-  from anlr_jax.models.llava import preprocess_image
+  from anlr_jax.models.generation import left_padded_batch
+  from anlr_jax.models.llava_image import preprocess_image
 
   if template not in LLAVA_TEMPLATES:
     raise ValueError(f"template must be one of {list(LLAVA_TEMPLATES)}, got {template!r}")
@@ -322,16 +287,11 @@ def generate_answers(
           prompt_ids(tokenizer, q, template=template, num_image_tokens=config.num_image_tokens)
           for q in batch
       ]
-      n = max(batch_size, len(rows))
-      filled = rows + [rows[-1]] * (n - len(rows))
-      images = batch + [batch[-1]] * (n - len(batch))
-      longest = max(len(r) for r in rows)
-      width = width_fn(longest) if width_fn is not None else -(-longest // 16) * 16
-      ids = np.full((n, width), pad, np.int32)
-      mask = np.zeros((n, width), np.int32)
+      ids, mask = left_padded_batch(rows, int(pad), batch_size=batch_size)
+      n = len(ids)
+      images = batch + [batch[-1]] * (n - len(batch))  # the filler rows repeat the last one
       pixels = np.zeros((n, 1, 3, size, size), np.float32)
-      for i, (row, q) in enumerate(zip(filled, images)):
-        ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+      for i, q in enumerate(images):
         if q.image is not None:
           pixels[i, 0] = _pixels(q, lambda im: preprocess_image(im, config))
       out = generate(
@@ -363,7 +323,6 @@ def evaluate_visual(
     template: str,
     batch_size: int,
     max_new_tokens: int,
-    width_fn: Callable[[int], int] | None = None,
 ) -> VisualEvalResult:
   """Answers ``questions`` and scores the answers with the scorer of ``format`` against the
   ``official`` file (only the questions answered: ``on_missing="skip"``, so that ``eval.limit``
@@ -376,7 +335,6 @@ def evaluate_visual(
       batch_size=batch_size,
       max_new_tokens=max_new_tokens,
       desc=task,
-      width_fn=width_fn,
   )
   predictions = {q.question_id: a for q, a in zip(questions, answers)}
   score = score_file(format, predictions, official, on_missing="skip")

@@ -11,13 +11,10 @@ from anlr_jax.models.hf_io import (
     save_hf_model,
 )
 from anlr_jax.models.llama import LOGICAL_AXES, KVCache, LlamaForCausalLM, init_cache
-from anlr_jax.models.llava import (
-    LlavaConfig,
-    LlavaForConditionalGeneration,
-    load_llava_model,
-    preprocess_image,
-    save_llava_model,
-)
+from anlr_jax.models.llava import LlavaForConditionalGeneration
+from anlr_jax.models.llava_config import LlavaConfig
+from anlr_jax.models.llava_image import preprocess_image
+from anlr_jax.models.llava_io import load_llava_model, save_llava_model
 
 __all__ = [
     "LOGICAL_AXES",

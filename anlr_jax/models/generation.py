@@ -12,15 +12,22 @@ and once a row has produced ``eos_token_id`` every later token of that row is ``
 Both jitted functions live at module level, keyed only on the model's graph definition and greedy vs
 sampling (temperature, top_k, top_p, eos and pad ids are traced), so the step compiles once
 per prompt/cache shape and is reused across tokens and calls.
+
+:func:`left_padded_batch` lays token-id prompts out as such a batch, left-padded to
+:func:`prompt_width` (a few widths, so decoding compiles a handful of programs); the evaluations'
+text generation and the visual tasks both batch their prompts with it.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from anlr_jax.models.llama import KVCache, LlamaForCausalLM, init_cache
@@ -213,3 +220,30 @@ def generate(
     )
     tokens.append(token)
   return jnp.concatenate([t if t.ndim == 2 else t[:, None] for t in tokens], axis=1)
+
+
+def prompt_width(length: int, multiple: int = 16) -> int:
+  """The padded width of a prompt batch whose longest prompt has ``length`` tokens: the smallest
+  ``multiple * 2**j`` (``j >= 0``) that holds it. Widths grow geometrically, so the number of
+  distinct shapes (compiled programs) grows with ``log(length)``, not with ``length / multiple``;
+  the padding costs at most 2x the prefill (decoding, the bulk of the work, is per token)."""
+  blocks = max(1, math.ceil(length / multiple))
+  return multiple * (1 << (blocks - 1).bit_length())
+
+
+def left_padded_batch(
+    rows: Sequence[Sequence[int]], pad_token_id: int, *, batch_size: int, width_multiple: int = 16
+) -> tuple[np.ndarray, np.ndarray]:
+  """``(input_ids, attention_mask)`` int32 ``(max(batch_size, len(rows)), W)`` of the prompts
+  ``rows`` (token ids), ``W = prompt_width(longest row, width_multiple)``: each row right-aligned,
+  left-padded with ``pad_token_id`` (mask 0 there); a short batch is filled up to ``batch_size``
+  rows with copies of its last row (one compiled shape per width)."""
+  if not rows:
+    raise ValueError("a prompt batch needs at least one row")
+  width = prompt_width(max(len(r) for r in rows), width_multiple)
+  n = max(batch_size, len(rows))
+  ids = np.full((n, width), pad_token_id, np.int32)
+  mask = np.zeros((n, width), np.int32)
+  for i, row in enumerate(list(rows) + [rows[-1]] * (n - len(rows))):
+    ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+  return ids, mask
