@@ -40,6 +40,7 @@ from anlr_jax.app.analysis_cli import analyze_main, sweep_main
 from anlr_jax.app.config import ConfigError, RunConfig, help_text, load_config
 from anlr_jax.app.dryrun import PRESETS, dry_run
 from anlr_jax.app.evaluate import eval_run, generate_text
+from anlr_jax.nn.quant import QUANTIZE_MODES
 from anlr_jax.app.export import export_run
 from anlr_jax.app.distributed import distributed_job
 from anlr_jax.app.paths import QUICKSTART, config_summary, find_config, shipped_configs
@@ -156,7 +157,10 @@ def cmd_judge_model(args) -> int:
 def cmd_serve(args) -> int:
   from anlr_jax.app.serve import serve_main
 
-  config = load_config(find_config(args.config) if args.config else None, args.overrides)
+  quantize = [f"model.quantize={args.quantize}"] if args.quantize else []
+  config = load_config(
+      find_config(args.config) if args.config else None, [*args.overrides, *quantize]
+  )
   use_compile_cache(config.compile_cache)
   try:
     serve_main(config, args.adapter, host=args.host, port=args.port, name=args.name)
@@ -195,6 +199,7 @@ def cmd_generate(args) -> int:
       seed=args.seed,
       dtype=args.dtype,
       template=args.template,
+      quantize=args.quantize,
   )
   print(text, flush=True)
   return 0
@@ -380,8 +385,12 @@ def _add_run_commands(sub) -> None:
   serve.add_argument(
       "--name", help="the model id clients send (default: the adapter's or model's file name)"
   )
+  serve.add_argument("--quantize", choices=QUANTIZE_MODES, help=QUANTIZE_HELP)
   serve.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. model.path=...")
   serve.set_defaults(func=cmd_serve)
+
+
+QUANTIZE_HELP = "the base's linear layers stored as nf4 (4-bit) or int8, as model.quantize"
 
 
 def _add_file_commands(sub) -> None:
@@ -410,6 +419,7 @@ def _add_file_commands(sub) -> None:
   gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
   gen.add_argument("--seed", type=int, default=0, help="sampling seed")
   gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+  gen.add_argument("--quantize", default="none", choices=QUANTIZE_MODES, help=QUANTIZE_HELP)
   gen.add_argument(
       "--raw", action="store_true", help="do not wrap the prompt in a template (used verbatim)"
   )

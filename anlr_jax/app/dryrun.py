@@ -52,6 +52,7 @@ from anlr_jax.models.gguf import read_gguf
 from anlr_jax.models.hf_files import is_gguf
 from anlr_jax.models.llava import LlavaForConditionalGeneration
 from anlr_jax.models.llava_config import LlavaConfig, is_llava_config
+from anlr_jax.nn.quant import QuantizedParam, is_quantized
 from anlr_jax.train.mesh import MESH_AXES, matching_shardings, state_shardings
 
 PRESETS = (*(name for name in MODEL_PRESETS if name != "tiny"), "llava1_5_7b")
@@ -138,6 +139,20 @@ def _vision_bytes(config: RunConfig, model: LlavaConfig, sizes: dict[str, int]) 
   return int(layer + c * rows * v.num_attention_heads * tokens**2)
 
 
+def _base_params(model: nnx.Module, frozen_tree) -> int:
+  """The base's weights, a quantised layer's counted as ``d_in * d_out`` (not its packed bytes)."""
+  count = sum(math.prod(x.shape) for x in jax.tree.leaves(frozen_tree))
+  for _, layer in nnx.iter_modules(model):
+    if is_quantized(layer):
+      packed = jax.tree.leaves(nnx.state(layer, QuantizedParam))
+      count += layer.in_features * layer.out_features - sum(math.prod(x.shape) for x in packed)
+  return int(count)
+
+
+def _total_bytes(tree) -> int:
+  return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
 def estimate(config: RunConfig, *, devices: int, preset: str | None = None) -> dict[str, Any]:
   """Bytes per device of the base params, LoRA params, optimizer state and (estimated)
   activations of ``config``'s run on ``devices`` devices; see the module docstring."""
@@ -175,7 +190,8 @@ def estimate(config: RunConfig, *, devices: int, preset: str | None = None) -> d
       "method": method,
       "devices": devices,
       "mesh": sizes,
-      "base_params": int(sum(math.prod(x.shape) for x in jax.tree.leaves(frozen_tree))),
+      "base_params": _base_params(abstract, frozen_tree),
+      "base_bytes_per_param": _total_bytes(frozen_tree) / _base_params(abstract, frozen_tree),
       "lora_params": int(sum(math.prod(x.shape) for x in jax.tree.leaves(lora_tree))),
       "base_bytes": _per_device_bytes(frozen_tree, frozen_sh),
       "lora_bytes": _per_device_bytes(lora_tree, lora_sh),
@@ -193,6 +209,7 @@ def describe(result: dict[str, Any], config: RunConfig) -> str:
   mesh = " x ".join(f"{a} {n}" for a, n in result["mesh"].items())
   mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
   gib = lambda n: f"{n / GIB:,.2f} GiB"  # noqa: E731
+  quantized = "" if config.model.quantize == "none" else f", linear layers {config.model.quantize}"
   return "\n".join(
       [
           f"dry run: {result['model']} ({result['base_params'] / 1e9:.2f} B base params),"
@@ -204,7 +221,8 @@ def describe(result: dict[str, Any], config: RunConfig) -> str:
           f" {tc.loss_chunk or 'none (whole logits)'}",
           "per device:",
           f"  base params      {gib(result['base_bytes'])}"
-          f" ({config.trainer.base_dtype or config.model.dtype})",
+          f" ({config.trainer.base_dtype or config.model.dtype}{quantized};"
+          f" {result['base_bytes_per_param']:.3f} bytes per base parameter)",
           f"  LoRA params      {mib(result['lora_bytes'])} (their gradient and update: as much"
           " again each)",
           f"  optimizer state  {mib(result['optimizer_bytes'])}",

@@ -372,12 +372,15 @@ def generate_text(
     seed: int = 0,
     dtype: str = "float32",
     template: str | None = None,
+    quantize: str = "none",
 ) -> str:
   """``anlr generate``: the continuation of ``prompt``, wrapped in the Alpaca or the chat template
   (``template``; None: the run's ``data.template`` when ``adapter`` is a run directory, else
   ``alpaca``) unless ``raw``. With the chat template no bos is prepended and generation stops at
   the template's end-of-turn token."""
-  config = load_config(None, [f"model.path={model_path}", f"model.dtype={dtype}"])
+  config = load_config(
+      None, [f"model.path={model_path}", f"model.dtype={dtype}", f"model.quantize={quantize}"]
+  )
   if template is None:
     run_config = adapter is not None and is_run_dir(adapter)
     template = (

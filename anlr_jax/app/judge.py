@@ -133,7 +133,9 @@ def load_judge(config: RunConfig) -> Judge:
         " package:// path (eval.judge.model=<path>), or an endpoint (eval.judge.url=<url>)"
     )
   path = require_path(section.model, "eval.judge.model", kind="judge model")
-  judge_config = dataclasses.replace(config, model=ModelSection(path=path, dtype=section.dtype))
+  judge_config = dataclasses.replace(
+      config, model=ModelSection(path=path, dtype=section.dtype, quantize=section.quantize)
+  )
   try:
     model, _, tokenizer = load_base(judge_config)
   except (OSError, ValueError, KeyError, TypeError) as err:

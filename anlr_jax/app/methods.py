@@ -21,8 +21,11 @@ from anlr_jax.nn import dash_launched, launch_dash, lora_scale
 from anlr_jax.optim import Signal
 from anlr_jax.optim.adalora import AdaLoRAConfig, orth_regularization
 from anlr_jax.models.llava import PROJECTOR_PATH
+from anlr_jax.nn.quant import check_mesh, quantize_model
 from anlr_jax.nn.trainable import train_in_full, with_full_params
 from anlr_jax.train.distributed import put_global
+from anlr_jax.train.mesh import make_mesh
+from anlr_jax.train.trainer import first_devices
 
 if TYPE_CHECKING:
   from anlr_jax.app.config import RunConfig
@@ -35,21 +38,49 @@ def _inject_layers(model: nnx.Module, config: RunConfig) -> nnx.Module:
   ``model.projector_lr`` set, LLaVA's projector is trained too (:func:`_train_projector`)."""
   _train_projector(model, config)
   try:
-    return inject_method(
-        model,
-        config.method,
-        target_modules=tuple(config.lora.targets),
-        rank=config.lora.rank,
-        alpha=config.lora.alpha,
-        dropout=config.lora.dropout,
-        rngs=nnx.Rngs(params=config.seed, dropout=config.seed + 1),
-        num_directions=config.loradash.num_directions,
-        launch_step=config.loradash.launch_step,
+    return _quantize(
+        inject_method(
+            model,
+            config.method,
+            target_modules=tuple(config.lora.targets),
+            rank=config.lora.rank,
+            alpha=config.lora.alpha,
+            dropout=config.lora.dropout,
+            rngs=nnx.Rngs(params=config.seed, dropout=config.seed + 1),
+            num_directions=config.loradash.num_directions,
+            launch_step=config.loradash.launch_step,
+        ),
+        config,
     )
   except ValueError as err:
     if not get_method(config.method).uses_loradash or "num_directions" not in str(err):
       raise
     raise ConfigError(f"loradash.num_directions={config.loradash.num_directions}: {err}") from None
+
+
+def _quantize(model: nnx.Module, config: RunConfig) -> nnx.Module:
+  """``model.quantize`` on the layers still in float (all of them after a PiSSA/MiLoRA init from
+  the float weight; none when the base was quantised on load); a layer or model type that cannot
+  be quantised is a ConfigError."""
+  try:
+    return quantize_model(model, config.model.quantize)
+  except ValueError as err:
+    raise ConfigError(str(err)) from None
+
+
+def check_quantized_mesh(model: nnx.Module, config: RunConfig, mesh=None) -> None:
+  """A ConfigError when the run's mesh (``trainer.mesh_*``, or ``mesh``) would split a block of a
+  quantised layer (:func:`anlr_jax.nn.quant.check_mesh`); nothing without ``model.quantize``."""
+  if config.model.quantize == "none":
+    return
+  tc = config.trainer
+  try:
+    if mesh is None:
+      devices = None if tc.devices is None else first_devices(tc.devices)
+      mesh = make_mesh(tc.mesh_data, tc.mesh_fsdp, tc.mesh_tensor, devices=devices)
+    check_mesh(model, mesh)
+  except ValueError as err:
+    raise ConfigError(str(err)) from None
 
 
 def _train_projector(model: nnx.Module, config: RunConfig) -> None:
@@ -275,6 +306,7 @@ __all__ = [
     "adalora_config",
     "adalora_target_r",
     "build_method",
+    "check_quantized_mesh",
     "check_schedule",
     "dash_launcher",
     "method_hooks",

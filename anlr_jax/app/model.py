@@ -26,10 +26,11 @@ from safetensors import safe_open
 from safetensors.numpy import save as safetensors_bytes
 
 from anlr_jax import naming, rundir
-from anlr_jax.app.config import RunConfig, load_config
+from anlr_jax.app.config import ConfigError, RunConfig, load_config
 from anlr_jax.app.methods import build_method
 from anlr_jax.app.paths import require_path, resolve_path
 from anlr_jax.fields import DTYPES
+from anlr_jax.methods import get_method
 from anlr_jax.fileio import atomic_write
 from anlr_jax.models import load_hf_model, load_llava_model, load_tokenizer
 from anlr_jax.models.llava_config import is_llava_config
@@ -44,15 +45,35 @@ from anlr_jax.nn.trainable import FullParam
 from anlr_jax.nn.peft_io import ADAPTER_CONFIG_FILE, adapter_peft_type
 
 
+def quantize_on_load(config: RunConfig) -> str:
+  """``model.quantize`` as applied while the base is read: ``none`` when the run's method takes
+  its adapters' init from the float weight (PiSSA, MiLoRA: :func:`anlr_jax.app.methods.build_method`
+  quantises the residual after the init, as PEFT does)."""
+  if config.model.quantize == "none" or get_method(config.method).init != "default":
+    return "none"
+  return config.model.quantize
+
+
 def load_base(config: RunConfig, model_path: str | None = None):
-  """``(model, model_config, tokenizer)`` of the base model named by ``model.path``."""
+  """``(model, model_config, tokenizer)`` of the base model named by ``model.path``, its linear
+  layers quantised as ``model.quantize`` says (:func:`quantize_on_load`)."""
   path = require_path(model_path or config.model.path, "model.path", kind="HF model directory")
-  load = load_llava_model if is_llava_config(path) else load_hf_model  # config.json model_type
+  quantize = {"quantize": quantize_on_load(config)}
+  if is_llava_config(path):  # config.json model_type
+    if config.model.quantize != "none":
+      raise ConfigError(
+          f"model.quantize={config.model.quantize}: LLaVA models have no quantised path"
+          f" ({path}); use model.quantize=none"
+      )
+    load, quantize = load_llava_model, {}
+  else:
+    load = load_hf_model
   model, model_config = load(
       path,
       dtype=DTYPES[config.model.dtype],
       attention_impl=config.model.attention,
       matmul_dtype=config.model.matmul_dtype,
+      **quantize,
   )
   tokenizer_path = resolve_path(config.model.tokenizer) or path
   tokenizer = load_tokenizer(tokenizer_path)
@@ -200,15 +221,21 @@ def is_run_dir(path: str) -> bool:
 
 def load_adapted_model(config: RunConfig, adapter: str | None, *, model_path: str | None = None):
   """Base model plus an adapter: a run directory (``lora_final.safetensors`` + ``config.yaml``,
-  rebuilt with the run's method and LoRA settings) or a PEFT adapter directory. Returns
+  rebuilt with the run's method and LoRA settings; its base quantised as ``config.model.quantize``
+  says, or as the run's was when that is ``none``) or a PEFT adapter directory. Returns
   ``(model, model_config, tokenizer)``."""
   if adapter is None:
     return load_base(config, model_path)
   if is_run_dir(adapter):
     run_config = load_config(os.path.join(adapter, rundir.CONFIG_FILE))
+    quantize = config.model.quantize if config.model.quantize != "none" else None
     run_config = dataclasses.replace(
         run_config,
-        model=dataclasses.replace(run_config.model, path=model_path or run_config.model.path),
+        model=dataclasses.replace(
+            run_config.model,
+            path=model_path or run_config.model.path,
+            quantize=quantize or run_config.model.quantize,
+        ),
     )
     model, model_config, tokenizer = load_base(run_config)
     build_method(run_config, model=model)
@@ -235,5 +262,6 @@ __all__ = [
     "load_lora_params",
     "lora_file_identity",
     "model_fingerprint",
+    "quantize_on_load",
     "save_lora_params",
 ]

@@ -21,6 +21,7 @@ from anlr_jax.fields import DTYPES, ConfigError, Each, OneOf, Range, setting
 from anlr_jax.models.config import ATTENTION_IMPLS
 from anlr_jax.nn.inject import PAPER_TARGET_MODULES
 from anlr_jax.nn.loradash import LORADASH_DEFAULTS
+from anlr_jax.nn.quant import QUANTIZE_MODES
 from anlr_jax.optim.adalora import AdaLoRAConfig
 from anlr_jax.optim.lorapro import MODES as LORAPRO_MODES
 from anlr_jax.optim.transform import DEFAULTS as ANLR_DEFAULTS
@@ -59,6 +60,14 @@ class ModelSection:
       "bfloat16: projection/head GEMMs on bfloat16 operands with float32 sums, the rest in"
       " model.dtype (about 2x faster GEMMs on CPUs with AVX512-BF16/AMX); None: model.dtype",
       OneOf(("bfloat16", None)),
+      identity="unless-default",
+  )
+  quantize: str = setting(
+      "none",
+      "frozen base of every linear layer stored quantised, dequantised inside the matmul: nf4"
+      " (QLoRA's 4-bit NormalFloat, blocks of 64, double-quantised scales), int8 (blockwise"
+      " absmax) or none; adapters, norms and the embedding table stay in model.dtype",
+      OneOf(QUANTIZE_MODES),
       identity="unless-default",
   )
   projector_lr: float | None = setting(
@@ -321,6 +330,11 @@ class JudgeSection:
       " (judge them later with 'anlr judge')",
   )
   dtype: str = setting("float32", "dtype the judge's weights are loaded in", OneOf(_DTYPE_NAMES))
+  quantize: str = setting(
+      "none",
+      "the judge's linear layers stored as nf4 / int8 (see model.quantize)",
+      OneOf(QUANTIZE_MODES),
+  )
   max_new_tokens: int = setting(
       2048, "tokens of each judgment at most (greedy; FastChat's judge gets 2048)", Range(1)
   )

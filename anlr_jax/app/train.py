@@ -43,7 +43,7 @@ from anlr_jax.results import RunResult, read_results, write_results
 from anlr_jax.app.config import RENAMED_KEYS, RunConfig, save_config
 from anlr_jax.app.identity import check_same_run, run_identity
 from anlr_jax.app.evaluate import evaluate_base, evaluate_tasks, load_eval_sets, accuracy_summary
-from anlr_jax.app.methods import build_method, check_schedule
+from anlr_jax.app.methods import build_method, check_quantized_mesh, check_schedule
 from anlr_jax.app.model import (
     load_base,
     load_lora_params,
@@ -377,6 +377,7 @@ def _train(
   _check_vocab(source, vocab_size, config)
   total = tc.total_steps(len(source))
   built = build_method(config, model=model, total_steps=total, log=log)
+  check_quantized_mesh(model, config)
   log(
       f"[{method}] {len(source)} batches/epoch of {tc.global_batch}; {total} updates at lr"
       f" {tc.learning_rate:g} -> {run_dir}"

@@ -325,7 +325,7 @@ class QuantLinear(nnx.Linear):
         for k, v in linear.kernel.get_metadata().items()
         if k in ("out_sharding", "eager_sharding")
     }
-    self.kernel_metadata = meta
+    self.kernel_metadata = tuple(sorted(meta.items()))  # static: hashable
     like = linear.kernel.get_value()
     self.set_kernel(like if kernel is None else kernel, like=like)
 
@@ -358,7 +358,9 @@ class QuantLinear(nnx.Linear):
       if hasattr(self, name) and isinstance(getattr(self, name), QuantizedParam):
         getattr(self, name).set_value(array)
       else:
-        setattr(self, name, QuantizedParam(array, **(self.kernel_metadata if sharded else {})))
+        setattr(
+            self, name, QuantizedParam(array, **(dict(self.kernel_metadata) if sharded else {}))
+        )
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
     bias = self.bias[...] if self.bias is not None else None
@@ -407,29 +409,30 @@ def quantize_model(model: nnx.Module, mode: str) -> nnx.Module:
   return model
 
 
-def check_mesh(model: nnx.Module, shardings) -> None:
-  """Raises ValueError naming the first quantised layer whose blocks a sharding would split.
+def check_mesh(model: nnx.Module, mesh, rules=None) -> None:
+  """Raises ValueError naming the first quantised layer whose blocks ``mesh`` would split.
 
-  ``shardings``: a pytree of ``NamedSharding`` like ``nnx.state(model)`` (as the trainer places it).
+  ``mesh``: a ``jax.sharding.Mesh`` or ``AbstractMesh``; ``rules``: the logical axis rules the
+  weights are placed by (default: the trainer's). The input axis of a layer's codes is split over
+  ``n`` devices without splitting a block only if ``d_in`` is a multiple of ``64 n``.
   """
-  flat = dict(nnx.to_flat_state(shardings)) if not isinstance(shardings, dict) else shardings
   from anlr_jax.nn.inject import path_str
+  from anlr_jax.train.mesh import DEFAULT_LOGICAL_AXIS_RULES, state_shardings
 
-  for path, module in nnx.iter_modules(model):
-    if not is_quantized(module):
-      continue
-    sharding = flat.get((*path, "scales"))
-    sharding = getattr(sharding, "value", sharding)
-    if not isinstance(sharding, jax.sharding.NamedSharding):
-      continue
-    axis = sharding.spec[0] if len(sharding.spec) else None
-    names = (axis,) if isinstance(axis, str) else tuple(axis or ())
-    parts = int(np.prod([sharding.mesh.shape[n] for n in names])) if names else 1
-    if module.in_features % (BLOCK * parts):
+  layers = [(p, m) for p, m in nnx.iter_modules(model) if is_quantized(m)]
+  if not layers:
+    return
+  rules = DEFAULT_LOGICAL_AXIS_RULES if rules is None else rules
+  for path, layer in layers:
+    spec = state_shardings(nnx.state(layer, QuantizedParam), mesh, rules)["codes"].spec
+    axes = spec[0] if len(spec) else None
+    axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+    parts = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    if layer.in_features % (BLOCK * parts):
       raise ValueError(
-          f"model.quantize={module.quantize}: the mesh splits {path_str(path)}'s input width"
-          f" {module.in_features} over {parts} devices, which would split its {BLOCK}-weight"
-          " blocks; use fewer devices on that axis"
+          f"model.quantize={layer.quantize}: the mesh splits {path_str(path)}'s input width"
+          f" {layer.in_features} over {parts} devices ({'x'.join(axes)}), which would split its"
+          f" {BLOCK}-weight blocks; put fewer devices on that mesh axis"
       )
 
 
