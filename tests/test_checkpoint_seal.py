@@ -18,7 +18,7 @@ import pytest
 
 from anlr_jax.train.checkpoint import CHECKSUM_FILE, TrainCheckpointer, seal_directory
 from anlr_jax.train.metrics import read_metrics
-from anlr_jax.train.trainer import NonFiniteError, Trainer, TrainerConfig
+from anlr_jax.train.trainer import ROLLBACK_WINDOW, NonFiniteError, Trainer, TrainerConfig
 from tests.helpers.toy_lm import ONE_DEVICE, ToyBatches, make_toy_model, make_toy_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,6 +72,16 @@ def _huge_lora(state):
   return state._replace(lora=jax.tree.map(lambda x: jnp.full_like(x, 1e30), state.lora))
 
 
+def _huge_first_moment(state):
+  """Adam's first moment at 1e30: update 1 (of the restored, finite parameters) is finite and moves
+  them by a huge step; update 2 and every one after it are not."""
+  opt = jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.full_like(x, 1e30) if "mu" in jax.tree_util.keystr(path) else x,
+      state.opt_state,
+  )
+  return state._replace(opt_state=opt)
+
+
 def test_non_finite_updates_right_after_a_restore_roll_back_once_to_the_previous(tmp_path, caplog):
   _poisoned_checkpoint(tmp_path, 3, _huge_lora)
   with caplog.at_level(logging.WARNING, logger="anlr_jax.train"):
@@ -80,13 +90,69 @@ def test_non_finite_updates_right_after_a_restore_roll_back_once_to_the_previous
     rows = trainer.run()
   trainer.close()
   (message,) = [r.getMessage() for r in caplog.records if "rolled back" in r.getMessage()]
-  assert "updates 4-5 after restoring checkpoint 3" in message
-  assert "rolled back to checkpoint 2" in message
+  assert "updates 4-5 were non-finite, a streak that began 1 update(s) after restoring" in message
+  assert "checkpoint 3 in" in message and "rolled back to checkpoint 2" in message
   assert [int(r["step"]) for r in rows] == list(range(1, 9))  # one row per step, from 2 on anew
   assert [int(r["step"]) for r in read_metrics(str(tmp_path / "run"))] == list(range(1, 9))
   assert all(np.isfinite(r["loss"]) for r in rows[2:])
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(trainer.state.lora))
   assert sorted(TrainCheckpointer(tmp_path / "ckpt").all_steps()) == [4, 6, 8]
+
+
+@pytest.mark.parametrize("save_every, keep", [(2, 4), (1, 8)])
+def test_a_streak_that_begins_after_one_finite_update_rolls_back_too(
+    tmp_path, caplog, save_every, keep
+):
+  """A restored checkpoint whose first update is finite and the next ones are not: the streak
+  began within ROLLBACK_WINDOW updates of the restore, so the checkpoint is blamed, once, and the
+  checkpoints saved from it since go with it (replaced by those of the replay)."""
+  _poisoned_checkpoint(tmp_path, 3, _huge_first_moment)
+  config = dict(max_nonfinite=3, resume_allow=["trainer.steps"], save_every=save_every, keep=keep)
+  with caplog.at_level(logging.WARNING, logger="anlr_jax.train"):
+    trainer = _trainer(tmp_path, steps=10, **config)
+    assert trainer.step == 3
+    rows = trainer.run()
+  trainer.close()
+  messages = [r.getMessage() for r in caplog.records if r.name.startswith("anlr_jax")]
+  (message,) = messages
+  assert "updates 5-7 were non-finite, a streak that began 2 update(s) after restoring" in message
+  assert "checkpoint 3 in" in message and message.endswith("rolled back to checkpoint 2")
+  assert [int(r["step"]) for r in rows] == list(range(1, 11))
+  assert all(np.isfinite(r["loss"]) for r in rows[2:]) and rows[-1]["skipped_total"] == 0
+  steps = TrainCheckpointer(tmp_path / "ckpt").all_steps()
+  assert steps == ([4, 6, 8, 10] if save_every == 2 else list(range(3, 11)))
+  again = _trainer(tmp_path, steps=10, **config)
+  for step in steps:  # none holds the huge parameters of the finite update after the restore
+    again.restore(step)
+    assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(again.state.lora)) < 1e3
+  again.close()
+
+
+def test_a_streak_that_begins_later_than_the_window_is_the_runs_own(tmp_path):
+  """The same damage, found only after ROLLBACK_WINDOW clean updates (a batch source poisoned from
+  then on): no rollback, the run stops naming the streak."""
+
+  class PoisonedLater(ToyBatches):
+
+    def get_batch(self, step, **kw):
+      batch = super().get_batch(step, **kw)
+      if step >= 3 + ROLLBACK_WINDOW:
+        batch = dict(batch, loss_mask=np.full_like(batch["loss_mask"], np.inf))
+      return batch
+
+  _poisoned_checkpoint(tmp_path, 3, lambda state: state)
+  trainer = _trainer(
+      tmp_path,
+      steps=12,
+      max_nonfinite=2,
+      resume_allow=["trainer.steps"],
+      batches=PoisonedLater(),
+  )
+  assert trainer.step == 3
+  with pytest.raises(NonFiniteError, match=rf"steps {4 + ROLLBACK_WINDOW}-{5 + ROLLBACK_WINDOW}"):
+    trainer.run()
+  trainer.close()
+  assert 3 in TrainCheckpointer(tmp_path / "ckpt").all_steps()  # not blamed
 
 
 def test_a_second_non_finite_streak_stops_the_run_naming_both_checkpoints(tmp_path):
