@@ -19,7 +19,7 @@ buffer; the median of ``--reps`` calls each.
 
 Checksums: a :class:`anlr_jax.train.checkpoint.TrainCheckpointer` saves a float32 train state of
 ``--mib`` MiB (LoRA params + Adam's two moments, random), ``--saves`` times; each save's wall time
-until orbax has committed it, and the SHA-256 sealing's time that follows in the background.
+until orbax has committed it, and the time of the SHA-256 sealing within that commit.
 
     python benchmarks/multihost_cost.py --rounds 3 --steps 30 --mib 16,64,256 --allreduce 2x1,2x4
 """

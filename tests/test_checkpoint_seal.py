@@ -1,13 +1,14 @@
-"""Checkpoints sealed as soon as orbax commits them (not at the next save), corrupt checkpoints
-skipped with one line naming the one restored instead, and a roll-back past a checkpoint whose
-values train to NaN (corrupt without a checksum to say so)."""
+"""Checkpoints sealed inside orbax's commit (a process killed the moment a checkpoint is committed
+leaves it sealed), corrupt checkpoints skipped with one line naming the one restored instead, and a
+roll-back past a checkpoint whose values train to NaN (damaged before its seal could see it)."""
 
+import json
 import logging
 import os
 import shutil
 import subprocess
+import signal
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +16,9 @@ import numpy as np
 import optax
 import pytest
 
-from anlr_jax.train.checkpoint import CHECKSUM_FILE, TrainCheckpointer
+from anlr_jax.train.checkpoint import CHECKSUM_FILE, TrainCheckpointer, seal_directory
 from anlr_jax.train.metrics import read_metrics
-from anlr_jax.train.trainer import NonFiniteError, Trainer, TrainerConfig
+from anlr_jax.train.trainer import ROLLBACK_WINDOW, NonFiniteError, Trainer, TrainerConfig
 from tests.helpers.toy_lm import ONE_DEVICE, ToyBatches, make_toy_model, make_toy_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,54 +39,120 @@ def _trainer(tmp_path, steps=6, **kw):
   )
 
 
-def _wait_for(path, seconds=20.0):
-  deadline = time.monotonic() + seconds
-  while not path.exists() and time.monotonic() < deadline:
-    time.sleep(0.02)
-  return path.exists()
-
-
-def test_a_checkpoint_is_sealed_once_committed_without_a_next_save_or_wait(tmp_path):
+def test_every_file_of_a_checkpoint_is_sealed_within_its_commit(tmp_path):
   trainer = _trainer(tmp_path)
-  trainer.run(steps=4)  # saves 2 and 4; nothing joins the save of 4 (no next save, no wait)
-  sums = tmp_path / "ckpt" / "4" / CHECKSUM_FILE
-  assert _wait_for(sums), "checkpoint 4 was not sealed in the background"
-  assert trainer.checkpointer.verify(4) is None and trainer.checkpointer.verify(2) is None
-  assert set(trainer.checkpointer.seal_seconds) == {2, 4}
+  trainer.run(steps=4)
+  checkpointer = trainer.checkpointer
   trainer.close()
+  late = {"_CHECKPOINT_METADATA", "commit_success.txt"}  # orbax writes these in its commit
+  for step in (2, 4):
+    folder = tmp_path / "ckpt" / str(step)
+    seal = json.loads((folder / CHECKSUM_FILE).read_text())
+    files = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+    assert set(seal["files"]) == files - late - {CHECKSUM_FILE}
+    assert seal["step_metadata"] and TrainCheckpointer(tmp_path / "ckpt").verify(step) is None
+  assert set(checkpointer.seal_seconds) == {2, 4}
 
 
-def _poisoned_checkpoint(tmp_path, step, value):
-  """A checkpoint ``step`` holding LoRA params ``value`` everywhere, committed but unsealed (as
-  after kill -9 right after its commit): finite, readable, and training from it gives NaN."""
+def _poisoned_checkpoint(tmp_path, step, poison):
+  """A sealed checkpoint ``step`` after ``step - 1`` updates whose train state is ``poison(state)``:
+  finite, readable, and training from it gives NaN (as values damaged before they were sealed)."""
   trainer = _trainer(tmp_path, steps=step - 1)
   trainer.run()
   trainer.close()
-  bad = jax.tree.map(lambda x: jnp.full_like(x, value), trainer.state.lora)
-  trainer.replace_state(trainer.state._replace(lora=bad, step=jnp.asarray(step, jnp.int32)))
+  bad = poison(trainer.state)._replace(step=jnp.asarray(step, jnp.int32))
+  trainer.replace_state(bad)
   checkpointer = TrainCheckpointer(tmp_path / "ckpt", keep=3)
   trainer.checkpointer = checkpointer
   trainer.save(force=True)
-  checkpointer.wait()
-  (tmp_path / "ckpt" / str(step) / CHECKSUM_FILE).unlink()
   checkpointer.close()
 
 
+def _huge_lora(state):
+  return state._replace(lora=jax.tree.map(lambda x: jnp.full_like(x, 1e30), state.lora))
+
+
+def _huge_first_moment(state):
+  """Adam's first moment at 1e30: update 1 (of the restored, finite parameters) is finite and moves
+  them by a huge step; update 2 and every one after it are not."""
+  opt = jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.full_like(x, 1e30) if "mu" in jax.tree_util.keystr(path) else x,
+      state.opt_state,
+  )
+  return state._replace(opt_state=opt)
+
+
 def test_non_finite_updates_right_after_a_restore_roll_back_once_to_the_previous(tmp_path, caplog):
-  _poisoned_checkpoint(tmp_path, 3, 1e30)
+  _poisoned_checkpoint(tmp_path, 3, _huge_lora)
   with caplog.at_level(logging.WARNING, logger="anlr_jax.train"):
     trainer = _trainer(tmp_path, steps=8, max_nonfinite=2, resume_allow=["trainer.steps"])
     assert trainer.step == 3  # finite values: restored
     rows = trainer.run()
   trainer.close()
   (message,) = [r.getMessage() for r in caplog.records if "rolled back" in r.getMessage()]
-  assert "updates 4-5 after restoring checkpoint 3" in message
-  assert "rolled back to checkpoint 2" in message
+  assert "updates 4-5 were non-finite, a streak that began 1 update(s) after restoring" in message
+  assert "checkpoint 3 in" in message and "rolled back to checkpoint 2" in message
   assert [int(r["step"]) for r in rows] == list(range(1, 9))  # one row per step, from 2 on anew
   assert [int(r["step"]) for r in read_metrics(str(tmp_path / "run"))] == list(range(1, 9))
   assert all(np.isfinite(r["loss"]) for r in rows[2:])
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(trainer.state.lora))
   assert sorted(TrainCheckpointer(tmp_path / "ckpt").all_steps()) == [4, 6, 8]
+
+
+@pytest.mark.parametrize("save_every, keep", [(2, 4), (1, 8)])
+def test_a_streak_that_begins_after_one_finite_update_rolls_back_too(
+    tmp_path, caplog, save_every, keep
+):
+  """A restored checkpoint whose first update is finite and the next ones are not: the streak
+  began within ROLLBACK_WINDOW updates of the restore, so the checkpoint is blamed, once, and the
+  checkpoints saved from it since go with it (replaced by those of the replay)."""
+  _poisoned_checkpoint(tmp_path, 3, _huge_first_moment)
+  config = dict(max_nonfinite=3, resume_allow=["trainer.steps"], save_every=save_every, keep=keep)
+  with caplog.at_level(logging.WARNING, logger="anlr_jax.train"):
+    trainer = _trainer(tmp_path, steps=10, **config)
+    assert trainer.step == 3
+    rows = trainer.run()
+  trainer.close()
+  messages = [r.getMessage() for r in caplog.records if r.name.startswith("anlr_jax")]
+  (message,) = messages
+  assert "updates 5-7 were non-finite, a streak that began 2 update(s) after restoring" in message
+  assert "checkpoint 3 in" in message and message.endswith("rolled back to checkpoint 2")
+  assert [int(r["step"]) for r in rows] == list(range(1, 11))
+  assert all(np.isfinite(r["loss"]) for r in rows[2:]) and rows[-1]["skipped_total"] == 0
+  steps = TrainCheckpointer(tmp_path / "ckpt").all_steps()
+  assert steps == ([4, 6, 8, 10] if save_every == 2 else list(range(3, 11)))
+  again = _trainer(tmp_path, steps=10, **config)
+  for step in steps:  # none holds the huge parameters of the finite update after the restore
+    again.restore(step)
+    assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(again.state.lora)) < 1e3
+  again.close()
+
+
+def test_a_streak_that_begins_later_than_the_window_is_the_runs_own(tmp_path):
+  """The same damage, found only after ROLLBACK_WINDOW clean updates (a batch source poisoned from
+  then on): no rollback, the run stops naming the streak."""
+
+  class PoisonedLater(ToyBatches):
+
+    def get_batch(self, step, **kw):
+      batch = super().get_batch(step, **kw)
+      if step >= 3 + ROLLBACK_WINDOW:
+        batch = dict(batch, loss_mask=np.full_like(batch["loss_mask"], np.inf))
+      return batch
+
+  _poisoned_checkpoint(tmp_path, 3, lambda state: state)
+  trainer = _trainer(
+      tmp_path,
+      steps=12,
+      max_nonfinite=2,
+      resume_allow=["trainer.steps"],
+      batches=PoisonedLater(),
+  )
+  assert trainer.step == 3
+  with pytest.raises(NonFiniteError, match=rf"steps {4 + ROLLBACK_WINDOW}-{5 + ROLLBACK_WINDOW}"):
+    trainer.run()
+  trainer.close()
+  assert 3 in TrainCheckpointer(tmp_path / "ckpt").all_steps()  # not blamed
 
 
 def test_a_second_non_finite_streak_stops_the_run_naming_both_checkpoints(tmp_path):
@@ -95,7 +162,7 @@ def test_a_second_non_finite_streak_stops_the_run_naming_both_checkpoints(tmp_pa
       batch = super().get_batch(step, **kw)
       return dict(batch, loss_mask=np.full_like(batch["loss_mask"], np.inf))
 
-  _poisoned_checkpoint(tmp_path, 3, 1e30)
+  _poisoned_checkpoint(tmp_path, 3, _huge_lora)
   cfg = TrainerConfig(
       steps=8,
       global_batch=8,
@@ -185,7 +252,7 @@ def _truncate_state_data(folder):
 ABANDONED_READS_SCRIPT = r"""
 import asyncio, gc, logging, pathlib, sys
 import jax.numpy as jnp
-from anlr_jax.train.checkpoint import CHECKSUM_FILE, CorruptCheckpointError, TrainCheckpointer
+from anlr_jax.train.checkpoint import CorruptCheckpointError, TrainCheckpointer, seal_directory
 from tests.test_checkpoint_seal import _truncate_state_data
 
 logging.basicConfig(level=logging.WARNING)  # as the CLI: the asyncio logger reaches stderr
@@ -195,7 +262,7 @@ checkpointer = TrainCheckpointer(root, keep=2, async_save=False)
 checkpointer.save(1, state, {}, force=True)
 checkpointer.wait()
 _truncate_state_data(root / "1")
-(root / "1" / CHECKSUM_FILE).unlink()  # unsealed: the restore itself meets the bad bytes
+seal_directory(str(root / "1"))  # sealed as cut (bad before the seal): orbax meets the bad bytes
 try:
   checkpointer.restore(1, state)
 except CorruptCheckpointError as err:
@@ -258,15 +325,17 @@ def test_a_failed_restore_leaves_no_traceback_of_its_dropped_reads_and_hides_not
   assert "another unraisable error" in done.stderr and "another task error" in done.stderr
 
 
-def test_anlr_train_past_a_truncated_unsealed_checkpoint_has_a_clean_stderr(trained_run, tmp_path):
-  """The issue's user, killed before checkpoint 4 was sealed: a file of it cut in half and no
-  checksums. A fresh process (as a user re-runs the command) prints exactly one line about it on
-  stderr, no traceback from the reads the failed restore dropped, and finishes from checkpoint 2."""
+def test_anlr_train_past_a_checkpoint_unreadable_as_sealed_has_a_clean_stderr(
+    trained_run, tmp_path
+):
+  """Checkpoint 4 with a file cut in half before it was sealed (its checksums agree): orbax itself
+  fails to read it. A fresh process (as a user re-runs the command) prints exactly one line about it
+  on stderr, no traceback from the reads the failed restore dropped, and finishes from 2."""
   from anlr_jax.rundir import LORA_FILE
 
   run, args = _copy_of_the_run(trained_run, tmp_path)
-  (run / "checkpoints" / "4" / CHECKSUM_FILE).unlink()
   _truncate_state_data(run / "checkpoints" / "4")
+  seal_directory(str(run / "checkpoints" / "4"))
   done = subprocess.run(
       [sys.executable, "-m", "anlr_jax", *args],
       capture_output=True,
@@ -281,3 +350,84 @@ def test_anlr_train_past_a_truncated_unsealed_checkpoint_has_a_clean_stderr(trai
   assert lines[0].endswith("restored checkpoint 2 instead")
   assert "resumed at update 2" in done.stdout
   assert (run / LORA_FILE).is_file()
+
+
+@pytest.fixture(scope="module")
+def killed_at_a_commit(tmp_path_factory):
+  """Checkpoints 2 and 4 of the toy run (8 devices, frozen weights saved too) of a process
+  SIGKILLed the instant orbax renamed checkpoint 4 into place."""
+  ckpt = tmp_path_factory.mktemp("killed") / "ckpt"
+  args = ["--ckpt", str(ckpt), "--steps", "6", "--save-every", "2", "--kill-after-commit", "4"]
+  done = subprocess.run(
+      [sys.executable, "-m", "tests.helpers.ckpt_run", *args],
+      cwd=REPO,
+      env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"),
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+  assert "checkpoint 4 committed" in done.stdout
+  return ckpt
+
+
+def _victim(folder, which):
+  files = [p for p in folder.rglob("*") if p.is_file()]
+  if which == "largest array file":
+    return max((p for p in files if p.parent.name == "d"), key=lambda p: p.stat().st_size)
+  return folder / which
+
+
+DAMAGED_FILES = [
+    "largest array file",
+    "state/_METADATA",
+    "state/manifest.ocdbt",
+    "frozen/_sharding",
+    "meta/metadata",
+    "_CHECKPOINT_METADATA",
+    CHECKSUM_FILE,
+]
+
+
+@pytest.mark.parametrize(
+    "damage, which",
+    [("none", None)]
+    + [("flip", f) for f in DAMAGED_FILES]
+    + [("truncate", f) for f in ("largest array file", "state/_METADATA", "meta/metadata")],
+)
+def test_a_run_killed_the_instant_a_checkpoint_is_committed_finds_any_damage_to_it(
+    killed_at_a_commit, tmp_path, caplog, capsys, damage, which
+):
+  """Killed with no instant between orbax's commit and the kill, checkpoint 4 is sealed already;
+  bytes flipped in any of its files (arrays, orbax's metadata, the OCDBT manifest, the JSON record,
+  the seal itself) or a file cut short: the re-run names it in one warning, restores checkpoint 2
+  and finishes. Undamaged, it is restored as it is."""
+  from tests.helpers import ckpt_run
+
+  ckpt = tmp_path / "ckpt"
+  shutil.copytree(killed_at_a_commit, ckpt)
+  assert TrainCheckpointer(ckpt).all_steps() == [2, 4]
+  assert TrainCheckpointer(ckpt).verify(4) is None  # sealed the instant it was committed
+  if damage != "none":
+    victim = _victim(ckpt / "4", which)
+    data = bytearray(victim.read_bytes())
+    if damage == "flip":
+      middle = len(data) // 2
+      data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
+    else:
+      data = data[: len(data) // 2]
+    victim.write_bytes(bytes(data))
+  capsys.readouterr()
+  with caplog.at_level(logging.WARNING, logger="anlr_jax.train"):
+    ckpt_run.main(["--ckpt", str(ckpt), "--steps", "6", "--save-every", "2"])
+  out = capsys.readouterr().out
+  warnings = [r.getMessage() for r in caplog.records if r.name.startswith("anlr_jax")]
+  assert warnings[0].startswith("taking over the lock of")  # the killed process's
+  warnings = warnings[1:]
+  if damage == "none":
+    assert warnings == [] and "resumed at step 4" in out
+  else:
+    (warning,) = warnings
+    assert warning.startswith(f"checkpoint 4 in {ckpt} is corrupt: ")
+    assert warning.endswith("restored checkpoint 2 instead") and "resumed at step 2" in out
+  assert TrainCheckpointer(ckpt).all_steps()[-1] == 6  # finished

@@ -117,3 +117,45 @@ def test_initialize_distributed_validates_settings(monkeypatch):
     initialize_distributed(coordinator_address='127.0.0.1:1', num_processes=2)
   with pytest.raises(ValueError, match='process_id=2'):
     initialize_distributed('127.0.0.1:1', 2, 2)
+
+
+UNCAUGHT_IN_A_LIBRARY_THREAD = r"""
+import ctypes, sys
+import jax, jax.numpy as jnp
+from anlr_jax.train.distributed import PeerWatchdog, initialize_distributed
+
+initialize_distributed(f"127.0.0.1:{sys.argv[1]}", 1, 0)
+PeerWatchdog(10.0, what="anlr train").start()
+# what gloo's own thread does when a peer dies mid-collective: a C++ exception nobody catches, in a
+# thread Python never saw, while the main thread computes
+runtime, libc = ctypes.CDLL("libstdc++.so.6"), ctypes.CDLL(None)
+throw = ctypes.cast(runtime._ZSt19__throw_logic_errorPKc, ctypes.c_void_p)  # std::__throw_logic_error
+libc.pthread_create.argtypes = [ctypes.c_void_p] * 4
+message = ctypes.c_char_p(b"[enforce fail at pair.cc] op.preamble.length <= op.nbytes")
+libc.pthread_create(ctypes.byref(ctypes.c_ulong()), None, throw, message)
+x = jnp.ones((64, 64))
+for _ in range(100000):
+  x = jnp.tanh(x @ x).block_until_ready()
+print("the process outlived the exception")
+"""
+
+
+def test_an_uncaught_error_in_a_collectives_thread_stops_the_process_with_one_line():
+  """The gloo abort (``terminate called after throwing ... EnforceNotMet``, status -6) seen when a
+  peer was SIGKILLed mid-collective, made on purpose: a C++ exception thrown and not caught in a
+  native thread of a process whose PeerWatchdog runs. It exits 4 with one line naming the
+  exception, like the other ends of a job that lost a peer."""
+  done = subprocess.run(
+      [sys.executable, '-c', UNCAUGHT_IN_A_LIBRARY_THREAD, str(_free_port())],
+      capture_output=True,
+      text=True,
+      timeout=120,
+      cwd=REPO,
+      env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu'),
+  )
+  assert done.returncode == 4, (done.returncode, done.stderr[-3000:])
+  lines = [l for l in done.stderr.splitlines() if l.strip()]
+  assert len(lines) == 1, done.stderr[-3000:]
+  assert lines[0].startswith('anlr train: error: process 0 of 1: the collectives library stopped')
+  assert 'std::logic_error' in lines[0] and 'run the same command on every host' in lines[0]
+  assert 'outlived' not in done.stdout

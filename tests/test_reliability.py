@@ -24,7 +24,7 @@ from safetensors.numpy import load_file
 import anlr_jax
 from anlr_jax.app import cli
 from anlr_jax.rundir import LORA_FILE, RESULTS_FILE
-from anlr_jax.train.checkpoint import CHECKSUM_FILE, TrainCheckpointer
+from anlr_jax.train.checkpoint import CHECKSUM_FILE, TrainCheckpointer, seal_directory
 from anlr_jax.train.lock import DirectoryLock, DirectoryLockedError
 from anlr_jax.train.metrics import MetricsWriter, read_metrics
 from anlr_jax.train.trainer import (
@@ -246,22 +246,16 @@ def _largest_file(folder: pathlib.Path) -> pathlib.Path:
   return max(files, key=lambda p: p.stat().st_size)
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "truncate-unsealed"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "truncate-resealed"])
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, damage, caplog):
-  """Sealed or not (killed before its checksums were written), a damaged newest checkpoint is
-  named in one line and the one before it restored."""
+  """Damaged after its seal (flipped bytes, a file cut short), or before it (a file cut short and
+  then sealed as it was, so that only orbax's read can tell), a newest checkpoint is named in one
+  line and the one before it restored."""
   first = _ckpt_trainer(tmp_path)
   first.run()
   first.close()
-  sums = json.loads((tmp_path / "4" / CHECKSUM_FILE).read_text())
-  assert set(sums) == {
-      str(p.relative_to(tmp_path / "4"))
-      for p in (tmp_path / "4").rglob("*")
-      if p.is_file() and p.name != CHECKSUM_FILE
-  }
-  # unsealed, only a file that the restore reads can tell (the per-process files that orbax
-  # merges into state/d at commit are not read again)
-  victim = _largest_file(tmp_path / "4" / ("state/d" if damage.endswith("unsealed") else ""))
+  # the data files that orbax reads (the per-process files merged into state/d at commit are not)
+  victim = _largest_file(tmp_path / "4" / ("state/d" if damage.endswith("resealed") else ""))
   data = bytearray(victim.read_bytes())
   if damage == "flip":
     data[len(data) // 2] ^= 0xFF
@@ -269,16 +263,20 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, damage
     data = data[: len(data) // 2]
   victim.write_bytes(bytes(data))
   assert "does not match its checksum" in TrainCheckpointer(tmp_path).verify(4)
-  if damage.endswith("unsealed"):
-    (tmp_path / "4" / CHECKSUM_FILE).unlink()
+  if damage.endswith("resealed"):
+    seal_directory(str(tmp_path / "4"))
+    assert TrainCheckpointer(tmp_path).verify(4) is None
   with caplog.at_level(logging.WARNING, logger="anlr_jax.train"):
     second = _ckpt_trainer(tmp_path)
   assert second.step == 2
   (message,) = [r.getMessage() for r in caplog.records if "checkpoint 4" in r.getMessage()]
-  assert "corrupt" in message and message.endswith("restored checkpoint 2 instead")
+  assert message.endswith("restored checkpoint 2 instead")
+  assert ("cannot be read" if damage.endswith("resealed") else "is corrupt") in message
 
 
-def test_an_unsealed_checkpoint_with_nan_values_is_not_restored(tmp_path, caplog):
+def test_a_sealed_checkpoint_with_nan_values_is_not_restored(tmp_path, caplog):
+  """NaN values that were NaN when saved (the seal agrees with the files): the restored values
+  are checked, and the checkpoint is skipped in one warning."""
   first = _ckpt_trainer(tmp_path, steps=2)
   first.run()
   first.close()
@@ -288,7 +286,7 @@ def test_an_unsealed_checkpoint_with_nan_values_is_not_restored(tmp_path, caplog
   meta = {"identity": first.identity, "config": {"lora_layout": first.config.lora_layout}}
   checkpointer.save(3, first.state, meta, force=True)
   checkpointer.wait()
-  (tmp_path / "3" / CHECKSUM_FILE).unlink()  # as if killed before its checksums were written
+  assert checkpointer.verify(3) is None
   with caplog.at_level(logging.WARNING, logger="anlr_jax.train"):
     second = _ckpt_trainer(tmp_path, steps=2)
   assert second.step == 2

@@ -8,13 +8,16 @@ batch sources are deterministic in the step. Saving is collective (every process
 and renames it when complete, so a process killed mid-save leaves the previous checkpoint intact and
 the partial one is ignored (and cleaned) on the next start.
 
-Integrity: as soon as orbax has committed a checkpoint (renamed its temporary directory into
-place), a background thread of process 0 writes the SHA-256 of every file in it to
-``anlr_checksums.json`` inside it, so the training loop never waits for the hashing and a process
-killed a few seconds after a save leaves its newest checkpoint sealed. :meth:`TrainCheckpointer.wait`
-joins those threads. :meth:`TrainCheckpointer.verify` recomputes the sums; the trainer restores the
-newest checkpoint that verifies, restores and holds only finite values, and names each one it
-skips in one line.
+Integrity: every checkpoint is sealed inside orbax's own commit. Orbax renames a checkpoint's
+temporary directory into place as its last act; just before, in the same background thread (the
+training loop does not wait for it), process 0 writes the SHA-256 of every file of the directory
+to ``anlr_checksums.json`` inside it. A checkpoint is therefore sealed from the moment it exists
+under its final name, whenever the process is killed. Two files are written by orbax during the
+commit itself, after the seal: ``_CHECKPOINT_METADATA`` is sealed without its commit timestamp, and
+``commit_success.txt`` (a marker that no restore reads) is checked to be the one line of text it is.
+:meth:`TrainCheckpointer.verify` recomputes the sums; a checkpoint without them, with a file missing
+or different, is corrupt. The trainer restores the newest checkpoint that verifies, restores and
+holds only finite values, and names each one it skips in one line.
 
 A full file system: a save that finds no space (at once, or in the background after the training
 loop moved on) raises :class:`~anlr_jax.train.diskfull.DiskFullError` naming the checkpoint and the
@@ -29,6 +32,7 @@ an abstract target (``jax.ShapeDtypeStruct`` with the live shardings), never tar
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -52,9 +56,6 @@ from anlr_jax.train.diskfull import (
 )
 
 logger = logging.getLogger('anlr_jax.train')
-
-SEAL_POLL_SECONDS = 0.05
-"""How often a sealing thread looks for the committed step directory."""
 
 
 def _is_unretrieved_read_of_abandoned_restore(record: logging.LogRecord) -> bool:
@@ -173,7 +174,17 @@ def unflatten_from_checkpoint(flat: dict[str, Any], template, key_source=None):
 
 
 CHECKSUM_FILE = 'anlr_checksums.json'
-"""Per-checkpoint file of ``{relative path: sha256}`` for every other file of the step directory."""
+"""Per-checkpoint seal: the SHA-256 of every other file of the step directory (see the module
+docstring)."""
+
+STEP_METADATA_FILE = '_CHECKPOINT_METADATA'
+"""Orbax's step metadata; it gets its commit timestamp after the seal (sealed without it)."""
+
+COMMIT_MARKER_FILE = 'commit_success.txt'
+"""Orbax's commit marker, written after the seal and never read by a restore."""
+
+_LATE_FILES = (STEP_METADATA_FILE, COMMIT_MARKER_FILE)
+_COMMIT_TIMESTAMP = 'commit_timestamp_nsecs'
 
 
 def file_sha256(path: str) -> str:
@@ -182,16 +193,106 @@ def file_sha256(path: str) -> str:
     return hashlib.file_digest(f, 'sha256').hexdigest()
 
 
-def directory_checksums(root: str) -> dict[str, str]:
-  """``{path relative to root: sha256}`` of every regular file below ``root`` (checksum file aside)."""
+def directory_checksums(root: str, *, skip: tuple[str, ...] = ()) -> dict[str, str]:
+  """``{path relative to root: sha256}`` of every regular file below ``root`` (the checksum file
+  and the relative paths in ``skip`` aside)."""
   out = {}
   for folder, _, files in os.walk(root):
     for name in files:
       path = os.path.join(folder, name)
       rel = os.path.relpath(path, root)
-      if rel != CHECKSUM_FILE and os.path.isfile(path) and not os.path.islink(path):
-        out[rel] = file_sha256(path)
+      if rel != CHECKSUM_FILE and rel not in skip and os.path.isfile(path):
+        if not os.path.islink(path):
+          out[rel] = file_sha256(path)
   return dict(sorted(out.items()))
+
+
+def _step_metadata_digest(path: str) -> str | None:
+  """SHA-256 of orbax's step metadata without its commit timestamp (canonical JSON); None if the
+  file is absent. Raises ValueError if it is not a JSON object."""
+  if not os.path.isfile(path):
+    return None
+  with open(path, 'rb') as f:
+    record = json.loads(f.read().decode('utf-8'))
+  if not isinstance(record, dict):
+    raise ValueError('not a JSON object')
+  stamp = record.pop(_COMMIT_TIMESTAMP, None)
+  if stamp is not None and not isinstance(stamp, int):
+    raise ValueError(f'{_COMMIT_TIMESTAMP} is not an integer')
+  canonical = json.dumps(record, sort_keys=True, separators=(',', ':')).encode()
+  return hashlib.sha256(canonical).hexdigest()
+
+
+def seal_directory(folder: str) -> None:
+  """Writes ``anlr_checksums.json`` of a complete (not yet committed) step directory: every file,
+  orbax's step metadata without its commit timestamp; atomically."""
+  record = {
+      'files': directory_checksums(folder, skip=_LATE_FILES),
+      'step_metadata': _step_metadata_digest(os.path.join(folder, STEP_METADATA_FILE)),
+  }
+  with atomic_write(os.path.join(folder, CHECKSUM_FILE), 'w') as f:
+    json.dump(record, f, indent=0)
+
+
+def seal_problem(folder: str) -> str | None:
+  """None if step directory ``folder`` matches its seal, else what is wrong, in a few words."""
+  listed = os.path.join(folder, CHECKSUM_FILE)
+  if not os.path.isfile(listed):
+    return f'{CHECKSUM_FILE} is missing'
+  try:
+    with open(listed, 'rb') as f:
+      seal = json.loads(f.read().decode('utf-8'))
+  except (OSError, ValueError):
+    return f'{CHECKSUM_FILE} is unreadable'
+  if not isinstance(seal, dict):
+    return f'{CHECKSUM_FILE} is unreadable'
+  if isinstance(seal.get('files'), dict):  # sealed at its commit
+    expected, late = seal['files'], _LATE_FILES
+  else:  # sealed after its commit by an earlier version: every file listed
+    expected, late = seal, ()
+  actual = directory_checksums(folder, skip=late)
+  for rel, digest in expected.items():
+    if rel not in actual:
+      return f'{rel} is missing'
+    if actual[rel] != digest:
+      return f'{rel} does not match its checksum'
+  if late:
+    try:
+      digest = _step_metadata_digest(os.path.join(folder, STEP_METADATA_FILE))
+    except (OSError, ValueError):
+      return f'{STEP_METADATA_FILE} is unreadable'
+    if digest != seal.get('step_metadata'):
+      return f'{STEP_METADATA_FILE} does not match its checksum'
+    marker = os.path.join(folder, COMMIT_MARKER_FILE)
+    if os.path.exists(marker):
+      try:
+        with open(marker, 'rb') as f:
+          text = f.read().decode('utf-8')
+      except (OSError, ValueError):
+        return f'{COMMIT_MARKER_FILE} is unreadable'
+      if not text.isprintable() or not text.strip():
+        return f'{COMMIT_MARKER_FILE} is not the line of text orbax writes'
+  return None
+
+
+def _sealing_rename(on_sealed):
+  """Orbax's atomic-rename commit of a step directory, sealed just before the rename (see the
+  module docstring); ``on_sealed(folder, seconds)`` is told of each seal."""
+  import orbax.checkpoint as ocp
+
+  class SealingRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
+
+    async def finalize(self, *args, **kwargs):
+      store = getattr(self, '_checkpoint_metadata_store', None)  # its writes are asynchronous
+      if store is not None:
+        await asyncio.to_thread(store.wait_until_finished)
+      start = time.perf_counter()
+      folder = os.fspath(self.get())
+      await asyncio.to_thread(seal_directory, folder)
+      on_sealed(os.fspath(self.get_final()), time.perf_counter() - start)
+      return await super().finalize(*args, **kwargs)
+
+  return SealingRename
 
 
 class CorruptCheckpointError(ValueError):
@@ -231,16 +332,16 @@ class TrainCheckpointer:
         create=True,
         enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True,
+        temporary_path_class=_sealing_rename(self._sealed),
     )
     quiet_reports_of_disk_full()  # orbax's threads report a save that finds no space, at length
     self.manager = ocp.CheckpointManager(self.directory, options=options)
     self._saving: int | None = None  # the step of the save in flight
     self.failure: DiskFullError | None = None
     """The save that found no space, once one has (then nothing more is saved)."""
-    self._sealers: list[tuple[threading.Thread, threading.Event]] = []  # process 0's, one a save
-    self._seal_failure: DiskFullError | None = None
     self.seal_seconds: dict[int, float] = {}
     """Step -> seconds its checksums took (this process's seals), for the benchmarks."""
+    self._verified: set[int] = set()  # steps whose files matched their seal in this process
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -252,46 +353,10 @@ class TrainCheckpointer:
   def step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(int(step)))
 
-  def _write_checksums(self, step: int) -> None:
-    """Writes ``anlr_checksums.json`` of committed checkpoint ``step`` (atomically)."""
-    start = time.perf_counter()
-    folder = self.step_dir(step)
-    sums = directory_checksums(folder)
-    with atomic_write(os.path.join(folder, CHECKSUM_FILE), 'w') as f:
-      json.dump(sums, f, indent=0)
-    self.seal_seconds[int(step)] = time.perf_counter() - start
-
-  def _seal_when_committed(self, step: int, finished: threading.Event) -> None:
-    """Sealing thread of one save: waits until orbax has renamed the step directory into place
-    (its commit on a local or network file system), then writes the checksums. ``finished`` is
-    set once orbax's save is over: a directory still absent then means the save failed."""
-    folder = self.step_dir(step)
-    while not os.path.isdir(folder):
-      if finished.is_set():
-        if not os.path.isdir(folder):
-          return
-        break
-      finished.wait(SEAL_POLL_SECONDS)
-    try:
-      if not os.path.exists(os.path.join(folder, CHECKSUM_FILE)):
-        self._write_checksums(step)
-    except OSError as err:
-      if is_disk_full(err):  # the complete checkpoint stays, unsealed; the run stops
-        _remove_quietly(os.path.join(folder, f'.{CHECKSUM_FILE}.tmp'))
-        self._seal_failure = as_disk_full(err, folder, f'the checksums of checkpoint {step}')
-        return
-      # e.g. removed by keep-last-K meanwhile: the next save is sealed
-      logger.warning('checkpoint %d in %s: checksums not written (%s)', step, self.directory, err)
-
-  def _join_sealers(self) -> None:
-    sealers, self._sealers = self._sealers, []
-    for thread, finished in sealers:
-      finished.set()
-      thread.join()
-    failure, self._seal_failure = self._seal_failure, None
-    if failure is not None:
-      self.failure = failure
-      raise failure
+  def _sealed(self, folder: str, seconds: float) -> None:
+    name = os.path.basename(folder)
+    if name.isdigit():
+      self.seal_seconds[int(name)] = seconds
 
   def _orbax(self, call, step: int | None):
     """``call()`` of the manager; a save (of ``step``) that found no space raises
@@ -311,24 +376,19 @@ class TrainCheckpointer:
       raise self.failure from err
 
   def verify(self, step: int) -> str | None:
-    """None if checkpoint ``step``'s files match their checksums (or it has none yet), else what
-    is wrong, in a few words."""
-    folder = self.step_dir(step)
-    listed = os.path.join(folder, CHECKSUM_FILE)
-    if not os.path.isfile(listed):
-      return None  # committed but not sealed (killed at once): the restore checks it
-    try:
-      with open(listed) as f:
-        expected = json.load(f)
-    except (OSError, ValueError):
-      return f'{CHECKSUM_FILE} is unreadable'
-    actual = directory_checksums(folder)
-    for rel, digest in expected.items():
-      if rel not in actual:
-        return f'{rel} is missing'
-      if actual[rel] != digest:
-        return f'{rel} does not match its checksum'
-    return None
+    """None if checkpoint ``step``'s files match their seal, else what is wrong, in a few words
+    (checked once a process: a later call for the same step answers from memory)."""
+    if step in self._verified:
+      return None
+    problem = seal_problem(self.step_dir(step))
+    if problem is None:
+      self._verified.add(int(step))
+    return problem
+
+  def _check(self, step: int) -> None:
+    problem = self.verify(step)
+    if problem is not None:
+      raise CorruptCheckpointError(f'checkpoint {step} in {self.directory} is corrupt: {problem}')
 
   def should_save(self, step: int) -> bool:
     return self.save_every > 0 and step % self.save_every == 0
@@ -352,20 +412,9 @@ class TrainCheckpointer:
     # orbax joins the previous save here anyway
     self._orbax(self.manager.wait_until_finished, self._saving)
     self._saving = int(step)
-    started = self._orbax(
+    return self._orbax(
         lambda: self.manager.save(step, args=ocp.args.Composite(**items), force=True), step
     )
-    if started and jax.process_index() == 0:
-      finished = threading.Event()
-      thread = threading.Thread(
-          target=self._seal_when_committed,
-          args=(int(step), finished),
-          name=f'anlr-seal-{step}',
-          daemon=True,
-      )
-      thread.start()
-      self._sealers.append((thread, finished))
-    return started
 
   def restore(self, step: int | None, state_template, frozen_template=None, *, key_source=None):
     """Restores ``(state, meta, frozen_or_None)`` into the templates' shapes, dtypes and shardings.
@@ -384,9 +433,7 @@ class TrainCheckpointer:
     }
     if frozen_template is not None:
       items['frozen'] = ocp.args.StandardRestore(abstract_for_checkpoint(frozen_template))
-    problem = self.verify(step)
-    if problem is not None:
-      raise CorruptCheckpointError(f'checkpoint {step} in {self.directory} is corrupt: {problem}')
+    self._check(step)
     _quiet_abandoned_reads()  # before: a failed read's siblings may report before it raises
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(**items))
@@ -404,9 +451,11 @@ class TrainCheckpointer:
     return state, dict(restored['meta']), frozen
 
   def read_meta(self, step: int) -> dict:
-    """The ``meta`` item of checkpoint ``step`` alone (no array is read)."""
+    """The ``meta`` item of checkpoint ``step`` alone (no array is read) once its files match
+    their seal."""
     import orbax.checkpoint as ocp
 
+    self._check(step)
     _quiet_abandoned_reads()
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
@@ -417,13 +466,11 @@ class TrainCheckpointer:
     return dict(restored['meta'])
 
   def wait(self) -> None:
-    """Waits for the save in flight and for its checksums."""
+    """Waits for the save in flight (its seal included)."""
     if self.failure is not None:  # that save is over
-      self._join_sealers()
       return
     self._orbax(self.manager.wait_until_finished, self._saving)
     self._saving = None
-    self._join_sealers()
 
   def close(self) -> None:
     """Waits for the save in flight and closes the manager; a save that found no space is raised
@@ -442,16 +489,11 @@ class TrainCheckpointer:
           raise
 
 
-def _remove_quietly(path: str) -> None:
-  try:
-    os.remove(path)
-  except OSError:
-    pass
-
-
 __all__ = [
     'CHECKSUM_FILE',
     'CorruptCheckpointError',
+    'seal_directory',
+    'seal_problem',
     'TrainCheckpointer',
     'directory_checksums',
     'flatten_for_checkpoint',

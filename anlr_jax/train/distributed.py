@@ -11,10 +11,18 @@ and, on an error, its one-line message in the job's key-value store (``jax.distr
 coordination service); a process that sees a peer fail, or a peer's counter stand still for
 ``timeout`` seconds, or loses the coordinator, says so in one line and exits with
 :data:`EXIT_PEER_FAILED`.
+
+A peer killed in the middle of a collective can also make the collectives library of a survivor
+(gloo, on CPU) fail in one of its own threads: an uncaught C++ exception there (e.g.
+``gloo::EnforceNotMet ... op.preamble.length <= op.nbytes``) would abort the process with
+``terminate called after throwing ...`` and status -6, before any heartbeat is missed. The watchdog
+therefore installs a process-wide C++ terminate handler (:func:`install_terminate_guard`) that
+writes one line naming the exception's type instead and exits with :data:`EXIT_PEER_FAILED`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import threading
@@ -122,6 +130,68 @@ def process0_value(name: str, value: str, timeout: float = 300.0) -> str:
   return _client().blocking_key_value_get(key, int(timeout * 1000))
 
 
+_terminate_handler = None  # the installed C callback, kept alive as long as the process
+
+
+def _cxx_runtime() -> ctypes.CDLL | None:
+  """The C++ runtime that jaxlib and its collectives libraries share (libstdc++), or None."""
+  try:
+    return ctypes.CDLL('libstdc++.so.6')
+  except OSError:
+    return None
+
+
+def _current_exception_type(runtime: ctypes.CDLL) -> str:
+  """The demangled type of the C++ exception being handled (``gloo::EnforceNotMet``), or ``an
+  unknown error`` when there is none."""
+  try:
+    current = runtime.__cxa_current_exception_type
+    demangle = runtime.__cxa_demangle
+  except AttributeError:
+    return 'an unknown error'
+  current.restype = ctypes.c_void_p
+  info = current()
+  if not info:
+    return 'an unknown error'
+  mangled = ctypes.c_char_p.from_address(info + ctypes.sizeof(ctypes.c_void_p)).value or b''
+  mangled = mangled.lstrip(b'*')  # std::type_info::name(): after the vtable pointer
+  demangle.restype = ctypes.c_void_p
+  demangle.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+  status = ctypes.c_int(1)
+  text = demangle(mangled, None, None, ctypes.byref(status))
+  if status.value != 0 or not text:
+    return mangled.decode(errors='replace') or 'an unknown error'
+  return ctypes.string_at(text).decode(errors='replace')  # a few bytes the process exits with
+
+
+def install_terminate_guard(message: str, code: int = EXIT_PEER_FAILED) -> bool:
+  """Makes an uncaught C++ exception in any thread (``std::terminate``) write ``message`` (its
+  ``{error}`` replaced by the exception's type) as one line on stderr and exit with ``code``,
+  instead of aborting with ``terminate called after throwing ...`` and a core-dump status.
+  Returns False when the C++ runtime cannot be reached (nothing installed)."""
+  global _terminate_handler
+  runtime = _cxx_runtime()
+  if runtime is None:
+    return False
+  try:
+    set_terminate = runtime._ZSt13set_terminatePFvvE  # std::set_terminate(void (*)())
+  except AttributeError:
+    return False
+  handler_type = ctypes.CFUNCTYPE(None)
+
+  def on_terminate():  # runs on the failing thread, which takes the GIL for it
+    line = message.replace('{error}', _current_exception_type(runtime))
+    os.write(2, (line.replace('\n', ' ') + '\n').encode())
+    os._exit(code)  # pylint: disable=protected-access
+
+  handler = handler_type(on_terminate)
+  set_terminate.argtypes = [handler_type]
+  set_terminate.restype = ctypes.c_void_p
+  set_terminate(handler)
+  _terminate_handler = handler
+  return True
+
+
 class PeerWatchdog:
   """Heartbeats and failure reports between the processes of a ``jax.distributed`` job.
 
@@ -151,6 +221,12 @@ class PeerWatchdog:
     self._thread = threading.Thread(target=self._loop, name='anlr-peer-watchdog', daemon=True)
 
   def start(self) -> PeerWatchdog:
+    install_terminate_guard(
+        f'{self.what}: error: process {self.process_id} of {self.process_count}: the collectives'
+        ' library stopped with {error} in one of its threads (as when a peer process dies during'
+        f' a collective): stopping process {self.process_id}; run the same command on every host'
+        ' again to resume from the last checkpoint'
+    )
     self._beat(0)
     self._thread.start()
     return self

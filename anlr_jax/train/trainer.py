@@ -65,6 +65,18 @@ logger = logging.getLogger('anlr_jax.train')
 STUCK_ROWS = 3
 """Logged rows in a row with an exactly zero gradient norm before the trainer warns."""
 
+ROLLBACK_WINDOW = 3
+"""A non-finite streak that begins within this many updates of a restore is blamed on the
+restored checkpoint (see :meth:`Trainer.run`).
+
+Damage in a checkpoint's values acts from the first forward pass after the restore, but need not
+make that first update non-finite: a huge but finite moment in the optimizer state moves the
+parameters by a huge step in update 1 (whose loss, of the restored parameters, is finite) and
+makes update 2 non-finite; a value that squares to an overflow in Adam's second moment does so in
+update 1 or 2. Three updates cover these with one to spare. A streak that begins later is the
+run's own divergence: the batches are a function of the step, so a clean checkpoint replayed to
+that point would diverge again, and rolling back would only repeat the same updates."""
+
 
 class TrainingInterrupted(Exception):
   """SIGINT/SIGTERM arrived during :meth:`Trainer.run`; the message says what was saved."""
@@ -590,24 +602,32 @@ class Trainer:
     )
 
   def _roll_back(self, step: int, skipped: int) -> bool:
-    """After ``skipped`` non-finite updates in a row up to ``step``, all of them since the
-    restore of checkpoint ``C``: deletes ``C`` (its values train to NaN: corrupt without a
-    checksum to say so) and restores the newest valid checkpoint before it, once a run. Returns
-    whether it rolled back."""
+    """After ``skipped`` non-finite updates in a row up to ``step``, a streak that began within
+    :data:`ROLLBACK_WINDOW` updates of the restore of checkpoint ``C``: deletes ``C`` (its values
+    train to NaN: damaged in a way its seal cannot show, e.g. before they were written) and any
+    saved since (trained from it), and restores the newest valid checkpoint before it, once a run. Returns whether it rolled back.
+    """
     restored = self.restored_step
-    if self._rolled_back is not None or restored is None or step - skipped != restored:
+    if self._rolled_back is not None or restored is None:
+      return False
+    began = step - skipped + 1  # the update that began the streak
+    if not restored < began <= restored + ROLLBACK_WINDOW:
       return False
     if not any(s < restored for s in self.checkpointer.all_steps()):
       return False
     self.checkpointer.wait()
-    self.checkpointer.manager.delete(restored)
+    for later in self.checkpointer.all_steps():  # it, and those saved since: trained from it
+      if later >= restored:
+        self.checkpointer.manager.delete(later)
     previous = self.restore(below=restored)
     self._rolled_back = (restored, previous)
     logger.warning(
-        'updates %d-%d after restoring checkpoint %d in %s were all non-finite: that checkpoint'
-        ' is taken as corrupt and deleted; rolled back to checkpoint %d',
-        restored + 1,
+        'updates %d-%d were non-finite, a streak that began %d update(s) after restoring'
+        ' checkpoint %d in %s: that checkpoint is taken as corrupt and deleted; rolled back to'
+        ' checkpoint %d',
+        began,
         step,
+        began - restored,
         restored,
         self.checkpoint_dir,
         previous,
@@ -693,7 +713,9 @@ class Trainer:
 
     SIGINT/SIGTERM during the loop finish the update in flight, save a checkpoint (when
     ``checkpoint_dir`` is set) and raise :class:`TrainingInterrupted`. ``max_nonfinite`` consecutive
-    skipped updates (non-finite loss or gradient) raise :class:`NonFiniteError`. A checkpoint,
+    skipped updates (non-finite loss or gradient) raise :class:`NonFiniteError`, except once a run:
+    a streak that began within :data:`ROLLBACK_WINDOW` updates of a restore deletes the restored
+    checkpoint, restores the one before it and goes on (one warning naming both). A checkpoint,
     metrics or diagnostics write that finds no space raises
     :class:`~anlr_jax.train.diskfull.DiskFullError`, naming the file system and the checkpoint kept.
     """

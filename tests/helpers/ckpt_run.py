@@ -1,5 +1,6 @@
 """Subprocess entry point for the checkpoint tests: trains the toy LM on 8 fake CPU devices with
-checkpoints; can SIGKILL itself right after a save starts; writes final LoRA params and losses."""
+checkpoints; can SIGKILL itself right after a save starts, or the moment orbax has committed it
+(renamed its directory into place: no instant later); writes final LoRA params and losses."""
 
 import argparse
 import os
@@ -23,6 +24,7 @@ def main(argv=None):
   parser.add_argument('--steps', type=int, required=True)
   parser.add_argument('--save-every', type=int, default=0)
   parser.add_argument('--kill-at', type=int, default=-1)
+  parser.add_argument('--kill-after-commit', type=int, default=-1)
   parser.add_argument('--out')
   args = parser.parse_args(argv)
   cfg = TrainerConfig(
@@ -55,6 +57,17 @@ def main(argv=None):
     return started
 
   trainer.checkpointer.save = save_then_maybe_die
+  if args.kill_after_commit >= 0:
+    committed = trainer.checkpointer.step_dir(args.kill_after_commit)
+    rename = os.rename
+
+    def rename_then_maybe_die(src, dst, *a, **kw):  # orbax commits by this rename
+      rename(src, dst, *a, **kw)
+      if os.fspath(dst) == committed:
+        print(f'checkpoint {args.kill_after_commit} committed', flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    os.rename = rename_then_maybe_die
   rows = trainer.run()
   trainer.checkpointer.close()
   if args.out:
