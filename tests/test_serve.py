@@ -49,6 +49,7 @@ def server(tiny):
   yield server
   server.shutdown()
   server.server_close()
+  server.service.close()
 
 
 def call(url, body=None, *, raw=None):
@@ -112,7 +113,13 @@ def test_chat_completion_is_the_projects_greedy_generation(server):
         ({"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content must be"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "'max_tokens'"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400, "temperature"),
-        ({"messages": [{"role": "user", "content": "x"}], "stream": True}, 400, "'stream'"),
+        ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400, "'stream'"),
+        (
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
+            400,
+            "the last message must be the user's",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, 400, "'stop'"),
         ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "'n' must be 1"),
         ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}, 404, "'gpt-4'"),
         (
@@ -207,6 +214,7 @@ def test_an_endpoint_that_refuses_or_times_out_stops_in_one_line_and_keeps_what_
   settings = [f"eval.judge.max_new_tokens={TOKENS}", "eval.judge.batch_size=1"]
   code, _, err = judge_cli(capsys, "--single", str(out), f"eval.judge.url={server.url}", *settings)
   assert code == 0, err
+  settings.append("eval.judge.max_retries=0")  # (retries: tests/test_judge_client.py)
   write_answers(out, "model_a", questions)  # a second question to judge
   saved = (out / "mt_bench_single.jsonl").read_text()
 

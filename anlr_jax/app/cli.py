@@ -154,6 +154,17 @@ def cmd_judge_model(args) -> int:
   return 0
 
 
+def _positive_int(text: str) -> int:
+  """An argparse type: an integer >= 1."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+  return value
+
+
 def cmd_serve(args) -> int:
   from anlr_jax.app.serve import serve_main
 
@@ -163,7 +174,15 @@ def cmd_serve(args) -> int:
   )
   use_compile_cache(config.compile_cache)
   try:
-    serve_main(config, args.adapter, host=args.host, port=args.port, name=args.name)
+    serve_main(
+        config,
+        args.adapter,
+        host=args.host,
+        port=args.port,
+        name=args.name,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+    )
   except KeyboardInterrupt:
     print("anlr serve: stopped", file=sys.stderr)
   return 0
@@ -369,8 +388,8 @@ def _add_run_commands(sub) -> None:
       help="serve a model (+ adapter) as an OpenAI-compatible chat endpoint",
       formatter_class=argparse.RawDescriptionHelpFormatter,
       description="POST /v1/chat/completions and GET /v1/models (docs/mtbench.md): the messages"
-      " in the model's template (data.template; a run directory's own), greedy at temperature 0."
-      " One request is generated at a time.",
+      " in the model's template (data.template; a run directory's own), greedy at temperature 0,"
+      " streamed with stream=true; concurrent requests are decoded together.",
       epilog="examples:\n  anlr serve --config smollm2_135m_dialogue --adapter runs/x/anlr --port"
       " 8000\n  anlr judge --single runs/x/anlr/mt_bench eval.judge.url=http://127.0.0.1:8000/v1",
   )
@@ -386,6 +405,15 @@ def _add_run_commands(sub) -> None:
       "--name", help="the model id clients send (default: the adapter's or model's file name)"
   )
   serve.add_argument("--quantize", choices=QUANTIZE_MODES, help=QUANTIZE_HELP)
+  serve.add_argument(
+      "--max_batch", type=_positive_int, default=8, help="requests decoded together at most"
+  )
+  serve.add_argument(
+      "--max_queue",
+      type=_positive_int,
+      default=64,
+      help="requests waiting for a place in the batch at most; more are answered HTTP 429",
+  )
   serve.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. model.path=...")
   serve.set_defaults(func=cmd_serve)
 

@@ -8,8 +8,9 @@ in ``<out>/mt_bench_scores_<model>.json``. ``anlr judge --single DIR ...`` grade
 ``mt_bench_pair.jsonl`` and ``mt_bench_pair_<model 1>_vs_<model 2>.json``. Every file is extended,
 not rewritten: a rerun makes only what is missing. With ``eval.judge.url`` the judge is an
 OpenAI-compatible chat endpoint (``anlr serve``, :mod:`anlr_jax.app.serve`, or any other) called
-with the standard library's ``urllib``; one that refuses or times out stops the run with one line
-naming the URL, and the judgments saved before are kept.
+through :mod:`anlr_jax.app.judge_client`, which retries passing faults (HTTP 429 / 5xx, timeouts,
+dropped connections) up to ``eval.judge.max_retries`` times; one that still fails stops the run
+with one line naming the URL, and the judgments saved before are kept.
 """
 
 from __future__ import annotations
@@ -17,18 +18,14 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
-import http.client
-import json
 import os
 import re
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
 from anlr_jax.app.config import ModelSection, RunConfig
 from anlr_jax.app.generation import make_generate_fn
+from anlr_jax.app.judge_client import ChatClient, EndpointError, shown_url
 from anlr_jax.app.model import load_base
 from anlr_jax.app.paths import require_path
 from anlr_jax.app.report import Log, is_writer, say
@@ -37,6 +34,7 @@ from anlr_jax.data.formats import DataFormatError
 from anlr_jax.evals import judge as judging
 from anlr_jax.evals.judge_probs import JudgeProbes, local_probes
 from anlr_jax.evals.mtbench import ANSWERS_FILE, answers_by_question, generate_answers, read_records
+from anlr_jax.fileio import write_json_atomic
 from anlr_jax.train.lock import DirectoryLock
 
 SINGLE_FILE = "mt_bench_single.jsonl"
@@ -167,61 +165,14 @@ def load_judge(config: RunConfig) -> Judge:
 
 
 # ------------------------------------------------------------------- a judge behind an endpoint
-class EndpointError(ValueError):
-  """The judge's endpoint refused, timed out or answered something else than a chat completion."""
-
-
-def api_urls(url: str) -> tuple[str, str]:
-  """``(chat completions URL, models URL)`` of ``eval.judge.url``: the API's base
-  (``http://host:port/v1``) or its ``.../chat/completions`` route."""
-  base = url.rstrip("/")
-  if base.endswith("/chat/completions"):
-    base = base[: -len("/chat/completions")]
-  return f"{base}/chat/completions", f"{base}/models"
-
-
-def _api_call(url: str, body: dict[str, Any] | None, *, timeout: float, key: str | None) -> Any:
-  """The decoded JSON reply of a GET (``body`` None) or POST to ``url``; :class:`EndpointError`,
-  one line naming ``url``, when it refuses, times out or answers an error or no JSON."""
-  headers = {"Content-Type": "application/json", "Accept": "application/json"}
-  if key:
-    headers["Authorization"] = f"Bearer {key}"
-  data = None if body is None else json.dumps(body).encode("utf-8")
-  request = urllib.request.Request(url, data=data, headers=headers)
-  where = f"eval.judge.url: {url}"
-  try:
-    with urllib.request.urlopen(request, timeout=timeout) as reply:
-      payload = reply.read()
-  except urllib.error.HTTPError as err:
-    detail = err.read().decode("utf-8", "replace")
-    with contextlib.suppress(ValueError, AttributeError, TypeError):
-      detail = json.loads(detail)["error"]["message"]
-    detail = " ".join(str(detail).split())[:300]
-    raise EndpointError(f"{where} answered HTTP {err.code} {err.reason}: {detail}") from None
-  except urllib.error.URLError as err:
-    if isinstance(err.reason, TimeoutError):
-      raise EndpointError(f"{where} did not answer within {timeout:g}s (eval.judge.timeout)")
-    reason = getattr(err.reason, "strerror", None) or err.reason
-    raise EndpointError(f"{where} is unreachable: {reason}") from None
-  except TimeoutError:
-    raise EndpointError(
-        f"{where} did not answer within {timeout:g}s (eval.judge.timeout)"
-    ) from None
-  except (ConnectionError, http.client.HTTPException) as err:
-    raise EndpointError(f"{where} broke the connection: {err or type(err).__name__}") from None
-  try:
-    return json.loads(payload.decode("utf-8"))
-  except (UnicodeDecodeError, json.JSONDecodeError):
-    raise EndpointError(f"{where} answered something that is not JSON") from None
-
-
 def endpoint_judge(section, batch_size: int) -> Judge:
   """The judge behind the OpenAI-compatible endpoint ``section.url`` (``eval.judge``): each prompt
   is one ``POST <url>/chat/completions`` with the judge prompt's system and user messages,
   ``temperature: 0`` and ``max_tokens: eval.judge.max_new_tokens``; up to ``batch_size`` requests
-  are in flight at once. The judge's name is ``eval.judge.api_model``, else the first model of
-  ``GET <url>/models``. The API key is read from the environment variable ``api_key_env``."""
-  chat_url, models_url = api_urls(section.url)
+  are in flight at once, each retried on passing faults up to ``eval.judge.max_retries`` times
+  (:class:`~anlr_jax.app.judge_client.ChatClient`). The judge's name is ``eval.judge.api_model``,
+  else the first model of ``GET <url>/models``. The API key is read from the environment variable
+  ``api_key_env``."""
   key = None
   if section.api_key_env:
     key = os.environ.get(section.api_key_env)
@@ -229,15 +180,18 @@ def endpoint_judge(section, batch_size: int) -> Judge:
       raise ValueError(
           f"eval.judge.api_key_env: the environment variable {section.api_key_env} is not set"
       )
-  call = functools.partial(_api_call, timeout=section.timeout, key=key)
+  client = ChatClient(
+      section.url, key=key, timeout=section.timeout, max_retries=section.max_retries
+  )
   name = section.api_model
   if not name:
-    listed = call(models_url, None)
+    listed = client.models()
     try:
-      name = str(listed["data"][0]["id"])
+      name = client.redact(str(listed["data"][0]["id"]))
     except (KeyError, IndexError, TypeError):
       raise EndpointError(
-          f"eval.judge.url: {models_url} lists no model: set eval.judge.api_model"
+          f"eval.judge.url: {shown_url(client.models_url)} lists no model: set"
+          " eval.judge.api_model"
       ) from None
 
   def ask(prompt: tuple[str, str]) -> str:
@@ -251,16 +205,7 @@ def endpoint_judge(section, batch_size: int) -> Judge:
         "temperature": 0,
         "max_tokens": section.max_new_tokens,
     }
-    reply = call(chat_url, body)
-    try:
-      content = reply["choices"][0]["message"]["content"]
-    except (KeyError, IndexError, TypeError):
-      content = None
-    if not isinstance(content, str):
-      raise EndpointError(
-          f"eval.judge.url: {chat_url}: the reply has no choices[0].message.content"
-      )
-    return content
+    return client.chat(body)
 
   def judge_fn(prompts: list[tuple[str, str]]) -> list[str]:
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, batch_size)) as pool:
@@ -336,7 +281,7 @@ def grade_single(judge: Judge, path: str, out_dir: str, *, log: Log = say) -> di
     raise _kept(err, out) from None
   summary = {"model": model, "judge": judge.name, **judging.single_summary(records)}
   if is_writer():
-    _write_json(os.path.join(out_dir, scores_file(model)), summary)
+    write_json_atomic(os.path.join(out_dir, scores_file(model)), summary)
   log(format_scores(model, summary))
   log(judging.format_single_extras(summary))
   return summary
@@ -387,7 +332,7 @@ def compare_pair(
   }
   if is_writer():
     name = f"mt_bench_pair_{_safe(model_1)}_vs_{_safe(model_2)}.json"
-    _write_json(os.path.join(out_dir, name), summary)
+    write_json_atomic(os.path.join(out_dir, name), summary)
   rate = summary["win_rate_adjusted"]
   log(
       f"mt_bench {model_1} vs {model_2}: {summary['win']} win / {summary['tie']} tie /"
@@ -397,13 +342,6 @@ def compare_pair(
   )
   log(judging.format_pair_extras(summary))
   return summary
-
-
-def _write_json(path: str, value: Any) -> None:
-  tmp = f"{path}.tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(value, f, indent=2)
-  os.replace(tmp, path)
 
 
 def judge_main(
@@ -442,7 +380,6 @@ __all__ = [
     "Judge",
     "answer_mt_bench",
     "answers_path",
-    "api_urls",
     "compare_pair",
     "endpoint_judge",
     "format_scores",

@@ -362,6 +362,12 @@ class JudgeSection:
   timeout: float = setting(
       600.0, "eval.judge.url: seconds to wait for each judgment", Range(0, lo_open=True)
   )
+  max_retries: int = setting(
+      16,
+      "eval.judge.url: tries after the first for HTTP 429/500/502/503/504, a timeout or a dropped"
+      " connection, with exponential backoff (FastChat's judge: 16)",
+      Range(0),
+  )
 
 
 @dataclasses.dataclass

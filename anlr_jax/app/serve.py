@@ -4,102 +4,113 @@ Two routes, the subset of the OpenAI API that chat clients and LLM judges use:
 
 - ``GET /v1/models``: ``{"object": "list", "data": [{"id": <name>, "object": "model", ...}]}``;
 - ``POST /v1/chat/completions`` with ``{"messages": [{"role", "content"}, ...], "max_tokens",
-  "temperature", "seed", "model"}``: the messages in the model's prompt template (``data.template``,
-  the run's own for a run directory; ``chat``: the tokenizer's chat template), tokenised as
-  ``anlr eval`` tokenises prompts, decoded by :func:`anlr_jax.models.generate` (greedy at
-  temperature 0, else sampling seeded by ``seed``), up to ``max_tokens`` new tokens or the template's
-  end-of-turn token. The reply is a ``chat.completion`` object: ``choices[0].message.content`` (the
-  new tokens decoded without special tokens, not stripped), ``finish_reason`` (``stop`` or
-  ``length``) and ``usage`` (prompt, completion and total tokens).
+  "temperature", "seed", "stop", "stream", "stream_options", "model"}``: the messages in the
+  model's prompt template (``data.template``, the run's own for a run directory; ``chat``: the
+  tokenizer's chat template), tokenised as ``anlr eval`` tokenises prompts, decoded greedily at
+  temperature 0, else sampled with ``seed``, up to ``max_tokens`` new tokens, the template's
+  end-of-turn token or a ``stop`` string (cut from the reply). The reply is a ``chat.completion``
+  object: ``choices[0].message.content`` (the new tokens decoded without special tokens, not
+  stripped), ``finish_reason`` (``stop`` or ``length``) and ``usage``. With ``stream: true`` it
+  is a stream of server-sent events: ``chat.completion.chunk`` objects (the role, then the text as
+  it is decoded, then the finish reason; the usage last when ``stream_options.include_usage``),
+  then ``data: [DONE]``.
 
-The server is the standard library's :class:`http.server.ThreadingHTTPServer`; requests are taken
-concurrently and generated one at a time. A request that is not valid JSON, lacks ``messages``, has
-a role other than system / user / assistant, a non-string content, a bad ``max_tokens`` or
-``temperature``, asks for ``stream`` or ``n > 1``, or names another model is answered with HTTP 400
-(404 for an unknown model or route) and an OpenAI-style body ``{"error": {"message", "type",
-"param"}}``, one line saying what is wrong. Other request fields (``top_p``, ``stop``, ...) are
-ignored.
+Requests are decoded together, up to ``max_batch`` at once, by the continuous batching of
+:mod:`anlr_jax.app.batch_engine`: each reply is the one the request gets alone. Up to
+``max_queue`` more wait; beyond that a request is answered HTTP 429 with ``Retry-After``. A client
+that leaves a stream frees its place at the next token.
+
+The HTTP side is the standard library's :class:`http.server.ThreadingHTTPServer`: one thread per
+connection, so a slow or idle client holds only its own thread; a connection silent for
+``idle_timeout`` seconds, or a body not all there within ``body_timeout`` seconds (HTTP 408), is
+closed; a body over :data:`MAX_BODY` is refused (413) unread. A bad request is answered with HTTP
+400 (404 for an unknown model or route) and an OpenAI-style body ``{"error": {"message", "type",
+"param"}}``, one line saying what is wrong (:mod:`anlr_jax.app.chat_request`). Other request
+fields (``top_p``, ...) are ignored.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import os
+import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import jax
-import numpy as np
-
 from anlr_jax import rundir
+from anlr_jax.app.chat_request import (
+    ChatRequest,
+    RequestError,
+    message_list,
+    number,
+    stop_strings,
+)
+from anlr_jax.app.batch_engine import BatchEngine, Generation, QueueFull
 from anlr_jax.app.config import RunConfig, load_config
-from anlr_jax.app.generation import prompt_width
 from anlr_jax.app.model import is_run_dir, load_adapted_model
 from anlr_jax.app.report import Log, say
 from anlr_jax.data import end_of_turn_id
 from anlr_jax.evals.mtbench import conversation_prompt
-from anlr_jax.models import generate
-
-ROLES = ("system", "user", "assistant")
-"""The message roles a chat completion request may hold."""
 
 MAX_BODY = 16 << 20
-"""Largest request body read (bytes); a longer one is refused."""
+"""Largest request body read (bytes); a longer one is refused (HTTP 413)."""
+
+MAX_CHARS_PER_TOKEN = 64
+"""Messages longer than this many characters per context token are refused without tokenising
+them (no tokenizer's tokens are that long; tokenising megabytes would hold the process up)."""
+
+RETRY_AFTER_S = 1
+"""The ``Retry-After`` (seconds) of a request refused because the queue is full (HTTP 429)."""
 
 
-class RequestError(ValueError):
-  """A bad request: HTTP ``status`` and the one-line message of the error body."""
+class _Text:
+  """The reply's text as its tokens arrive: cut at the first stop string, and the part that is
+  safe to send (nothing that a later token could turn into a stop string or complete as a
+  character)."""
 
-  def __init__(self, message: str, *, param: str | None = None, status: int = 400):
-    super().__init__(message)
-    self.param = param
-    self.status = status
+  def __init__(self, service: ChatService, stops: Sequence[str]):
+    self.service, self.stops = service, stops
+    self.ids: list[int] = []
+    self.text = ""
+    self.sent = ""
+    self.stopped = False
 
+  def add(self, token: int) -> str:
+    """Takes one new token; returns the text to send now (may be empty)."""
+    self.ids.append(token)
+    with self.service._tokenizer_lock:
+      text = self.service.tokenizer.decode(self.ids, skip_special_tokens=True)
+    cuts = [text.find(s) for s in self.stops if s in text]
+    if cuts:
+      text, self.stopped = text[: min(cuts)], True
+    self.text = text
+    if not self.stopped:
+      text = text[: len(text) - max((len(s) - 1 for s in self.stops), default=0)]
+      text = text.rstrip("\ufffd")  # a character whose bytes are not all there yet
+    return self._delta(text)
 
-def _message_list(value: Any) -> list[tuple[str, str]]:
-  if not isinstance(value, list) or not value:
-    raise RequestError("'messages' must be a non-empty list of {role, content}", param="messages")
-  out = []
-  for i, message in enumerate(value):
-    where = f"messages[{i}]"
-    if not isinstance(message, Mapping):
-      raise RequestError(f"{where} must be an object with 'role' and 'content'", param=where)
-    role, content = message.get("role"), message.get("content")
-    if role not in ROLES:
-      raise RequestError(f"{where}.role {role!r} is not one of {list(ROLES)}", param=where)
-    if isinstance(content, list):  # OpenAI's content parts: text parts only
-      if not all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
-        raise RequestError(f"{where}.content: only text parts are served", param=where)
-      content = "".join(str(p.get("text", "")) for p in content)
-    if not isinstance(content, str):
-      raise RequestError(f"{where}.content must be a string", param=where)
-    out.append((role, content))
-  if out[-1][0] == "assistant":
-    raise RequestError("the last message must be the user's (or the system's)", param="messages")
-  return out
+  def rest(self) -> str:
+    """The text not sent yet, once the reply has ended."""
+    return self._delta(self.text)
 
-
-def _number(body: Mapping[str, Any], key: str, default, *, integer: bool, low: float, high=None):
-  value = body.get(key, default)
-  if value is None:
-    return default
-  ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-  if isinstance(value, bool) or not ok or value < low or (high is not None and value > high):
-    bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-    kind = "an integer" if integer else "a number"
-    raise RequestError(f"'{key}' must be {kind} {bound}, got {value!r}", param=key)
-  return value
+  def _delta(self, text: str) -> str:
+    if not text.startswith(self.sent):  # decoding changed what was sent: wait for the end
+      return ""
+    delta, self.sent = text[len(self.sent) :], text
+    return delta
 
 
 @dataclasses.dataclass
 class ChatService:
-  """A loaded model answering chat completion requests (:meth:`complete`), one at a time.
+  """A loaded model answering chat completion requests, concurrent ones decoded in one batch
+  (:class:`~anlr_jax.app.batch_engine.BatchEngine`).
 
   Attributes:
     name: the model id of ``/v1/models`` (requests naming another model are refused).
@@ -107,8 +118,11 @@ class ChatService:
     tokenizer: its tokenizer.
     template: ``chat`` (the tokenizer's chat template) or ``alpaca`` (the multi-turn Alpaca layout
       of training; a system message goes before the first instruction).
-    max_tokens: new tokens of a request that gives no ``max_tokens``.
+    max_tokens: new tokens of a request that gives no ``max_tokens`` (fewer when the context
+      ends first).
     context: the model's context length (prompt plus new tokens).
+    max_batch: requests decoded together at most.
+    max_queue: requests waiting for a place in the batch at most; more get HTTP 429.
   """
 
   name: str
@@ -117,10 +131,26 @@ class ChatService:
   template: str = "chat"
   max_tokens: int = 1024
   context: int | None = None
+  max_batch: int = 8
+  max_queue: int = 64
   created: int = dataclasses.field(default_factory=lambda: int(time.time()))
   completions: int = 0
   """Requests answered so far (the sampling seed of a request that gives none)."""
-  _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+  engine: BatchEngine = dataclasses.field(init=False, repr=False)
+  _tokenizer_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+  def __post_init__(self):
+    tok = self.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    self.pad_id = int(pad or 0)
+    self.stop_id = end_of_turn_id(tok) if self.template == "chat" else tok.eos_token_id
+    self.engine = BatchEngine(
+        self.model, pad_id=self.pad_id, max_batch=self.max_batch, max_queue=self.max_queue
+    )
+
+  def close(self) -> None:
+    """Stops the batch engine's thread."""
+    self.engine.close()
 
   def prompt(self, messages: Sequence[tuple[str, str]]) -> str:
     """The text of ``messages`` up to where the reply starts, in :attr:`template`."""
@@ -146,40 +176,12 @@ class ChatService:
     """The prompt's token ids, as ``anlr eval`` tokenises it (bos first for the Alpaca layout)."""
     tok = self.tokenizer
     bos = [] if self.template == "chat" or tok.bos_token_id is None else [tok.bos_token_id]
-    return bos + tok(self.prompt(messages), add_special_tokens=False).input_ids
+    with self._tokenizer_lock:
+      return bos + tok(self.prompt(messages), add_special_tokens=False).input_ids
 
-  def generate_ids(self, ids: list[int], *, max_tokens: int, temperature: float, seed: int):
-    """``(new token ids up to and including the stop token, finish reason)`` of one prompt:
-    greedy at temperature 0, else sampled with ``seed``. The prompt is left-padded to
-    :func:`~anlr_jax.app.generation.prompt_width`, as ``anlr eval`` pads a batch."""
-    tok = self.tokenizer
-    chat = self.template == "chat"
-    stop = end_of_turn_id(tok) if chat else tok.eos_token_id
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    width = prompt_width(len(ids))
-    row = np.full((1, width), pad, np.int32)
-    mask = np.zeros((1, width), np.int32)
-    row[0, width - len(ids) :], mask[0, width - len(ids) :] = ids, 1
-    sampling = {}
-    if temperature > 0:
-      sampling = dict(temperature=float(temperature), rng=jax.random.key(seed))
-    out = generate(
-        self.model,
-        row,
-        mask,
-        max_new_tokens=max_tokens,
-        eos_token_id=stop,
-        pad_token_id=int(pad),
-        **sampling,
-    )
-    new = np.asarray(out)[0].tolist()
-    if stop is not None and stop in new:
-      return new[: new.index(stop) + 1], "stop"
-    return new, "length"
-
-  def complete(self, body: Any) -> dict[str, Any]:
-    """The ``chat.completion`` object answering the request ``body`` (a decoded JSON value);
-    :class:`RequestError` for a bad request (see the module doc)."""
+  def parse(self, body: Any) -> ChatRequest:
+    """The checked request of ``body`` (a decoded JSON value); :class:`RequestError` for a bad
+    request (see the module doc)."""
     if not isinstance(body, Mapping):
       raise RequestError("the request body must be a JSON object")
     model = body.get("model")
@@ -189,54 +191,128 @@ class ChatService:
           param="model",
           status=404,
       )
-    if body.get("stream"):
-      raise RequestError("'stream' is not supported: ask without it", param="stream")
-    if _number(body, "n", 1, integer=True, low=1) != 1:
+    if number(body, "n", 1, integer=True, low=1) != 1:
       raise RequestError("'n' must be 1: one reply per request", param="n")
-    messages = _message_list(body.get("messages"))
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+      raise RequestError("'stream' must be true or false", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, Mapping):
+      raise RequestError("'stream_options' must be an object", param="stream_options")
+    messages = message_list(body.get("messages"))
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = _number({"max_tokens": limit}, "max_tokens", self.max_tokens, integer=True, low=1)
-    temperature = _number(body, "temperature", 1.0, integer=False, low=0, high=2)
-    seed = _number(body, "seed", None, integer=True, low=0)
-    with self._lock:  # one generation at a time (the tokenizer is not shared across threads)
-      try:
-        ids = self.prompt_ids(messages)
-      except RequestError:
-        raise
-      except Exception as err:  # noqa: BLE001  (the template rejects these messages)
-        raise RequestError(f"the model's template rejects these messages: {err}", param="messages")
-      if self.context is not None and len(ids) + max_tokens > self.context:
-        raise RequestError(
-            f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceed the model's"
-            f" context of {self.context} tokens",
-            param="max_tokens",
-        )
-      new, finish = self.generate_ids(
-          ids,
-          max_tokens=max_tokens,
-          temperature=temperature,
-          seed=self.completions if seed is None else seed,
+    max_tokens = number({"max_tokens": limit}, "max_tokens", None, integer=True, low=1)
+    temperature = number(body, "temperature", 1.0, integer=False, low=0, high=2)
+    seed = number(body, "seed", None, integer=True, low=0)
+    stop = stop_strings(body.get("stop"))
+    chars = sum(len(c) for _, c in messages)
+    if self.context is not None and chars > MAX_CHARS_PER_TOKEN * self.context:
+      raise RequestError(  # refused before tokenising it: no tokenizer takes that long a text
+          f"the messages ({chars} characters) are longer than the model's context of"
+          f" {self.context} tokens",
+          param="messages",
       )
-      text = self.tokenizer.decode(new, skip_special_tokens=True)
-      self.completions += 1
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": self.name,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish,
-            }
-        ],
-        "usage": {
-            "prompt_tokens": len(ids),
-            "completion_tokens": len(new),
-            "total_tokens": len(ids) + len(new),
-        },
-    }
+    try:
+      ids = self.prompt_ids(messages)
+    except RequestError:
+      raise
+    except Exception as err:  # noqa: BLE001  (the template rejects these messages)
+      raise RequestError(f"the model's template rejects these messages: {err}", param="messages")
+    if self.context is not None:
+      room = self.context - len(ids)
+      if max_tokens is None and room >= 1:
+        max_tokens = min(self.max_tokens, room)
+      if max_tokens is None or max_tokens > room:
+        asked = f" plus max_tokens ({max_tokens})" if max_tokens is not None else ""
+        raise RequestError(
+            f"the prompt ({len(ids)} tokens){asked} exceed the model's context of"
+            f" {self.context} tokens",
+            param="max_tokens" if max_tokens is not None else "messages",
+        )
+    return ChatRequest(
+        ids=ids,
+        max_tokens=max_tokens or self.max_tokens,
+        temperature=float(temperature),
+        seed=seed,
+        stop=stop,
+        stream=stream,
+        include_usage=bool(options.get("include_usage")),
+    )
+
+  def start(self, request: ChatRequest) -> Generation:
+    """Queues ``request`` for decoding; :class:`RequestError` 429 when the queue is full."""
+    seed = self.completions if request.seed is None else request.seed
+    self.completions += 1
+    generation = Generation(
+        request.ids,
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        seed=seed % (1 << 32),
+        stop_id=self.stop_id,
+    )
+    try:
+      return self.engine.submit(generation)
+    except QueueFull as err:
+      raise RequestError(f"the server is busy ({err}); retry later", status=429) from None
+
+  def pieces(
+      self, request: ChatRequest, generation: Generation
+  ) -> Iterator[tuple[str, str | None, int]]:
+    """``(text, finish reason or None, new tokens so far)`` as the reply is decoded; the last
+    has the finish reason (``stop`` or ``length``). :class:`RuntimeError` when decoding failed."""
+    text = _Text(self, request.stop)
+    made, pending = 0, ""
+    for token in generation.tokens():
+      made += 1
+      delta = text.add(token)
+      if text.stopped:  # the stop string and what follows it are not sent
+        generation.cancel()
+        pending = delta
+        break
+      if delta:
+        yield delta, None, made
+    if generation.finish and generation.finish.startswith("error"):
+      raise RuntimeError(f"decoding failed: {generation.finish[len('error: '):]}")
+    finish = "stop" if text.stopped or generation.finish == "stop" else "length"
+    yield pending + text.rest(), finish, made
+
+  def _envelope(self, kind: str, ident: str) -> dict[str, Any]:
+    return {"id": ident, "object": kind, "created": int(time.time()), "model": self.name}
+
+  def complete(self, body: Any) -> dict[str, Any]:
+    """The ``chat.completion`` object answering the request ``body`` (not streamed; see
+    :meth:`chunks` for ``stream: true``)."""
+    return self.answer(self.parse(body))
+
+  def answer(self, request: ChatRequest) -> dict[str, Any]:
+    """The ``chat.completion`` object of a checked request (decoded whole)."""
+    generation = self.start(request)
+    try:
+      parts = list(self.pieces(request, generation))
+    finally:
+      generation.cancel()
+    made, finish = parts[-1][2], parts[-1][1]
+    reply = self._envelope("chat.completion", f"chatcmpl-{uuid.uuid4().hex}")
+    message = {"role": "assistant", "content": "".join(p[0] for p in parts)}
+    reply["choices"] = [{"index": 0, "message": message, "finish_reason": finish}]
+    reply["usage"] = _usage(len(request.ids), made)
+    return reply
+
+  def chunks(self, request: ChatRequest, generation: Generation) -> Iterator[dict[str, Any]]:
+    """The ``chat.completion.chunk`` objects of a streamed reply: the role, the text as it is
+    decoded, the finish reason, and the usage when ``stream_options.include_usage`` asks."""
+    envelope = self._envelope("chat.completion.chunk", f"chatcmpl-{uuid.uuid4().hex}")
+    choice = lambda delta, finish=None: {"index": 0, "delta": delta, "finish_reason": finish}
+    usage = {"usage": None} if request.include_usage else {}
+    yield envelope | {"choices": [choice({"role": "assistant", "content": ""})]} | usage
+    made = 0
+    for text, finish, made in self.pieces(request, generation):
+      if text:
+        yield envelope | {"choices": [choice({"content": text})]} | usage
+      if finish:
+        yield envelope | {"choices": [choice({}, finish)]} | usage
+    if request.include_usage:
+      yield envelope | {"choices": [], "usage": _usage(len(request.ids), made)}
 
   def models(self) -> dict[str, Any]:
     """The ``/v1/models`` list: this server's one model."""
@@ -244,6 +320,14 @@ class ChatService:
         "object": "list",
         "data": [{"id": self.name, "object": "model", "created": self.created, "owned_by": "anlr"}],
     }
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+  return {
+      "prompt_tokens": prompt,
+      "completion_tokens": completion,
+      "total_tokens": prompt + completion,
+  }
 
 
 def _error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
@@ -257,13 +341,25 @@ class _Handler(BaseHTTPRequestHandler):
   protocol_version = "HTTP/1.1"
   server_version = "anlr-serve"
 
-  def _send(self, status: int, value: Mapping[str, Any]) -> None:
+  def setup(self):
+    self.timeout = self.server.idle_timeout  # a connection idle this long is closed
+    super().setup()
+
+  def _send(self, status: int, value: Mapping[str, Any], headers: Mapping[str, str] = {}) -> None:
     data = json.dumps(value, ensure_ascii=False).encode("utf-8")
     self.send_response(status)
     self.send_header("Content-Type", "application/json")
     self.send_header("Content-Length", str(len(data)))
+    for key, value in headers.items():
+      self.send_header(key, value)
+    if self.close_connection:
+      self.send_header("Connection", "close")
     self.end_headers()
     self.wfile.write(data)
+
+  def _fail(self, status: int, message: str, param: str | None = None) -> None:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else {}
+    self._send(status, _error_body(message, status, param), headers)
 
   def _route(self) -> str:
     return self.path.split("?", 1)[0].rstrip("/")
@@ -272,7 +368,33 @@ class _Handler(BaseHTTPRequestHandler):
     if self._route() in ("/v1/models", "/models"):
       self._send(HTTPStatus.OK, self.server.service.models())
     else:
-      self._send(404, _error_body(f"no route GET {self.path}; try GET /v1/models", 404))
+      self._fail(404, f"no route GET {self.path}; try GET /v1/models")
+
+  def _read_body(self, length: int) -> bytes | None:
+    """The body, read within ``server.body_timeout`` seconds in all (a client sending it slowly
+    is answered 408 and dropped); None when the client went away."""
+    deadline = time.monotonic() + self.server.body_timeout
+    parts, left = [], length
+    try:
+      while left:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+          raise TimeoutError
+        self.connection.settimeout(remaining)
+        part = self.rfile.read1(min(left, 1 << 16))
+        if not part:
+          return None
+        parts.append(part)
+        left -= len(part)
+    except TimeoutError:
+      self.close_connection = True
+      self._fail(408, f"the request body did not arrive within {self.server.body_timeout:g}s")
+      return None
+    except OSError:
+      self.close_connection = True
+      return None
+    self.connection.settimeout(self.timeout)
+    return b"".join(parts)
 
   def do_POST(self):  # noqa: N802
     try:
@@ -281,26 +403,58 @@ class _Handler(BaseHTTPRequestHandler):
       length = -1
     if length < 0:
       self.close_connection = True
-      self._send(400, _error_body("the request needs a valid Content-Length header", 400))
+      self._fail(400, "the request needs a valid Content-Length header")
       return
     if length > MAX_BODY:
       self.close_connection = True
-      self._send(413, _error_body(f"the request body exceeds {MAX_BODY} bytes", 413))
+      self._fail(413, f"the request body exceeds {MAX_BODY} bytes")
       return
-    raw = self.rfile.read(length) if length else b""
+    raw = self._read_body(length) if length else b""
+    if raw is None:
+      self.close_connection = True
+      return
     if self._route() not in ("/v1/chat/completions", "/chat/completions"):
-      self._send(404, _error_body(f"no route POST {self.path}; try /v1/chat/completions", 404))
+      self._fail(404, f"no route POST {self.path}; try /v1/chat/completions")
       return
+    service = self.server.service
     try:
       try:
         body = json.loads(raw.decode("utf-8"))
       except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise RequestError(f"the request body is not JSON: {err}") from None
-      self._send(HTTPStatus.OK, self.server.service.complete(body))
+      request = service.parse(body)
+      if not request.stream:
+        self._send(HTTPStatus.OK, service.answer(request))
+        return
+      generation = service.start(request)
     except RequestError as err:
-      self._send(err.status, _error_body(str(err), err.status, err.param))
+      self._fail(err.status, str(err), err.param)
+      return
     except Exception as err:  # noqa: BLE001  (the server stays up; the client gets the reason)
-      self._send(500, _error_body(f"{type(err).__name__}: {err}", 500))
+      self._fail(500, " ".join(f"{type(err).__name__}: {err}".split()))
+      return
+    self._stream(service.chunks(request, generation), generation)
+
+  def _stream(self, chunks: Iterator[dict[str, Any]], generation: Generation) -> None:
+    """Server-sent events, one ``data:`` line per chunk, then ``data: [DONE]``; a client that
+    goes away cancels the generation (its place in the batch is freed)."""
+    self.close_connection = True
+    try:
+      self.send_response(HTTPStatus.OK)
+      self.send_header("Content-Type", "text/event-stream")
+      self.send_header("Cache-Control", "no-cache")
+      self.send_header("Connection", "close")
+      self.end_headers()
+      try:
+        for chunk in chunks:
+          self.wfile.write(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
+      except RuntimeError as err:  # decoding failed: the reason as the stream's last event
+        self.wfile.write(b"data: " + json.dumps(_error_body(str(err), 500)).encode() + b"\n\n")
+      self.wfile.write(b"data: [DONE]\n\n")
+    except OSError:  # the client went away
+      pass
+    finally:
+      generation.cancel()
 
   def log_message(self, format, *args):  # noqa: A002  (http.server's signature)
     if self.server.log_requests:
@@ -308,14 +462,31 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class ChatServer(ThreadingHTTPServer):
-  """A :class:`ThreadingHTTPServer` of a :class:`ChatService` (``service``)."""
+  """A :class:`ThreadingHTTPServer` of a :class:`ChatService` (``service``): one thread per
+  connection (a slow or idle client holds only its own), the model in the service's engine.
+
+  Attributes:
+    idle_timeout: seconds a connection may stay silent (between or inside requests' headers).
+    body_timeout: seconds a request body may take to arrive, all of it.
+  """
 
   daemon_threads = True
+  request_queue_size = 1024  # connections waiting to be accepted (a burst of clients)
 
-  def __init__(self, address, service: ChatService | None, *, log_requests: bool = True):
+  def __init__(
+      self,
+      address,
+      service: ChatService | None,
+      *,
+      log_requests: bool = True,
+      idle_timeout: float = 60.0,
+      body_timeout: float = 60.0,
+  ):
     super().__init__(address, _Handler)
     self.service = service
     self.log_requests = log_requests
+    self.idle_timeout = idle_timeout
+    self.body_timeout = body_timeout
 
   @property
   def url(self) -> str:
@@ -325,7 +496,12 @@ class ChatServer(ThreadingHTTPServer):
 
 
 def load_service(
-    config: RunConfig, adapter: str | None = None, *, name: str | None = None
+    config: RunConfig,
+    adapter: str | None = None,
+    *,
+    name: str | None = None,
+    max_batch: int = 8,
+    max_queue: int = 64,
 ) -> ChatService:
   """The :class:`ChatService` of ``model.path`` (+ ``adapter``: a run directory or a PEFT adapter
   directory). A run directory's model is prompted in its own ``data.template``. One-line errors
@@ -359,6 +535,8 @@ def load_service(
       template=template,
       max_tokens=config.eval.dialogue_max_new_tokens,
       context=getattr(model_config, "max_position_embeddings", None),
+      max_batch=max_batch,
+      max_queue=max_queue,
   )
 
 
@@ -368,12 +546,74 @@ def make_server(
     port: int = 8000,
     *,
     log_requests: bool = True,
+    idle_timeout: float = 60.0,
+    body_timeout: float = 60.0,
 ) -> ChatServer:
   """A :class:`ChatServer` of ``service`` bound to ``host:port`` (port 0: a free one)."""
   try:
-    return ChatServer((host, port), service, log_requests=log_requests)
+    return ChatServer(
+        (host, port),
+        service,
+        log_requests=log_requests,
+        idle_timeout=idle_timeout,
+        body_timeout=body_timeout,
+    )
   except OSError as err:
     raise ValueError(f"--host {host} --port {port}: cannot listen there: {err.strerror}") from None
+
+
+def exposure_warning(host: str) -> str | None:
+  """The warning for a server listening beyond this machine (``host`` not a loopback address):
+  the endpoint has no authentication."""
+  try:
+    loopback = all(ipaddress.ip_address(a).is_loopback for a in _addresses(host))
+  except (OSError, ValueError):
+    loopback = False
+  if loopback:
+    return None
+  return (
+      f"anlr serve: warning: listening on {host}, beyond this machine, with no authentication:"
+      " anyone who can reach this port can use the model (bind to 127.0.0.1, or put the server"
+      " behind a proxy that checks an API key)"
+  )
+
+
+def _addresses(host: str) -> list[str]:
+  return sorted({info[4][0] for info in socket.getaddrinfo(host or "0.0.0.0", None)})
+
+
+def start_server(
+    config: RunConfig,
+    adapter: str | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    name: str | None = None,
+    max_batch: int = 8,
+    max_queue: int = 64,
+    log: Log = say,
+) -> ChatServer:
+  """The bound server of ``anlr serve`` with its model loaded, not serving yet: the port is taken
+  before the model is loaded (a port in use fails at once), and a host beyond this machine gets
+  :func:`exposure_warning`."""
+  server = make_server(None, host, port)
+  warning = exposure_warning(host)
+  if warning:
+    log(warning)
+  try:
+    server.service = load_service(
+        config, adapter, name=name, max_batch=max_batch, max_queue=max_queue
+    )
+  except BaseException:
+    server.server_close()
+    raise
+  service = server.service
+  log(
+      f"anlr serve: {service.name} ({service.template} template) at {server.url}"
+      f" (POST /chat/completions, GET /models; up to {max_batch} requests decoded together,"
+      f" {max_queue} waiting; Ctrl-C stops)"
+  )
+  return server
 
 
 def serve_main(
@@ -383,30 +623,36 @@ def serve_main(
     host: str = "127.0.0.1",
     port: int = 8000,
     name: str | None = None,
+    max_batch: int = 8,
+    max_queue: int = 64,
     log: Log = say,
 ) -> None:
   """``anlr serve``: loads the model and answers requests until interrupted."""
-  server = make_server(None, host, port)  # a port in use fails before the model is loaded
-  try:
-    server.service = service = load_service(config, adapter, name=name)
-  except BaseException:
-    server.server_close()
-    raise
-  log(
-      f"anlr serve: {service.name} ({service.template} template) at {server.url}"
-      " (POST /chat/completions, GET /models; Ctrl-C stops)"
+  server = start_server(
+      config,
+      adapter,
+      host=host,
+      port=port,
+      name=name,
+      max_batch=max_batch,
+      max_queue=max_queue,
+      log=log,
   )
   try:
     server.serve_forever()
   finally:
     server.server_close()
+    server.service.close()
 
 
 __all__ = [
+    "ChatRequest",
     "ChatServer",
     "ChatService",
     "RequestError",
+    "exposure_warning",
     "load_service",
     "make_server",
     "serve_main",
+    "start_server",
 ]
