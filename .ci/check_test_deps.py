@@ -1,10 +1,12 @@
 """Imports every optional framework the tests use and finds every data package they read, after
 ``.ci/run``'s installs: a missing one stops CI in seconds, with one line per missing thing, instead
-of failing its tests (under ``CI=true`` a skip fails, tests/helpers/ci_skips.py) minutes later."""
+of failing its tests (under ``CI=true`` a skip fails, tests/helpers/ci_skips.py) minutes later.
+Then prints the versions of the main frameworks, one line."""
 
 import importlib
 import sys
 
+VERSIONS = ("jax", "flax", "optax", "orbax.checkpoint", "transformers", "peft", "torch")
 MODULES = (
     "tunix.sft.peft_trainer",  # tests/test_tunix.py (examples/finetune_tunix.py)
     "tunix.sft.utils",
@@ -55,7 +57,13 @@ def main() -> int:
       missing.append(f"{what}: {err}")
   for line in missing:
     print(f"missing for the tests: {line}", file=sys.stderr)
-  return 1 if missing else 0
+  if missing:
+    return 1
+  versions = [
+      (name, getattr(importlib.import_module(name), "__version__", "?")) for name in VERSIONS
+  ]
+  print(" | ".join(f"{name} {version}" for name, version in versions))
+  return 0
 
 
 if __name__ == "__main__":
