@@ -164,3 +164,24 @@ def test_bad_input_is_one_line():
   custom = nnx.Linear(64, 8, dot_general=lambda *a, **k: jax.lax.dot_general(*a), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"has no quantised path"):
     QuantLinear(custom, "int8")
+
+
+def test_a_forward_holds_one_layers_dequantised_weights_at_a_time():
+  """XLA may dequantise every layer's weights at the start of a program (they do not depend on
+  the activations) and keep them all; the layers tie them to their input, so the compiled
+  program's temporary memory does not grow with the number of layers."""
+  from anlr_jax.models.config import ModelConfig
+  from anlr_jax.models.llama import LlamaForCausalLM
+
+  def temp_bytes(layers):
+    config = ModelConfig.preset(
+        "tiny", vocab_size=64, hidden_size=256, intermediate_size=1024, num_hidden_layers=layers
+    )
+    model = quant.quantize_model(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), "nf4")
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids))
+    compiled = forward.lower(state, jnp.ones((1, 8), jnp.int32)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  layer_weights = (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 1024) * 4
+  assert temp_bytes(4) - temp_bytes(1) < layer_weights / 2
