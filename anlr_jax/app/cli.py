@@ -40,7 +40,7 @@ from anlr_jax.app.config import ConfigError, RunConfig, help_text, load_config
 from anlr_jax.app.dryrun import PRESETS, dry_run
 from anlr_jax.app.evaluate import eval_run, generate_text
 from anlr_jax.app.export import export_run
-from anlr_jax.app.distributed import distributed_job
+from anlr_jax.app.distributed_job import distributed_job
 from anlr_jax.app.paths import QUICKSTART, config_summary, find_config, shipped_configs
 from anlr_jax.app.report import is_writer
 from anlr_jax.app.train import train_run

@@ -39,7 +39,7 @@ import numpy as np
 
 from anlr_jax import rundir
 from anlr_jax.app.config import RunConfig, load_config
-from anlr_jax.app.generation import prompt_width
+from anlr_jax.app.text_generation import prompt_width
 from anlr_jax.app.model import is_run_dir, load_adapted_model
 from anlr_jax.app.report import Log, say
 from anlr_jax.data import end_of_turn_id
