@@ -39,7 +39,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from anlr_jax import rundir
-from anlr_jax.results import RunResult, read_results, write_results
+from anlr_jax.analysis.results import RunResult, read_results, write_results
 from anlr_jax.app.config import RENAMED_KEYS, RunConfig, save_config
 from anlr_jax.app.identity import check_same_run, run_identity
 from anlr_jax.app.evaluate import evaluate_base, evaluate_tasks, load_eval_sets, accuracy_summary
