@@ -45,7 +45,7 @@ launch ``t`` (:func:`anlr_jax.nn.dash_optimizer`), the LoRA factors the optimize
 
 :func:`inject_method` wraps a model's targeted layers with a method's adapter layer and
 :func:`method_optimizer` builds its optimizer, both from explicit settings; the ``anlr`` command
-assembles a run from its config with :func:`anlr_jax.app.methods.build_method`, which calls both.
+assembles a run from its config with :func:`anlr_jax.app.assemble.build_method`, which calls both.
 """
 
 from __future__ import annotations

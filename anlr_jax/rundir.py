@@ -2,8 +2,8 @@ r"""The run-directory contract: the names of the files ``anlr train`` writes.
 
 Everything that ``anlr train`` writes and ``anlr analyze`` / ``anlr sweep`` / ``anlr eval`` read is
 named here, once. The module imports nothing from ``anlr_jax``, so every layer can import it. What
-the files hold is written and read elsewhere: ``results.json`` by :mod:`anlr_jax.results`, the
-diagnostics by :mod:`anlr_jax.diagnostics_io`, the adapter file's keys follow
+the files hold is written and read elsewhere: ``results.json`` by :mod:`anlr_jax.analysis.results`, the
+diagnostics by :mod:`anlr_jax.train.diagnostics_io`, the adapter file's keys follow
 :func:`anlr_jax.naming.adapter_key`.
 
 **A run directory** (``<run_dir>``)::
@@ -68,7 +68,7 @@ TENSORBOARD_DIR = "tensorboard"
 """Folder of TensorBoard event files with the same scalars."""
 DIAGNOSTICS_DIR = "diagnostics"
 """Folder of per-module AnLR diagnostics, one ``step_<t>.npz`` per snapshot
-(:func:`anlr_jax.diagnostics_io.write_diagnostics`).
+(:func:`anlr_jax.train.diagnostics_io.write_diagnostics`).
 """
 CHECKPOINTS_DIR = "checkpoints"
 """Folder of the run's Orbax checkpoints (the default ``trainer.ckpt_dir``)."""
@@ -76,7 +76,7 @@ LORA_FILE = "lora_final.safetensors"
 """The trained adapter variables, keys :func:`anlr_jax.naming.adapter_key` (Flax layout:
 ``lora_a (d_in, r)``, ``lora_b (r, d_out)``), the run identity in the metadata."""
 RESULTS_FILE = "results.json"
-"""One run's outcome, a :class:`anlr_jax.results.RunResult` (``method``, ``learning_rate``,
+"""One run's outcome, a :class:`anlr_jax.analysis.results.RunResult` (``method``, ``learning_rate``,
 ``seed``, ``accuracy`` ``{task: fraction}``, ``avg``, ``identity`` ...); a sweep cell is finished
 when it exists."""
 SUMMARY_FILE = "summary.json"

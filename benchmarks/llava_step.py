@@ -84,7 +84,7 @@ def main(argv=None) -> int:
   import jax
 
   from anlr_jax.app.config import load_config
-  from anlr_jax.app.methods import build_method
+  from anlr_jax.app.assemble import build_method
   from anlr_jax.app.model import load_base
   from anlr_jax.app.train import training_source
   from anlr_jax.train import Trainer

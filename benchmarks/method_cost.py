@@ -5,7 +5,7 @@ One step = the trainer's jitted train step (``anlr_jax.train.make_train_step``: 
 ``clip_by_global_norm(1)``, the method's optimizer, train state donated) on the CPU reference config
 of ``benchmarks/common.py`` (LLaMA hidden 512, 8 layers, LoRA r = 16 on q, k, v, up, down, batch
 4 x 256, float32, stacked layout). Each method is built as ``anlr train`` builds it
-(``anlr_jax.app.methods.build_method``: adapter layers, optimizer, trainer hooks; a constant
+(``anlr_jax.app.assemble.build_method``: adapter layers, optimizer, trainer hooks; a constant
 learning rate):
 
     lora      LoRALinear + optax.adamw
@@ -85,7 +85,7 @@ def build_method_step(cfg: BenchConfig, method: str):
   seed 0; adapters seed 1; calling it runs one step) and its compile time and memory."""
   from flax import nnx
 
-  from anlr_jax.app.methods import build_method
+  from anlr_jax.app.assemble import build_method
   from anlr_jax.models import LlamaForCausalLM
   from anlr_jax.nn import launch_dash
   from anlr_jax.train import split_model

@@ -110,7 +110,7 @@ def _gradient_shapes() -> list[tuple[int, ...]]:
   from flax import nnx
 
   from anlr_jax.app.config import load_config
-  from anlr_jax.app.methods import build_method
+  from anlr_jax.app.assemble import build_method
   from anlr_jax.app.model import load_base
   from anlr_jax.app.paths import find_config
 

@@ -28,7 +28,7 @@ it stops and names them; ``--resume-allow trainer.steps`` lets a re-run extend t
 docs/reliability.md).
 
 Methods. ``--method`` takes every method of ``anlr train``; the run is assembled by
-``anlr_jax.app.methods.build_method`` exactly as ``anlr train`` assembles it (adapter layers,
+``anlr_jax.app.assemble.build_method`` exactly as ``anlr train`` assembles it (adapter layers,
 optimizer, trainer hooks such as AdaLoRA's regulariser and LoRA-Dash's launch), and
 ``--set KEY=VALUE`` sets any other config key (``--set loradash.launch_step=200``). A bad value
 stops with one line.
@@ -153,7 +153,7 @@ def train(args):
   from anlr_jax import rundir
   from anlr_jax.app.config import save_config
   from anlr_jax.app.export import export_adalora_run
-  from anlr_jax.app.methods import build_method
+  from anlr_jax.app.assemble import build_method
   from anlr_jax.app.model import save_lora_params
   from anlr_jax.app.train import training_source
   from anlr_jax.methods import ADALORA_TOTAL_STEP
@@ -214,7 +214,7 @@ def train(args):
 
 def main(argv=None) -> int:
   """Trains; a bad argument or file ends with one line on stderr and exit status 2."""
-  from anlr_jax.fields import ConfigError
+  from anlr_jax.settings import ConfigError
 
   args = parse_args(argv)
   try:

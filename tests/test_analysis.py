@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 
 import anlr_jax
 from anlr_jax import naming, rundir
-from anlr_jax.results import RunResult, write_results
+from anlr_jax.analysis.results import RunResult, write_results
 from anlr_jax.analysis import figure_data, load_lora, load_run, measures
 from anlr_jax.app.analysis_cli import analyze_main
 from anlr_jax.train.metrics import MetricsWriter

@@ -18,9 +18,9 @@ from safetensors import safe_open
 
 from anlr_jax import assets
 from anlr_jax.app.config import load_config
-from anlr_jax.app.methods import build_method
+from anlr_jax.app.assemble import build_method
 from anlr_jax.methods import METHOD_NAMES, get_method
-from anlr_jax.fields import ConfigError
+from anlr_jax.settings import ConfigError
 from anlr_jax.models import LlamaForCausalLM, ModelConfig
 from anlr_jax.nn import iter_adalora_layers, iter_lora_layers
 from anlr_jax.nn.loradash import LoRADashLinear
@@ -217,7 +217,7 @@ def test_anlr_train_assembles_each_method_once_through_build_method(tmp_path, mo
     def updated_model(self):
       return self.model
 
-  from anlr_jax.app import methods as app_methods
+  from anlr_jax.app import assemble as app_methods
   from anlr_jax.app import train as app_train
   from anlr_jax.app.model import load_adapted_model
   from tests.helpers.tiny_run import tiny_run_setup

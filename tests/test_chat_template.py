@@ -137,7 +137,7 @@ def test_eval_prompt_is_the_training_prompt_and_decoding_stops_at_end_of_turn(
     seen.update(ids=np.asarray(ids), mask=np.asarray(mask), eos=eos_token_id)
     return np.tile(np.asarray(enc(tok, "5") + [401, 0, 0]), (ids.shape[0], 1))
 
-  monkeypatch.setattr(anlr_jax.app.generation, "generate", fake_generate)
+  monkeypatch.setattr(anlr_jax.app.text_generation, "generate", fake_generate)
   generate_fn = make_generate_fn(None, tok, max_new_tokens=4, batch_size=2, template="chat")
   assert generate_fn([prompt]) == ["5"]
   row = seen["ids"][0][seen["mask"][0] == 1].tolist()
@@ -282,7 +282,7 @@ def test_prompt_batches_pad_to_power_of_two_widths(monkeypatch):
     assert (np.asarray(mask).sum(axis=1) <= ids.shape[1]).all()
     return np.zeros((ids.shape[0], max_new_tokens), np.int32)
 
-  monkeypatch.setattr(anlr_jax.app.generation, "generate", fake_generate)
+  monkeypatch.setattr(anlr_jax.app.text_generation, "generate", fake_generate)
   generate_fn = make_generate_fn(None, tok, max_new_tokens=2, batch_size=1)
   lengths = [
       len(tok(" ".join(["word"] * n), add_special_tokens=False).input_ids) for n in (8, 10, 12)

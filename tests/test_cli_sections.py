@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from anlr_jax import diagnostics_io, rundir
+from anlr_jax import rundir
+from anlr_jax.train import diagnostics_io
 from anlr_jax.app import cli
 from tests.test_reliability import _config
 

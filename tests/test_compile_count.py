@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 from anlr_jax import assets
-from anlr_jax.app.generation import make_generate_fn, prompt_width
+from anlr_jax.app.text_generation import make_generate_fn
+from anlr_jax.models.generation import prompt_width
 from anlr_jax.compiles import compile_log
 from anlr_jax.evals.judge_probs import RATING_CUE, RATINGS, local_probes
 from anlr_jax.evals.loglik import bucket_width

@@ -8,7 +8,7 @@ import yaml
 
 from anlr_jax.app import config as cfg
 from anlr_jax.app import paths
-from anlr_jax.fields import field_help, rule_of
+from anlr_jax.settings import field_help, rule_of
 from anlr_jax.methods import METHOD_NAMES
 from anlr_jax.train import TrainerConfig
 
@@ -260,7 +260,7 @@ def test_shipped_configs_are_package_data_and_found_by_name():
 
 
 def test_every_setting_has_help_and_its_rule_is_the_check():
-  from anlr_jax.fields import ConfigError, Range, check_fields, setting
+  from anlr_jax.settings import ConfigError, Range, check_fields, setting
   from anlr_jax.train import TrainerConfig
 
   for section in cfg.SECTIONS.values():
@@ -309,7 +309,7 @@ def test_the_trainer_section_adds_the_checkpoint_directory_to_the_library_config
 
 
 def test_identity_fields_come_from_the_field_metadata():
-  from anlr_jax.fields import identity_of, setting
+  from anlr_jax.settings import identity_of, setting
 
   @dataclasses.dataclass
   class Section:

@@ -13,7 +13,7 @@ from anlr_jax import assets
 from anlr_jax.app import cli
 from anlr_jax.app.config import load_config
 from anlr_jax.app.dryrun import activation_bytes, estimate, mesh_sizes
-from anlr_jax.fields import ConfigError
+from anlr_jax.settings import ConfigError
 from anlr_jax.models.config import ModelConfig
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]

@@ -155,7 +155,7 @@ def test_truncation_and_exact_continuation(monkeypatch):
 
     return np.tile(np.asarray(new), (ids.shape[0], 1))
 
-  monkeypatch.setattr(anlr_jax.app.generation, "generate", fake_generate)
+  monkeypatch.setattr(anlr_jax.app.text_generation, "generate", fake_generate)
   fn = make_generate_fn(None, tok, max_new_tokens=8, batch_size=1, exact_continuation=True)
   assert fn(["def add(a, b):\n"]) == ["    return a + b\n"]
 

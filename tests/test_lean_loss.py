@@ -22,14 +22,8 @@ from flax import nnx
 from anlr_jax.models.config import ModelConfig
 from anlr_jax.models.llama import LlamaForCausalLM
 from anlr_jax.nn.inject import inject_lora
-from anlr_jax.train.step import (
-    chunked_next_token_loss_sum,
-    init_train_state,
-    make_train_step,
-    next_token_loss_sum,
-    split_model,
-    stack_layers,
-)
+from anlr_jax.train.loss import chunked_next_token_loss_sum, model_loss_sum, next_token_loss_sum
+from anlr_jax.train.step import init_train_state, make_train_step, split_model, stack_layers
 from anlr_jax.train.trainer import Trainer, TrainerConfig
 from tests.helpers.toy_lm import ToyBatches, make_toy_model
 
@@ -337,3 +331,32 @@ def test_remat_with_lora_dropout_over_updates_and_micro_batches_is_the_same_trai
   _assert_relative(lora, plain_lora, 1e-5)
   for a, b in zip(jax.tree.leaves(extra), jax.tree.leaves(plain_extra)):  # the RNG counts
     np.testing.assert_array_equal(raw(a), raw(b))
+
+
+def test_a_loss_chunk_that_cannot_apply_is_said_not_dropped(caplog):
+  """trainer.loss_chunk on a batch with images (LLaVA merges their features inside its forward
+  pass) or a model without an output matrix: a warning, and the whole logits' loss."""
+  seen = []
+
+  class WholeLogitsOnly:  # a model without output_matrix / hidden_states (as LLaVA's)
+
+    def __call__(self, ids, **kwargs):
+      seen.append(sorted(kwargs))
+      return jax.nn.one_hot(ids, 5) * 2.0
+
+  ids = jnp.array([[1, 2, 3, 4]])
+  batch = {'input_ids': ids, 'loss_mask': jnp.ones((1, 4))}
+  want = next_token_loss_sum(jax.nn.one_hot(ids, 5) * 2.0, ids, batch['loss_mask'])
+  with caplog.at_level('WARNING', logger='anlr_jax.train.loss'):
+    got = model_loss_sum(WholeLogitsOnly(), batch, {}, {'pixel_values': 0}, loss_chunk=64)
+  assert 'trainer.loss_chunk=64 does not apply: a batch with images (LLaVA)' in caplog.text
+  np.testing.assert_allclose(got, want)
+  assert seen == [['pixel_values']]
+  caplog.clear()
+  with caplog.at_level('WARNING', logger='anlr_jax.train.loss'):
+    model_loss_sum(WholeLogitsOnly(), batch, {}, {}, loss_chunk=64)
+  assert 'WholeLogitsOnly exposes no output matrix' in caplog.text
+  caplog.clear()
+  with caplog.at_level('WARNING', logger='anlr_jax.train.loss'):
+    model_loss_sum(WholeLogitsOnly(), batch, {}, {}, loss_chunk=0)
+  assert caplog.text == ''

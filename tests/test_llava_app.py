@@ -12,9 +12,9 @@ from flax import nnx
 from anlr_jax import assets
 from anlr_jax.app.config import load_config
 from anlr_jax.app.dryrun import estimate
-from anlr_jax.app.methods import build_method
+from anlr_jax.app.assemble import build_method
 from anlr_jax.app.model import load_base, load_lora_params, save_lora_params
-from anlr_jax.fields import ConfigError
+from anlr_jax.settings import ConfigError
 from anlr_jax.models import LlavaForConditionalGeneration
 from anlr_jax.nn import FullParam, iter_lora_layers
 from tests.test_llava import make_hf_llava

@@ -229,7 +229,7 @@ class ImageBatches:
 def test_trainer_trains_llava_on_image_batches(hf_dir):
   """The trainer's step carries pixel_values, split by rows into micro-batches; its loss is the
   model's masked cross-entropy; the projector is trained, the vision tower is not."""
-  from anlr_jax.train.step import next_token_loss_sum
+  from anlr_jax.train.loss import next_token_loss_sum
   from anlr_jax.train.trainer import Trainer, TrainerConfig
 
   def build(micro_batches):

@@ -18,7 +18,7 @@ from flax import nnx
 
 import anlr_jax
 from anlr_jax.app.config import ConfigError, help_text, load_config
-from anlr_jax.app.methods import adalora_config, build_method, dash_launcher, method_hooks
+from anlr_jax.app.assemble import adalora_config, build_method, dash_launcher, method_hooks
 from anlr_jax.methods import LAYERS, METHOD_NAMES, OPTIMIZERS, get_method, method_optimizer
 from anlr_jax.models.config import ModelConfig
 from anlr_jax.models.llama import LlamaForCausalLM

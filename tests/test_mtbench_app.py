@@ -54,7 +54,7 @@ def test_turn_two_prompt_holds_turn_one_answer_tokens(tiny, tmp_path, monkeypatc
     out = (reply + [end] + [pad_token_id] * max_new_tokens)[:max_new_tokens]
     return np.asarray([out] * ids.shape[0], np.int32)
 
-  monkeypatch.setattr(anlr_jax.app.generation, "generate", fake_generate)
+  monkeypatch.setattr(anlr_jax.app.text_generation, "generate", fake_generate)
   q = mtbench.load_questions()[0]
   answers = answer_mt_bench(
       model, tok, config, [q], str(tmp_path), model_id="m", log=lambda _: None
@@ -127,7 +127,7 @@ def test_eval_answers_judges_and_resumes_then_pairwise(tiny, tmp_path, capsys, m
     raise AssertionError("generated again")
 
   before = {f: (out / f).read_text() for f in ("mt_bench_answers.jsonl", "mt_bench_single.jsonl")}
-  monkeypatch.setattr(anlr_jax.app.generation, "generate", no_generation)
+  monkeypatch.setattr(anlr_jax.app.text_generation, "generate", no_generation)
   code, _, err = run_cli(argv, capsys)
   assert code == 0, err
   assert {f: (out / f).read_text() for f in before} == before
@@ -163,7 +163,7 @@ def test_eval_answers_judges_and_resumes_then_pairwise(tiny, tmp_path, capsys, m
       **judging.pair_summary(records),
   }
   assert summary["win"] + summary["tie"] + summary["loss"] + summary["errors"] == 16
-  monkeypatch.setattr(anlr_jax.app.generation, "generate", no_generation)
+  monkeypatch.setattr(anlr_jax.app.text_generation, "generate", no_generation)
   code, stdout, err = run_cli(pair, capsys)  # all judged already: nothing is generated
   assert code == 0, err
   code, stdout, err = run_cli(  # key=value after --single's directories are overrides
@@ -315,7 +315,7 @@ def test_generate_fn_samples_at_a_temperature_with_a_fresh_key_per_call(tiny, mo
     calls.append(kw)
     return np.zeros((ids.shape[0], 2), np.int32)
 
-  monkeypatch.setattr(anlr_jax.app.generation, "generate", fake_generate)
+  monkeypatch.setattr(anlr_jax.app.text_generation, "generate", fake_generate)
   fn = make_generate_fn(None, tok, max_new_tokens=2, batch_size=1, template="chat", seed=3)
   fn(["a"])
   fn(["a"], 0.7)

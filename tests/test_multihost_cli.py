@@ -185,8 +185,8 @@ def test_the_distributed_section_reaches_jax_distributed(monkeypatch):
   import jax
 
   from anlr_jax.app.config import load_config
-  from anlr_jax.app.distributed import distributed_job
-  from anlr_jax.fields import ConfigError
+  from anlr_jax.app.distributed_job import distributed_job
+  from anlr_jax.settings import ConfigError
 
   for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     monkeypatch.delenv(var, raising=False)

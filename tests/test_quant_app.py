@@ -15,7 +15,7 @@ from flax import nnx
 
 from anlr_jax.app import cli
 from anlr_jax.app.config import load_config
-from anlr_jax.app.methods import build_method
+from anlr_jax.app.assemble import build_method
 from anlr_jax.app.model import load_adapted_model, load_base
 from anlr_jax.methods import METHOD_NAMES, get_method
 from anlr_jax.models import load_hf_model

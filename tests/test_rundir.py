@@ -15,9 +15,10 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 import anlr_jax
-from anlr_jax import diagnostics_io, naming, rundir
+from anlr_jax import naming, rundir
+from anlr_jax.train import diagnostics_io
 from anlr_jax.analysis import file_names
-from anlr_jax.results import RunResult, read_results, write_results
+from anlr_jax.analysis.results import RunResult, read_results, write_results
 from anlr_jax.analysis import load_run, measures
 from anlr_jax.nn.inject import inject_lora, iter_lora_layers
 from anlr_jax.train.metrics import MetricsWriter

@@ -18,7 +18,7 @@ import pytest
 
 from anlr_jax.app import cli
 from anlr_jax.app.config import load_config
-from anlr_jax.app.generation import make_generate_fn
+from anlr_jax.app.text_generation import make_generate_fn
 from anlr_jax.app.judge import judge_prompt
 from anlr_jax.app.serve import RequestError, load_service, make_server
 from anlr_jax.data import mtbench
@@ -333,7 +333,7 @@ def test_a_run_directory_is_served_with_its_adapter_and_its_template(tiny, tmp_p
   from anlr_jax import rundir
   from anlr_jax.app.config import save_config
   from anlr_jax.app.evaluate import generate_text
-  from anlr_jax.app.methods import build_method
+  from anlr_jax.app.assemble import build_method
   from anlr_jax.app.model import load_base, save_lora_params
   from anlr_jax.data import alpaca_prompt
   from anlr_jax.nn import iter_lora_layers

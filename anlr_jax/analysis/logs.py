@@ -3,7 +3,7 @@ r"""Reads what ``anlr train`` leaves in a run directory, for :mod:`anlr_jax.anal
 File names, module names and the file formats are those of :mod:`anlr_jax.rundir`:
 
 * ``diagnostics/step_<t>.npz`` (every ``trainer.diag_every`` steps, read with
-  :func:`anlr_jax.diagnostics_io.read_diagnostics`): per module, ``nu_bar``, ``snr``,
+  :func:`anlr_jax.train.diagnostics_io.read_diagnostics`): per module, ``nu_bar``, ``snr``,
   ``multipliers`` and optionally ``magnitudes`` (from :func:`anlr_jax.analysis.rank_magnitudes`), each ``(..., r)``.
   Leading batch axes (stacked layers) are split into separate modules named ``<module>[i]``.
 * ``lora_final.safetensors``: ``<module>/lora_a (..., d_in, r)`` and ``<module>/lora_b (..., r, d_out)``
@@ -25,8 +25,9 @@ from typing import Mapping
 
 import numpy as np
 
-from anlr_jax import diagnostics_io, naming, rundir
-from anlr_jax.results import RunResult, read_results
+from anlr_jax import naming, rundir
+from anlr_jax.train import diagnostics_io
+from anlr_jax.analysis.results import RunResult, read_results
 
 __all__ = [
     'RunLogs',

@@ -28,7 +28,7 @@ import numpy as np
 
 from anlr_jax import fileio, rundir
 from anlr_jax.analysis import file_names
-from anlr_jax.results import read_results
+from anlr_jax.analysis.results import read_results
 from anlr_jax.analysis.tables import write_csv, write_markdown
 
 __all__ = [

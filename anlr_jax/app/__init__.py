@@ -3,7 +3,7 @@
 One concern per module, each importing only the library and the modules listed before it (imports
 for type annotations alone excepted):
 
-- :mod:`~anlr_jax.app.methods`: the one assembly of a method's run from a config (``build_method``:
+- :mod:`~anlr_jax.app.assemble`: the one assembly of a method's run from a config (``build_method``:
   layers, optimizer, schedule, and what a method adds to a run, AdaLoRA's regulariser, LoRA-Dash's
   launch), over the library's method table (:mod:`anlr_jax.methods`: layer + optimizer of each
   ``method:``);
@@ -16,14 +16,14 @@ for type annotations alone excepted):
 - :mod:`~anlr_jax.app.dryrun`: ``anlr train --dry_run`` (memory per device of a config and mesh);
 - :mod:`~anlr_jax.app.report`: log lines, loss plots, tables, JSON files (process 0 writes);
 - :mod:`~anlr_jax.app.model`: base model, adapter layers, adapter files;
-- :mod:`~anlr_jax.app.generation`: batched generation with the training tokenisation of prompts;
+- :mod:`~anlr_jax.app.text_generation`: batched generation with the training tokenisation of prompts;
 - :mod:`~anlr_jax.app.judge`: MT-Bench answers and the LLM judge (``anlr judge``);
 - :mod:`~anlr_jax.app.evaluate`: eval tasks, ``anlr eval``, ``anlr generate``;
 - :mod:`~anlr_jax.app.serve`: ``anlr serve`` (a model behind an OpenAI-compatible chat endpoint);
 - :mod:`~anlr_jax.app.train`: ``anlr train`` (one method or several compared);
 - :mod:`~anlr_jax.app.export`: ``anlr export`` (PEFT adapter or merged model);
 - :mod:`~anlr_jax.app.analysis_cli`: ``anlr analyze`` and ``anlr sweep``;
-- :mod:`~anlr_jax.app.distributed`: ``anlr train`` as a ``jax.distributed`` job;
+- :mod:`~anlr_jax.app.distributed_job`: ``anlr train`` as a ``jax.distributed`` job;
 - :mod:`~anlr_jax.app.cli`: the ``anlr`` command;
 - :mod:`~anlr_jax.app.launch`: the process entry (huge-page ``malloc``, then the command).
 

@@ -2,7 +2,7 @@ r"""Continuous batching for ``anlr serve``: requests decoded together, each row 
 
 A :class:`BatchEngine` owns one thread and a key/value cache of ``max_batch`` rows (*slots*) of
 ``S`` positions. A request (:class:`Generation`) waits in a bounded queue until a slot is free; it
-is then *admitted*: its prompt, left-padded to :func:`~anlr_jax.app.generation.prompt_width`
+is then *admitted*: its prompt, left-padded to :func:`~anlr_jax.models.generation.prompt_width`
 ``W``, is run alone through the model (the prefill), which gives its first token, and its keys and
 values are copied into slots ``[0, W)`` of its row. From then on one jitted *decode step* feeds the
 last token of every row at once and chooses each row's next one:
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from anlr_jax.app.generation import prompt_width
+from anlr_jax.models.generation import prompt_width
 from anlr_jax.models.llama import KVCache, init_cache
 
 MIN_LENGTH = 128

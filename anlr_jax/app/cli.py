@@ -42,7 +42,7 @@ from anlr_jax.app.dryrun import PRESETS, dry_run
 from anlr_jax.app.evaluate import eval_run, generate_text
 from anlr_jax.nn.quant import QUANTIZE_MODES
 from anlr_jax.app.export import export_run
-from anlr_jax.app.distributed import distributed_job
+from anlr_jax.app.distributed_job import distributed_job
 from anlr_jax.app.paths import QUICKSTART, config_summary, find_config, shipped_configs
 from anlr_jax.app.report import is_writer
 from anlr_jax.app import split_files

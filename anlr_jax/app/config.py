@@ -19,7 +19,7 @@ A run config is the YAML mapping
 then ``key=value`` overrides with dotted keys (``lora.rank=16 method=anlr
 trainer.learning_rate=2e-4 eval.tasks.piqa=data/piqa/test.json``). Override values are read as YAML
 scalars/lists/mappings and then coerced to the field's type. Every field is declared with
-:func:`anlr_jax.fields.setting` (type, default, help text, allowed values), so one rule checks it and
+:func:`anlr_jax.settings.setting` (type, default, help text, allowed values), so one rule checks it and
 ``anlr train --help`` prints it: an unknown key, a value of the wrong type, out of range or not in the
 allowed set raises :class:`ConfigError` naming the key (and the file). Renamed keys
 (:data:`RENAMED_KEYS`) are still read, with a warning naming the new key.
@@ -59,7 +59,7 @@ from anlr_jax.app.sections import (
 )
 from anlr_jax.data.formats import VISUAL_FORMATS
 from anlr_jax.evals.extract import get_task
-from anlr_jax.fields import ConfigError, build_settings, field_help, rule_of, type_name
+from anlr_jax.settings import ConfigError, build_settings, field_help, rule_of, type_name
 from anlr_jax.methods import get_method
 
 logger = logging.getLogger("anlr_jax.app")

@@ -2,7 +2,7 @@ r"""``anlr train --dry_run``: the memory a run needs per device, computed withou
 
 The model is built abstractly (``nnx.eval_shape``: shapes and dtypes only) from the base model's
 ``config.json`` (``model.path``) or a named preset (``--preset llama2_7b``), the method's adapter
-layers are injected and its optimizer initialised abstractly (:func:`anlr_jax.app.methods.
+layers are injected and its optimizer initialised abstractly (:func:`anlr_jax.app.assemble.
 build_method`), and every array is placed on the run's ``('data', 'fsdp', 'tensor')`` mesh by the
 trainer's own rules (:func:`anlr_jax.train.mesh.state_shardings`, on an abstract mesh of the
 given device count), so the parameter and optimizer-state bytes per device are exact. Activations
@@ -42,9 +42,9 @@ import numpy as np
 from flax import nnx
 
 from anlr_jax.app.config import RunConfig
-from anlr_jax.app.methods import build_method
+from anlr_jax.app.assemble import build_method
 from anlr_jax.app.paths import resolve_path
-from anlr_jax.fields import DTYPES, ConfigError
+from anlr_jax.settings import DTYPES, ConfigError
 from anlr_jax.models import LlamaForCausalLM
 from anlr_jax.models.config import PRESETS as MODEL_PRESETS
 from anlr_jax.models.config import ModelConfig

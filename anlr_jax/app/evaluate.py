@@ -22,9 +22,9 @@ import jax
 import numpy as np
 
 from anlr_jax import rundir
-from anlr_jax.results import EvalRunResult, write_results
+from anlr_jax.analysis.results import EvalRunResult, write_results
 from anlr_jax.app.config import RunConfig, VisualTaskSection, load_config
-from anlr_jax.app.generation import make_generate_fn
+from anlr_jax.app.text_generation import make_generate_fn
 from anlr_jax.app.model import is_run_dir, load_adapted_model, load_base
 from anlr_jax.app.paths import require_path, resolve_path
 from anlr_jax.app.report import BASE_ROW, Log, is_writer, no_lock, say

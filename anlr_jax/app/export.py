@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from anlr_jax import rundir
 from anlr_jax.app.config import RunConfig, load_config
-from anlr_jax.app.methods import adalora_config
+from anlr_jax.app.assemble import adalora_config
 from anlr_jax.app.model import is_run_dir, load_adapted_model
 from anlr_jax.app.paths import resolve_path
 from anlr_jax.app.report import Log, say

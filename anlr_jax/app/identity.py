@@ -1,6 +1,6 @@
 """A run's identity: what determines its trajectory, as ``{dotted key: JSON value}``.
 
-The keys are the run-config fields declared with ``identity`` (:func:`anlr_jax.fields.setting`) of
+The keys are the run-config fields declared with ``identity`` (:func:`anlr_jax.settings.setting`) of
 the top level, ``model``, ``lora``, ``data``, ``trainer`` and the method's own sections
 (:attr:`anlr_jax.methods.Method.sections`), plus what is measured rather than set
 (:data:`MEASURED`). It is stored in every checkpoint, in ``lora_final.safetensors``' metadata and in
@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from anlr_jax.app.config import RENAMED_KEYS, SECTIONS, RunConfig
 from anlr_jax.methods import METHODS, get_method
-from anlr_jax.fields import identity_fields, identity_of
+from anlr_jax.settings import identity_fields, identity_of
 from anlr_jax.train.checkpoint import file_sha256
 from anlr_jax.train.trainer import CheckpointMismatchError, identity_changes
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from anlr_jax.app.config import ModelSection, RunConfig
-from anlr_jax.app.generation import make_generate_fn
+from anlr_jax.app.text_generation import make_generate_fn
 from anlr_jax.app.judge_client import ChatClient, EndpointError, shown_url
 from anlr_jax.app.model import load_base
 from anlr_jax.app.paths import require_path

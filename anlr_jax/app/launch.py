@@ -14,7 +14,7 @@ Nothing happens when ``ANLR_HUGE_PAGES=0``, when ``GLIBC_TUNABLES`` already name
 off Linux or glibc, or when transparent huge pages are ``always`` (already on) or ``never``.
 This module imports nothing heavy, so the re-execution costs little more than starting Python.
 
-Several processes (:func:`anlr_jax.app.distributed.distributed_job`): a process of a job that
+Several processes (:func:`anlr_jax.app.distributed_job.distributed_job`): a process of a job that
 fails exits at once, without JAX's shutdown barrier (which would wait for the others).
 """
 

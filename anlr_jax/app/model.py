@@ -7,7 +7,7 @@ variable as ``<module name>/<variable>`` in ``lora_final.safetensors`` (keys:
 ``lora_magnitude`` for DoRA, ``lora_e (r,)`` for AdaLoRA, ``dash_scale`` and the frozen directions
 ``dash_u``, ``dash_v``, ``dash_change_rate``, ``dash_index`` for LoRA-Dash); ``load_adapted_model``
 rebuilds base + adapter from a run directory (the run's adapter layers by
-:func:`anlr_jax.app.methods.build_method`) or a PEFT adapter directory.
+:func:`anlr_jax.app.assemble.build_method`) or a PEFT adapter directory.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from safetensors.numpy import save as safetensors_bytes
 
 from anlr_jax import naming, rundir
 from anlr_jax.app.config import ConfigError, RunConfig, load_config
-from anlr_jax.app.methods import build_method
+from anlr_jax.app.assemble import build_method
 from anlr_jax.app.paths import require_path, resolve_path
-from anlr_jax.fields import DTYPES
 from anlr_jax.methods import get_method
+from anlr_jax.settings import DTYPES
 from anlr_jax.fileio import atomic_write
 from anlr_jax.models import load_hf_model, load_llava_model, load_tokenizer
 from anlr_jax.models.llava_config import is_llava_config
@@ -47,7 +47,7 @@ from anlr_jax.nn.peft_io import ADAPTER_CONFIG_FILE, adapter_peft_type
 
 def quantize_on_load(config: RunConfig) -> str:
   """``model.quantize`` as applied while the base is read: ``none`` when the run's method takes
-  its adapters' init from the float weight (PiSSA, MiLoRA: :func:`anlr_jax.app.methods.build_method`
+  its adapters' init from the float weight (PiSSA, MiLoRA: :func:`anlr_jax.app.assemble.build_method`
   quantises the residual after the init, as PEFT does)."""
   if config.model.quantize == "none" or get_method(config.method).init != "default":
     return "none"

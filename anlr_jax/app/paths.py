@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from anlr_jax import assets, rundir
 from anlr_jax.app import split_files
-from anlr_jax.fields import ConfigError
+from anlr_jax.settings import ConfigError
 
 if TYPE_CHECKING:
   from anlr_jax.app.config import RunConfig

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from anlr_jax import fileio
-from anlr_jax.results import RunResult
+from anlr_jax.analysis.results import RunResult
 
 BASE_ROW = "base"
 """The row of the base model (no adapters) in accuracy tables."""

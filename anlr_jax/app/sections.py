@@ -1,5 +1,5 @@
 r"""The sections of the run configuration (``model:``, ``lora:``, ``trainer:``, ...) and
-:class:`RunConfig`, the whole run: every key declared with :func:`anlr_jax.fields.setting` (type,
+:class:`RunConfig`, the whole run: every key declared with :func:`anlr_jax.settings.setting` (type,
 default, help text, allowed values).
 
 Reading a YAML file, ``key=value`` overrides, renamed keys and ``anlr train --help`` are
@@ -17,7 +17,7 @@ from anlr_jax.methods import METHOD_NAMES
 from anlr_jax.data.chat import TEMPLATES
 from anlr_jax.data.formats import FORMATS, VISUAL_FORMATS
 from anlr_jax.evals.extract import TASKS
-from anlr_jax.fields import DTYPES, ConfigError, Each, OneOf, Range, setting
+from anlr_jax.settings import DTYPES, ConfigError, Each, OneOf, Range, setting
 from anlr_jax.models.config import ATTENTION_IMPLS
 from anlr_jax.nn.inject import PAPER_TARGET_MODULES
 from anlr_jax.nn.loradash import LORADASH_DEFAULTS

@@ -39,11 +39,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from anlr_jax import rundir
-from anlr_jax.results import RunResult, read_results, write_results
+from anlr_jax.analysis.results import RunResult, read_results, write_results
 from anlr_jax.app.config import RENAMED_KEYS, RunConfig, save_config
 from anlr_jax.app.identity import check_same_run, run_identity
 from anlr_jax.app.evaluate import evaluate_base, evaluate_tasks, load_eval_sets, accuracy_summary
-from anlr_jax.app.methods import build_method, check_quantized_mesh, check_schedule
+from anlr_jax.app.assemble import build_method, check_quantized_mesh, check_schedule
 from anlr_jax.app.model import (
     load_base,
     load_lora_params,
@@ -67,7 +67,7 @@ from anlr_jax.app.report import (
 from anlr_jax.data import TEMPLATES, benchmarks, make_source
 from anlr_jax.data.llava import IMAGE_TOKEN, LLAVA_TEMPLATES, image_token_id, make_llava_source
 from anlr_jax.data.source import LengthBucketedSource
-from anlr_jax.fields import ConfigError
+from anlr_jax.settings import ConfigError
 from anlr_jax.evals import write_accuracy_table
 from anlr_jax.methods import ADALORA_TOTAL_STEP
 from anlr_jax.models.llava_config import LlavaConfig

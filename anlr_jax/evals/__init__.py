@@ -2,7 +2,7 @@
 
 from anlr_jax.evals import humaneval
 from anlr_jax.evals.code import CodeEvalResult, evaluate_code, load_code_problems
-from anlr_jax.evals.evaluate import (
+from anlr_jax.evals.generative import (
     EvalExample,
     EvalRecord,
     EvalResult,
@@ -23,7 +23,7 @@ from anlr_jax.evals.extract import (
     normalize_text,
     parse_gold,
 )
-from anlr_jax.evals.report import accuracy_table, write_accuracy_table
+from anlr_jax.evals.accuracy import accuracy_table, write_accuracy_table
 from anlr_jax.evals import visual
 from anlr_jax.evals.visual import VisualScore, read_predictions
 

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from anlr_jax.evals import humaneval
-from anlr_jax.evals.evaluate import generate_batched
+from anlr_jax.evals.generative import generate_batched
 
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(")
 """A completion ends before the first of these (HumanEval's stop sequences)."""

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from anlr_jax.fields import Range
+from anlr_jax.settings import Range
 from anlr_jax.optim import rank_stats
 from anlr_jax.optim.detect import require_lora_modules
 from anlr_jax.optim.dims import LoraDimsSpec, LoraModule, find_lora_modules

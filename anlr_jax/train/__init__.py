@@ -18,11 +18,10 @@ from anlr_jax.train.mesh import (
 )
 from anlr_jax.train.metrics import MetricsWriter
 from anlr_jax.train.schedule import linear_warmup_decay
+from anlr_jax.train.loss import chunked_next_token_loss_sum, next_token_loss_sum
 from anlr_jax.train.step import (
     TrainState,
-    chunked_next_token_loss_sum,
     make_train_step,
-    next_token_loss_sum,
     split_model,
     stack_layers,
     unstack_layers,

@@ -4,7 +4,7 @@ Per logged step: ``loss``, ``lr``, ``grad_norm``, ``tokens``, ``loss_tokens`` (f
 scalars, fetched only every ``log_every`` steps, so no host sync per step) and
 ``tokens_per_s = sum(tokens) / wall seconds`` over the logging window. AnLR diagnostics (from
 ``anlr_jax.diagnostics(opt_state)`` when the optimizer provides it) go to ``diagnostics/step_<t>.npz``
-(:mod:`anlr_jax.diagnostics_io`) every ``diag_every`` steps, their scalar summaries into the same
+(:mod:`anlr_jax.train.diagnostics_io`) every ``diag_every`` steps, their scalar summaries into the same
 JSONL/CSV/TensorBoard rows. File names: :mod:`anlr_jax.rundir`.
 Only process 0 writes; the other processes' writer is inert.
 
@@ -36,7 +36,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from anlr_jax import diagnostics_io
+from anlr_jax.train import diagnostics_io
 from anlr_jax.fileio import atomic_write, read_jsonl
 from anlr_jax.rundir import METRICS_CSV, METRICS_FILE, TENSORBOARD_DIR
 from anlr_jax.train import diskfull
@@ -280,8 +280,8 @@ class MetricsWriter:
   def write_diagnostics(self, step: int, diagnostics: Any) -> None:
     """Saves the full per-module diagnostics tree (``s_k``, ``nu_bar_k``, ``snr_k``...) of
     :func:`anlr_jax.diagnostics` (plus ``magnitudes``) as ``diagnostics/step_<step>.npz``; see
-    :func:`anlr_jax.diagnostics_io.diagnostics_from_tree` and
-    :func:`anlr_jax.diagnostics_io.write_diagnostics`.
+    :func:`anlr_jax.train.diagnostics_io.diagnostics_from_tree` and
+    :func:`anlr_jax.train.diagnostics_io.write_diagnostics`.
     """
     if not self.is_writer or self.run_dir is None:
       return

@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 
 from anlr_jax import optim as anlr_optim
-from anlr_jax.fields import DTYPES, ConfigError, OneOf, Range, check_fields, identity_of, setting
+from anlr_jax.settings import DTYPES, ConfigError, OneOf, Range, check_fields, identity_of, setting
 from anlr_jax.train.checkpoint import (
     CorruptCheckpointError,
     TrainCheckpointer,

@@ -125,10 +125,10 @@ def make_toy_model(seed=0, **kwargs) -> ToyCausalLM:
 
 def method_tx(config, method: str = 'anlr'):
   """``(tx, schedule)`` of ``method`` on the trainer config's schedule over ``config.steps``
-  updates, with its AdamW constants and clipping: ``anlr_jax.app.methods.build_method`` on a run
+  updates, with its AdamW constants and clipping: ``anlr_jax.app.assemble.build_method`` on a run
   config whose ``trainer`` section is ``config`` (the toy LM has its own LoRA layers)."""
   from anlr_jax.app.config import RunConfig
-  from anlr_jax.app.methods import build_method
+  from anlr_jax.app.assemble import build_method
 
   config = RunConfig(method=method, trainer=config)
   built = build_method(config, total_steps=config.trainer.steps, check=False)

@@ -21,7 +21,7 @@ def distributed_job(section, *, what: str = "anlr train"):
   waits for the others, then the job shuts down."""
   import jax
 
-  from anlr_jax.fields import ConfigError
+  from anlr_jax.settings import ConfigError
   from anlr_jax.train.distributed import PeerWatchdog, initialize_distributed
 
   heartbeat = int(2 * section.peer_timeout_s) + 10  # JAX's own abort comes after ours

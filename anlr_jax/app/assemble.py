@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import optax
 from flax import nnx
 
-from anlr_jax.fields import ConfigError
+from anlr_jax.settings import ConfigError
 from anlr_jax.methods import Method, get_method, inject_method, method_optimizer
 from anlr_jax.nn import dash_launched, launch_dash, lora_scale
 from anlr_jax.optim import Signal

@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from anlr_jax.evals.evaluate import EvalResult
+from anlr_jax.evals.generative import EvalResult
 from anlr_jax.evals.extract import COMMONSENSE_TASKS, TASKS, get_task
 
 AVG_TITLE = "Avg."
