@@ -313,7 +313,7 @@ def test_remat_with_lora_dropout_over_updates_and_micro_batches_is_the_same_trai
   batches = [_batch(6), _batch(7)]
 
   def train(remat):
-    graphdef, lora, frozen, extra = split_model(_model(layers=2, dropout=0.3))
+    graphdef, lora, frozen, extra = split_model(_model(layers=1, dropout=0.3))
     tx = optax.sgd(0.5)  # linear in the gradients: the bound below is on them
     step = jax.jit(make_train_step(graphdef, tx, micro_batches=2, remat=remat, loss_chunk=16))
     state, losses = init_train_state(lora, extra, tx), []
