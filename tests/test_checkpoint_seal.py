@@ -50,6 +50,7 @@ def test_every_file_of_a_checkpoint_is_sealed_within_its_commit(tmp_path):
     seal = json.loads((folder / CHECKSUM_FILE).read_text())
     files = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
     assert set(seal["files"]) == files - late - {CHECKSUM_FILE}
+    assert not list(folder.glob(f"*/**/{CHECKSUM_FILE}"))  # one seal a step, not one an item
     assert seal["step_metadata"] and TrainCheckpointer(tmp_path / "ckpt").verify(step) is None
   assert set(checkpointer.seal_seconds) == {2, 4}
 

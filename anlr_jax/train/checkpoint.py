@@ -33,6 +33,7 @@ an abstract target (``jax.ShapeDtypeStruct`` with the live shardings), never tar
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import json
 import logging
@@ -195,16 +196,22 @@ def file_sha256(path: str) -> str:
 
 def directory_checksums(root: str, *, skip: tuple[str, ...] = ()) -> dict[str, str]:
   """``{path relative to root: sha256}`` of every regular file below ``root`` (the checksum file
-  and the relative paths in ``skip`` aside)."""
-  out = {}
+  and the relative paths in ``skip`` aside), hashed by a few threads at once (hashlib releases the
+  GIL)."""
+  paths = {}
   for folder, _, files in os.walk(root):
     for name in files:
       path = os.path.join(folder, name)
       rel = os.path.relpath(path, root)
       if rel != CHECKSUM_FILE and rel not in skip and os.path.isfile(path):
         if not os.path.islink(path):
-          out[rel] = file_sha256(path)
-  return dict(sorted(out.items()))
+          paths[rel] = path
+  if len(paths) < 2:
+    return {rel: file_sha256(path) for rel, path in paths.items()}
+  workers = min(len(paths), os.cpu_count() or 1, 8)
+  with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix='anlr-seal') as pool:
+    digests = dict(zip(paths, pool.map(file_sha256, paths.values())))
+  return dict(sorted(digests.items()))
 
 
 def _step_metadata_digest(path: str) -> str | None:
@@ -275,21 +282,23 @@ def seal_problem(folder: str) -> str | None:
   return None
 
 
-def _sealing_rename(on_sealed):
-  """Orbax's atomic-rename commit of a step directory, sealed just before the rename (see the
-  module docstring); ``on_sealed(folder, seconds)`` is told of each seal."""
+def _sealing_rename(root: str, on_sealed):
+  """Orbax's atomic-rename commit of a step directory of ``root``, sealed just before the rename
+  (see the module docstring); ``on_sealed(folder, seconds)`` is told of each seal. Orbax commits
+  each item's directory inside a step directory the same way: those are left to the step's seal."""
   import orbax.checkpoint as ocp
 
   class SealingRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
 
     async def finalize(self, *args, **kwargs):
-      store = getattr(self, '_checkpoint_metadata_store', None)  # its writes are asynchronous
-      if store is not None:
-        await asyncio.to_thread(store.wait_until_finished)
-      start = time.perf_counter()
-      folder = os.fspath(self.get())
-      await asyncio.to_thread(seal_directory, folder)
-      on_sealed(os.fspath(self.get_final()), time.perf_counter() - start)
+      final = os.fspath(self.get_final())
+      if os.path.dirname(os.path.abspath(final)) == root:  # a step directory
+        store = getattr(self, '_checkpoint_metadata_store', None)  # its writes are asynchronous
+        if store is not None:
+          await asyncio.to_thread(store.wait_until_finished)
+        start = time.perf_counter()
+        await asyncio.to_thread(seal_directory, os.fspath(self.get()))
+        on_sealed(final, time.perf_counter() - start)
       return await super().finalize(*args, **kwargs)
 
   return SealingRename
@@ -332,7 +341,7 @@ class TrainCheckpointer:
         create=True,
         enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True,
-        temporary_path_class=_sealing_rename(self._sealed),
+        temporary_path_class=_sealing_rename(self.directory, self._sealed),
     )
     quiet_reports_of_disk_full()  # orbax's threads report a save that finds no space, at length
     self.manager = ocp.CheckpointManager(self.directory, options=options)
