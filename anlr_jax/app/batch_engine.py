@@ -195,6 +195,8 @@ class BatchEngine:
     self.max_queue = max_queue
     self.tokens_made = 0
     """New tokens made so far, every request together."""
+    self.cancelled = 0
+    """Requests ended by their consumer so far (:meth:`Generation.cancel`)."""
     self.step_hook: Callable[[], None] | None = None
     """Called by the engine's thread after each decoding step (tests pace the engine with it)."""
     self._waiting: collections.deque[Generation] = collections.deque()
@@ -337,6 +339,7 @@ class BatchEngine:
       finish = "length"
     elif generation.cancelled:
       finish = "cancelled"
+      self.cancelled += 1
     if finish is not None:
       generation._end(finish)
       self._slots[row] = None
@@ -346,6 +349,7 @@ class BatchEngine:
       if slot is not None and slot.generation.cancelled:
         slot.generation._end("cancelled")
         self._slots[row] = None
+        self.cancelled += 1
     live = [(row, slot) for row, slot in enumerate(self._slots) if slot is not None]
     if not live:
       return

@@ -422,6 +422,8 @@ class _Handler(BaseHTTPRequestHandler):
         body = json.loads(raw.decode("utf-8"))
       except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise RequestError(f"the request body is not JSON: {err}") from None
+      except RecursionError:
+        raise RequestError("the request body is not JSON this server reads: nested too deeply")
       request = service.parse(body)
       if not request.stream:
         self._send(HTTPStatus.OK, service.answer(request))
