@@ -353,28 +353,21 @@ def _peft_lora_config(cfg: BenchConfig):
   )
 
 
-BENCH_OPTIMIZERS = {"adamw": "lora", "anlr": "anlr", "anlr-unbatched": "anlr"}
-"""The benchmarks' optimizer labels and the method (:data:`anlr_jax.methods.METHODS`) of each."""
+BENCH_OPTIMIZERS = {"adamw": "lora", "anlr": "anlr", "anlr-unbatched": "anlr"}  # label: method
 
 
 def jax_optimizer(name: str, *, batch_modules: bool | None = None):
-  """The benchmarks' optimizers, lr 1e-4, weight decay 0.01, no clipping, through the one method
-  assembly (:func:`anlr_jax.methods.method_optimizer`): ``adamw`` (method ``lora``:
-  ``optax.adamw``), ``anlr`` (``anlr_jax.anlr(warmup_steps=0)``: every timed step anisotropic,
-  ``batch_modules`` as given) and ``anlr-unbatched`` (the same with ``batch_modules=False``:
-  statistics module by module)."""
+  """The benchmarks' optimizers (lr 1e-4, weight decay 0.01, no clipping) from the one method
+  assembly, :func:`anlr_jax.methods.method_optimizer`: ``adamw`` (method ``lora``), ``anlr``
+  (``warmup_steps=0``: every timed step anisotropic) and ``anlr-unbatched`` (``batch_modules``
+  False: statistics module by module)."""
   from anlr_jax.methods import method_optimizer
 
   if name not in BENCH_OPTIMIZERS:
     raise ValueError(f"optimizer {name!r} must be one of {list(BENCH_OPTIMIZERS)}")
-  return method_optimizer(
-      BENCH_OPTIMIZERS[name],
-      LEARNING_RATE,
-      weight_decay=WEIGHT_DECAY,
-      clip_norm=None,
-      anlr_kwargs={"warmup_steps": 0},
-      batch_modules=False if name == "anlr-unbatched" else batch_modules,
-  )
+  batched = False if name == "anlr-unbatched" else batch_modules
+  kwargs = dict(weight_decay=WEIGHT_DECAY, clip_norm=None, anlr_kwargs={"warmup_steps": 0})
+  return method_optimizer(BENCH_OPTIMIZERS[name], LEARNING_RATE, **kwargs, batch_modules=batched)
 
 
 class JaxStep:

@@ -504,13 +504,8 @@ def lora_finetune(
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, steps // 10, steps, end_value=0.0)
   if method not in ("adamw", "anlr"):
     raise ValueError(f"method must be 'adamw' or 'anlr', got {method!r}")
-  tx = method_optimizer(  # the one method assembly: "adamw" is method lora (optax.adamw)
-      "lora" if method == "adamw" else "anlr",
-      schedule,
-      weight_decay=0.0,
-      clip_norm=None,
-      anlr_kwargs={"warmup_steps": steps // 10},
-  )
+  knobs = dict(weight_decay=0.0, clip_norm=None, anlr_kwargs={"warmup_steps": steps // 10})
+  tx = method_optimizer("lora" if method == "adamw" else "anlr", schedule, **knobs)  # adamw: lora
   tokenizer = load_tokenizer(asset_dir)
   model, _ = load_hf_model(asset_dir, dtype=jnp.float32)
   model = inject_lora(

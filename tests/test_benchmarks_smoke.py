@@ -16,42 +16,10 @@ import pytest
 
 from benchmarks import common, gpu_train_step, scaling, train_step
 from benchmarks.common import BenchConfig, interleave, paired_ratio
+from tests.helpers.bench_smoke import TINY, fast_xla  # noqa: F401 (autouse)
+from tests.helpers.tiny_llama import tiny_llama_config
 
-TINY = [
-    "--hidden",
-    "64",
-    "--layers",
-    "2",
-    "--heads",
-    "4",
-    "--ffn",
-    "64",
-    "--vocab",
-    "64",
-    "--batch",
-    "2",
-    "--seq",
-    "16",
-    "--rank",
-    "4",
-]
-"""The smallest model: every weight 64 x 64, so each process compiles few distinct init shapes."""
 TINY_LORA_PARAMS = 2 * 5 * (64 + 64) * 4  # layers x (q, k, v, up, down: in + out) x rank
-
-
-@pytest.fixture(autouse=True, scope="module")
-def fast_xla():
-  """XLA's cheapest compile (most optimisations off) here and in the workers (which inherit the
-  environment): these tests check what the scripts run and print, not how fast the steps are."""
-  import jax
-
-  patch = pytest.MonkeyPatch()
-  patch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-  before = jax.config.values["jax_disable_most_optimizations"]
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", before)
-  patch.undo()
 
 
 def test_train_step_on_a_pretrained_model_runs_every_framework_and_prints_ratios(tmp_path, capsys):
@@ -59,13 +27,13 @@ def test_train_step_on_a_pretrained_model_runs_every_framework_and_prints_ratios
   import transformers
 
   torch.manual_seed(0)
-  hf = transformers.LlamaConfig(
-      vocab_size=64,
+  hf = tiny_llama_config(  # every weight 64 x 64; grouped-query attention, as in SmolLM2
+      64,
       hidden_size=64,
       intermediate_size=64,
-      num_hidden_layers=2,
-      num_attention_heads=4,
-      num_key_value_heads=2,  # grouped-query attention, as in SmolLM2
+      max_position_embeddings=2048,
+      rms_norm_eps=1e-6,
+      pad_token_id=None,
       tie_word_embeddings=True,
   )
   transformers.LlamaForCausalLM(hf).save_pretrained(tmp_path / "model")

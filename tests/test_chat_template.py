@@ -22,22 +22,8 @@ from anlr_jax.evals import EvalExample, template_prompt_fn
 from anlr_jax.app.evaluate import eval_run, generate_text, make_generate_fn
 from anlr_jax.app.train import train_run
 from tests.helpers.tiny_llama import save_tiny_llama
+from tests.helpers.tiny_chat import CHATML, chat_tokenizer
 from tests.tiny_tokenizer import build_tiny_tokenizer
-
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def chat_tokenizer(directory=None):
-  """The tiny tokenizer with ChatML's two special tokens and template (bos <s>, eos </s>)."""
-  tok = build_tiny_tokenizer()
-  tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-  tok.chat_template = CHATML
-  if directory is not None:
-    tok.save_pretrained(directory)
-  return tok
 
 
 @pytest.fixture(scope="module")

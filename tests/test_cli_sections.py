@@ -8,7 +8,7 @@ from safetensors.numpy import load_file
 from anlr_jax import rundir
 from anlr_jax.train import diagnostics_io
 from anlr_jax.app import cli
-from tests.test_reliability import _config
+from tests.helpers.tiny_run import tiny_run_config
 
 
 def _train(config, run, *overrides):
@@ -20,7 +20,7 @@ def _train(config, run, *overrides):
 def test_loraplus_lr_ratio_sets_the_b_factors_learning_rate(tmp_path):
   """One update from B = 0: B's update is ``-lambda eta g / (|g| + eps)``, A's ``-eta g_A / ...``
   whatever lambda, so two runs with lambda = 2 and 8 have B in the ratio 4 and the same A."""
-  config = _config(tmp_path, method="loraplus", **{"trainer.steps": 1, "eval.tasks": {}})
+  config = tiny_run_config(tmp_path, method="loraplus", **{"trainer.steps": 1, "eval.tasks": {}})
   adapters = {}
   for ratio in (2, 8):
     run = _train(config, tmp_path / f"ratio{ratio}", f"loraplus.lr_ratio={ratio}")
@@ -48,7 +48,7 @@ def kappa_runs(tmp_path_factory):
   """The AnLR run config of the kappa test (diagnostics every update), and its run at the paper's
   kappa = 3, which both parametrisations compare with."""
   root = tmp_path_factory.mktemp("kappa")
-  config = _config(
+  config = tiny_run_config(
       root,
       method="anlr",
       **{"trainer.steps": 3, "trainer.diag_every": 1, "anlr.warmup_steps": 1, "eval.tasks": {}},

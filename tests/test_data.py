@@ -16,6 +16,7 @@ from anlr_jax.data import (
     read_examples,
     tokenize_examples,
 )
+from tests.helpers.tiny_llama import tiny_llama_config
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 PRE = (
@@ -340,14 +341,15 @@ def test_loss_mask_matches_hf_labels_loss(varied_path, tok):
   import transformers
 
   torch.manual_seed(0)
-  config = transformers.LlamaConfig(
-      vocab_size=len(tok),
+  config = tiny_llama_config(  # smaller still, transformers' default norm eps and special ids
+      len(tok),
       hidden_size=16,
       intermediate_size=32,
       num_hidden_layers=1,
       num_attention_heads=2,
       num_key_value_heads=1,
-      max_position_embeddings=256,
+      rms_norm_eps=1e-6,
+      pad_token_id=None,
   )
   model = transformers.LlamaForCausalLM(config).eval()
   batch = source(varied_path, tok, global_batch=4).get_batch(1)

@@ -8,7 +8,7 @@ import torch
 
 from anlr_jax.models.generation import TRACE_COUNTS, filter_logits, generate
 from anlr_jax.models.hf_io import load_hf_model
-from tests.test_models_llama import left_padded_batch, make_hf_model
+from tests.helpers.tiny_llama import left_padded_batch, make_hf_model
 
 PROMPT_LEN = 9
 

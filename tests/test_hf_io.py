@@ -16,7 +16,7 @@ from anlr_jax.models.config import ModelConfig
 from anlr_jax.models.hf_io import hf_param_table, load_hf_model, load_tokenizer, save_hf_model
 from anlr_jax.models.llama import LlamaForCausalLM
 from anlr_jax.nn.inject import inject_lora
-from tests.test_models_llama import forward, hf_logits, left_padded_batch, make_hf_model
+from tests.helpers.tiny_llama import forward, hf_logits, left_padded_batch, make_hf_model
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 

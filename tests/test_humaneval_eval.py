@@ -21,7 +21,7 @@ from anlr_jax.evals.code import (
     truncate_completion,
 )
 from anlr_jax.app.evaluate import make_generate_fn
-from tests.test_chat_template import chat_tokenizer
+from tests.helpers.tiny_chat import chat_tokenizer
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 N = 3  # problems scored (eval.limit)

@@ -7,7 +7,6 @@ LLaMA of width 32 with grouped-query attention), float32 on the CPU, no network.
 import json
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,58 +20,17 @@ from anlr_jax.models.generation import generate
 from anlr_jax.models.llava_config import LlavaConfig
 from anlr_jax.models.llava_image import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, preprocess_image
 from anlr_jax.models.llava_io import canonical_key, load_llava_model, save_llava_model
-
-VOCAB, IMAGE_TOKEN, PAD = 96, 95, 0
-TOKENS_PER_IMAGE = 4  # (28 / 14)^2 patches, CLS dropped
-
-
-def make_hf_llava(seed=0, *, hidden_act="quick_gelu", strategy="default", feature_layer=-2):
-  """A tiny random transformers LLaVA with O(1) activations throughout."""
-  torch.manual_seed(seed)
-  vision = transformers.CLIPVisionConfig(
-      hidden_size=32,
-      intermediate_size=48,
-      num_hidden_layers=2,
-      num_attention_heads=4,
-      image_size=28,
-      patch_size=14,
-      hidden_act=hidden_act,
-      layer_norm_eps=1e-5,
-  )
-  text = transformers.LlamaConfig(
-      vocab_size=VOCAB,
-      hidden_size=32,
-      intermediate_size=48,
-      num_hidden_layers=2,
-      num_attention_heads=4,
-      num_key_value_heads=2,
-      max_position_embeddings=128,
-      rms_norm_eps=1e-5,
-      bos_token_id=1,
-      eos_token_id=None,
-      pad_token_id=PAD,
-  )
-  config = transformers.LlavaConfig(
-      vision_config=vision,
-      text_config=text,
-      image_token_index=IMAGE_TOKEN,
-      vision_feature_layer=feature_layer,
-      vision_feature_select_strategy=strategy,
-      image_seq_length=TOKENS_PER_IMAGE,
-      pad_token_id=PAD,
-  )
-  model = transformers.LlavaForConditionalGeneration(config)
-  g = torch.Generator().manual_seed(seed + 1)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      noise = torch.randn(p.shape, generator=g)
-      if "norm" in name and name.endswith("weight"):
-        p.copy_(1.0 + 0.1 * noise)
-      elif p.ndim >= 2 and "embed" not in name:
-        p.copy_(noise / np.sqrt(np.prod(p.shape[1:])))
-      else:
-        p.copy_(0.5 * noise)
-  return model.eval()
+from tests.helpers.tiny_llava import (
+    IMAGE_TOKEN,
+    PAD,
+    TOKENS_PER_IMAGE,
+    hf_logits,
+    image_ids,
+    make_hf_llava,
+    ours_logits,
+    pixels,
+    rel_err,
+)
 
 
 @pytest.fixture(scope="module")
@@ -89,50 +47,6 @@ def pair(hf_dir):
   hf, path = hf_dir
   model, config = load_llava_model(path)
   return hf, model, config
-
-
-def image_ids(rows, length):
-  """Right-aligned (left-padded) rows: each row a list of 'img' / token ids."""
-  ids = np.full((len(rows), length), PAD, np.int64)
-  mask = np.zeros_like(ids)
-  for r, row in enumerate(rows):
-    flat = []
-    for item in row:
-      flat += [IMAGE_TOKEN] * TOKENS_PER_IMAGE if item == "img" else [item]
-    ids[r, length - len(flat) :] = flat
-    mask[r, length - len(flat) :] = 1
-  return ids, mask
-
-
-def pixels(n, seed=0):
-  return np.random.default_rng(seed).normal(size=(n, 3, 28, 28)).astype(np.float32)
-
-
-def hf_logits(hf, ids, mask, px):
-  positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0)
-  with torch.no_grad():
-    out = hf(
-        input_ids=torch.tensor(ids),
-        attention_mask=torch.tensor(mask),
-        position_ids=torch.tensor(positions),
-        pixel_values=None if px is None else torch.tensor(px),
-    )
-  return out.logits.float().numpy()
-
-
-@nnx.jit
-def forward(model, ids, mask, px):
-  return model(ids, attention_mask=mask, pixel_values=px)
-
-
-def ours_logits(model, ids, mask, px):
-  """The model's logits, jitted (the image token count is checked eagerly first)."""
-  model.check_image_tokens(ids, px)
-  return np.asarray(forward(model, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(px)))
-
-
-def rel_err(a, b):
-  return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 def test_config_reads_transformers_config(pair):

@@ -17,7 +17,7 @@ from anlr_jax.app.model import load_base, load_lora_params, save_lora_params
 from anlr_jax.settings import ConfigError
 from anlr_jax.models import LlavaForConditionalGeneration
 from anlr_jax.nn import FullParam, iter_lora_layers
-from tests.test_llava import make_hf_llava
+from tests.helpers.tiny_llava import make_hf_llava
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

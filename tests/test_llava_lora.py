@@ -20,16 +20,7 @@ from anlr_jax.nn.inject import PAPER_TARGET_MODULES, inject_lora
 from anlr_jax.nn.lora import LoRALinear
 from anlr_jax.nn.peft_io import export_peft_adapter, import_peft_adapter
 from anlr_jax.nn.trainable import FullParam, train_in_full, with_full_params
-from tests.test_llava import (
-    IMAGE_TOKEN,
-    forward,
-    hf_logits,
-    image_ids,
-    make_hf_llava,
-    ours_logits,
-    pixels,
-    rel_err,
-)
+from tests.helpers.tiny_llava import IMAGE_TOKEN, forward, hf_logits, image_ids, make_hf_llava, ours_logits, pixels, rel_err
 from tests.helpers.cim_torch import torch_one_thread  # noqa: F401  (autouse)
 
 

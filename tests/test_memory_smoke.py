@@ -11,7 +11,7 @@ import re
 import pytest
 
 from benchmarks import memory
-from tests.test_benchmarks_smoke import fast_xla  # noqa: F401 (autouse)
+from tests.helpers.bench_smoke import fast_xla  # noqa: F401 (autouse)
 
 TINY = ["--tiny", "--seq", "16", "--batch", "2", "--steps", "2"]
 

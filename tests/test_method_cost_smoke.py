@@ -11,7 +11,7 @@ import re
 import pytest
 
 from benchmarks import method_cost
-from tests.test_benchmarks_smoke import TINY, fast_xla  # noqa: F401 (autouse)
+from tests.helpers.bench_smoke import TINY, fast_xla  # noqa: F401 (autouse)
 
 
 def test_method_cost_runs_every_method_and_prints_ratios(tmp_path, capsys):

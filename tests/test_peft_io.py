@@ -18,6 +18,7 @@ from anlr_jax.nn.inject import inject_lora, iter_lora_layers
 from anlr_jax.nn.lora import LoRALinear
 from anlr_jax.nn.peft_io import export_peft_adapter, import_peft_adapter
 from tests.helpers.cim_torch import torch_one_thread  # noqa: F401  (autouse)
+from tests.helpers.tiny_llama import tiny_llama_config
 
 D, H, V = 8, 12, 5
 
@@ -371,19 +372,7 @@ def test_llama_train_export_load_in_peft(tmp_path, variant):
   from anlr_jax.models.hf_io import load_hf_model
 
   torch.manual_seed(0)
-  hf_config = transformers.LlamaConfig(
-      vocab_size=64,
-      hidden_size=32,
-      intermediate_size=48,
-      num_hidden_layers=2,
-      num_attention_heads=4,
-      num_key_value_heads=2,
-      max_position_embeddings=64,
-      rms_norm_eps=1e-5,
-      pad_token_id=0,
-      bos_token_id=1,
-      eos_token_id=2,
-  )
+  hf_config = tiny_llama_config(64, max_position_embeddings=64)
   hf_model = transformers.LlamaForCausalLM(hf_config).eval()
   hf_model.save_pretrained(tmp_path / "base")
   model, _ = load_hf_model(tmp_path / "base")

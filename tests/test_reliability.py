@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import yaml
 from safetensors.numpy import load_file
 
 import anlr_jax
@@ -34,7 +33,7 @@ from anlr_jax.train.trainer import (
     TrainerConfig,
 )
 from tests.helpers.toy_lm import ToyBatches, make_toy_model, make_toy_trainer
-from tests.helpers.tiny_run import tiny_run_setup
+from tests.helpers.tiny_run import tiny_run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,21 +44,6 @@ def _library_warnings_reach_caplog(monkeypatch):
   monkeypatch.setattr(logging.getLogger("anlr_jax"), "propagate", True)
 
 
-def _config(root: pathlib.Path, **changes) -> pathlib.Path:
-  """The tiny CLI setup with a fixed run_dir and extra/changed keys (dotted)."""
-  path = tiny_run_setup(root)
-  raw = yaml.safe_load(path.read_text())
-  raw["run_dir"] = str(root / "run")
-  for key, value in changes.items():
-    node = raw
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[leaf] = value
-  path.write_text(yaml.safe_dump(raw))
-  return path
-
-
 def _err(capsys) -> str:
   return capsys.readouterr().err
 
@@ -67,7 +51,7 @@ def _err(capsys) -> str:
 # ------------------------------------------------------------------ 1. checkpoints belong to a run
 def test_compare_mode_gives_each_method_its_own_checkpoints(tmp_path):
   changes = {"trainer.ckpt_dir": str(tmp_path / "ck"), "eval.tasks": {}}  # training is the point
-  config = _config(tmp_path, compare=["lora", "anlr"], **changes)
+  config = tiny_run_config(tmp_path, compare=["lora", "anlr"], **changes)
   assert cli.main(["train", "--config", str(config)]) == 0
   assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["anlr", "lora"]
   lora = load_file(tmp_path / "run" / "lora" / LORA_FILE)
@@ -77,7 +61,7 @@ def test_compare_mode_gives_each_method_its_own_checkpoints(tmp_path):
 
 def test_method_and_seed_expand_in_path_keys(tmp_path):
   changes = {"trainer.ckpt_dir": str(tmp_path / "ck-{method}-{seed}"), "eval.tasks": {}}
-  config = _config(tmp_path, **changes)
+  config = tiny_run_config(tmp_path, **changes)
   assert cli.main(["train", "--config", str(config), "seed=3", "method=lora"]) == 0
   assert (tmp_path / "ck-lora-3").is_dir() and not (tmp_path / "ck-{method}-{seed}").exists()
 
@@ -85,7 +69,7 @@ def test_method_and_seed_expand_in_path_keys(tmp_path):
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
   root = tmp_path_factory.mktemp("finished")
-  config = _config(root, method="anlr")
+  config = tiny_run_config(root, method="anlr")
   assert cli.main(["train", "--config", str(config)]) == 0
   return root, config
 
@@ -317,7 +301,7 @@ def test_token_ids_outside_the_vocab_fail_at_data_load(tmp_path, capsys):
   import torch
   import transformers
 
-  config = _config(tmp_path)
+  config = tiny_run_config(tmp_path)
   hf = transformers.AutoConfig.from_pretrained(tmp_path / "model")
   hf.vocab_size = 40  # smaller than the tokenizer's ids
   torch.manual_seed(0)
@@ -461,7 +445,7 @@ def _wait_for_rows(run: pathlib.Path, n: int, proc, timeout=180):
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_saves_a_checkpoint_and_the_run_resumes(tmp_path, capsys, signum):
-  config = _config(
+  config = tiny_run_config(
       tmp_path,
       method="lora",
       **{"trainer.steps": 400, "eval.tasks": {}, "data.max_length": 128},
@@ -637,7 +621,7 @@ def test_without_tensorboardx_the_metrics_writer_warns_once_and_writes_the_jsonl
 
 # ---------------------------------------------------------------- 8. say what the config does
 def test_anlr_warmup_beyond_the_run_is_an_error(tmp_path, capsys):
-  config = _config(tmp_path, method="anlr", **{"anlr.warmup_steps": 100})
+  config = tiny_run_config(tmp_path, method="anlr", **{"anlr.warmup_steps": 100})
   assert cli.main(["train", "--config", str(config)]) == 2
   err = _err(capsys)
   assert "anlr.warmup_steps=100 is not below the run's 4 updates" in err
@@ -649,7 +633,7 @@ def test_a_comparison_whose_second_method_cannot_run_stops_before_the_first_trai
 ):
   """compare [lora, anlr] with an AnLR warmup beyond the run: one line before LoRA trains (it used
   to train and score LoRA first, then stop at AnLR), and no run directory."""
-  config = _config(tmp_path, compare=["lora", "anlr"], **{"anlr.warmup_steps": 100})
+  config = tiny_run_config(tmp_path, compare=["lora", "anlr"], **{"anlr.warmup_steps": 100})
   capsys.readouterr()  # the setup's own output
   assert cli.main(["train", "--config", str(config)]) == 2
   err = _err(capsys).strip().splitlines()
@@ -658,7 +642,9 @@ def test_a_comparison_whose_second_method_cannot_run_stops_before_the_first_trai
 
 
 def test_the_data_report_counts_dropped_records_and_clipped_warmup(tmp_path, capsys):
-  config = _config(tmp_path, method="lora", **{"trainer.lr_warmup_steps": 10, "eval.tasks": {}})
+  config = tiny_run_config(
+      tmp_path, method="lora", **{"trainer.lr_warmup_steps": 10, "eval.tasks": {}}
+  )
   with open(tmp_path / "train.jsonl", "a") as f:
     for i in range(5):  # responses beyond max_length: dropped
       record = {"instruction": "word " * 200, "input": "", "output": "x", "answer": "option1"}
@@ -671,7 +657,7 @@ def test_the_data_report_counts_dropped_records_and_clipped_warmup(tmp_path, cap
 
 @pytest.mark.parametrize("key", ["model.path", "model.tokenizer", "data.train", "eval.tasks.boolq"])
 def test_a_start_with_a_missing_input_creates_nothing(tmp_path, capsys, key):
-  config = _config(tmp_path, compare=["lora", "anlr"])
+  config = tiny_run_config(tmp_path, compare=["lora", "anlr"])
   assert cli.main(["train", "--config", str(config), f"{key}={tmp_path / 'missing'}"]) == 2
   err = _err(capsys)
   assert f"{key}: {tmp_path / 'missing'} does not exist" in err, err
@@ -691,7 +677,7 @@ def test_a_start_with_a_missing_input_creates_nothing(tmp_path, capsys, key):
 def test_a_training_uri_that_is_not_a_tuning_split_creates_nothing(
     tmp_path, capsys, train, message
 ):
-  config = _config(tmp_path, **{"data.train": train})
+  config = tiny_run_config(tmp_path, **{"data.train": train})
   capsys.readouterr()  # the setup's output
   assert cli.main(["train", "--config", str(config)]) == 2
   err = _err(capsys).strip()
@@ -700,7 +686,9 @@ def test_a_training_uri_that_is_not_a_tuning_split_creates_nothing(
 
 
 def test_a_training_uri_asks_for_the_completion_format(tmp_path, capsys):
-  config = _config(tmp_path, **{"data.train": "benchmark://boolq/tune", "data.format": "alpaca"})
+  config = tiny_run_config(
+      tmp_path, **{"data.train": "benchmark://boolq/tune", "data.format": "alpaca"}
+  )
   assert cli.main(["train", "--config", str(config)]) == 2
   assert "data.format: benchmark://boolq/tune is a set of prompt/completion records" in _err(capsys)
   assert not (tmp_path / "run").exists()

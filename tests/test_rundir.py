@@ -350,3 +350,23 @@ def test_file_names_are_distinct_and_paths_follow_them(tmp_path):
       'out', 'anlr', 'lr0.0002', 'seed1'
   )
   assert len(set(file_names.ANALYSIS_FIGURES)) == 7
+
+
+def test_the_eval_records_tables_and_config_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+  """An eval task's records, the accuracy tables and the saved run config go through
+  fileio.atomic_write too: a crash before the rename leaves no file, whole or partial."""
+  from anlr_jax.app.config import RunConfig, save_config
+  from anlr_jax.evals import write_accuracy_table
+  from anlr_jax.evals.generative import EvalResult
+
+  def crash(src, dst):
+    raise OSError('simulated crash')
+
+  monkeypatch.setattr(os, 'replace', crash)
+  with pytest.raises(OSError, match='simulated crash'):
+    EvalResult('boolq', ()).save_records(tmp_path / 'eval_boolq.jsonl')
+  with pytest.raises(OSError, match='simulated crash'):
+    write_accuracy_table({'lora': {'boolq': 0.5}}, tmp_path / 'accuracy')
+  with pytest.raises(OSError, match='simulated crash'):
+    save_config(RunConfig(), tmp_path / 'config.yaml')
+  assert os.listdir(tmp_path) == []

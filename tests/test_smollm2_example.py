@@ -16,7 +16,7 @@ from anlr_jax.data import chat_prompt, end_of_turn_id, read_examples, tokenize_e
 from anlr_jax.nn.inject import PAPER_TARGET_MODULES
 from anlr_jax.app.train import train_run
 from tests.helpers.tiny_llama import save_tiny_llama
-from tests.test_chat_template import chat_tokenizer
+from tests.helpers.tiny_chat import chat_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "smollm2_135m_math.yaml")

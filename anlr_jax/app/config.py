@@ -275,7 +275,7 @@ def _deep_copy(raw: Any) -> Any:
 
 def save_config(config: RunConfig, path: str | os.PathLike) -> None:
   """Writes the resolved config as YAML (reloadable with :func:`load_config`)."""
-  with open(path, "w", encoding="utf-8") as f:
+  with fileio.atomic_write(path, "w", encoding="utf-8") as f:
     yaml.safe_dump(config_to_dict(config), f, sort_keys=False)
 
 

@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from anlr_jax import fileio
 from anlr_jax.evals.generative import EvalResult
 from anlr_jax.evals.extract import COMMONSENSE_TASKS, TASKS, get_task
 
@@ -97,7 +98,7 @@ def write_accuracy_table(
     base = base.with_suffix("")
   csv_path, md_path = base.with_suffix(".csv"), base.with_suffix(".md")
   base.parent.mkdir(parents=True, exist_ok=True)
-  with open(csv_path, "w", newline="", encoding="utf-8") as f:
+  with fileio.atomic_write(csv_path, "w", newline="", encoding="utf-8") as f:
     writer = csv.writer(f)
     writer.writerow(header)
     for method, cells in rows:
@@ -115,5 +116,6 @@ def write_accuracy_table(
         text = f"**{text}**"
       shown.append(text)
     lines.append("| " + " | ".join([method.replace("|", "\\|"), *shown]) + " |")
-  md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+  with fileio.atomic_write(md_path, "w", encoding="utf-8") as f:
+    f.write("\n".join(lines) + "\n")
   return csv_path, md_path

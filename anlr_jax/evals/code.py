@@ -34,6 +34,7 @@ import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from anlr_jax import fileio
 from anlr_jax.evals import humaneval
 from anlr_jax.evals.generative import generate_batched
 
@@ -148,7 +149,7 @@ class CodeEvalResult:
 
   def save_records(self, path: str | os.PathLike[str]) -> None:
     """Writes one JSON object per problem (JSONL)."""
-    with open(path, "w", encoding="utf-8") as f:
+    with fileio.atomic_write(path, "w", encoding="utf-8") as f:
       for record in self.records:
         extra = {"task": self.task, "protocol": self.protocol}
         f.write(json.dumps(dataclasses.asdict(record) | extra) + "\n")

@@ -25,6 +25,7 @@ from typing import Any
 
 import tqdm
 
+from anlr_jax import fileio
 from anlr_jax.data.formats import EvalExample, alpaca_prompt
 from anlr_jax.fileio import read_json
 from anlr_jax.evals.extract import Task, extract_prediction, get_task, is_correct, parse_gold
@@ -65,7 +66,7 @@ class EvalResult:
 
   def save_records(self, path: str | os.PathLike[str]) -> None:
     """Writes one JSON object per record (JSONL), for inspecting what the model said."""
-    with open(path, "w", encoding="utf-8") as f:
+    with fileio.atomic_write(path, "w", encoding="utf-8") as f:
       for record in self.records:
         f.write(json.dumps(dataclasses.asdict(record) | {"task": self.task}) + "\n")
 

@@ -72,6 +72,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tqdm
 
+from anlr_jax import fileio
 from anlr_jax.fileio import parse_json
 
 PROBLEM_KEYS = ("task_id", "prompt", "test", "entry_point")
@@ -216,7 +217,7 @@ class HumanEvalResult:
 
   def save_records(self, path: str | os.PathLike[str]) -> None:
     """Writes one JSON object (a `SampleResult`'s fields) per sample, one per line (JSONL)."""
-    with open(path, "w", encoding="utf-8") as f:
+    with fileio.atomic_write(path, "w", encoding="utf-8") as f:
       for r in self.results:
         f.write(json.dumps(dataclasses.asdict(r)) + "\n")
 

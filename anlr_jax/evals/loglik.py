@@ -43,6 +43,7 @@ import numpy as np
 import tqdm
 from flax import nnx
 
+from anlr_jax import fileio
 from anlr_jax.data.benchmarks import ChoiceQuestion
 from anlr_jax.models.llama import init_cache
 
@@ -133,7 +134,7 @@ class LoglikResult:
 
   def save_records(self, path: str | os.PathLike[str]) -> None:
     """One JSON object per question (JSONL), with its predictions under each normalisation."""
-    with open(path, "w", encoding="utf-8") as f:
+    with fileio.atomic_write(path, "w", encoding="utf-8") as f:
       for r in self.records:
         predictions = {n: r.prediction(n) for n in NORMALIZATIONS}
         extra = {"task": self.task, "shots": self.shots, "predictions": predictions}

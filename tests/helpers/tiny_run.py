@@ -9,6 +9,7 @@ import torch
 import transformers
 import yaml
 
+from tests.helpers.tiny_llama import tiny_llama_config
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 ANSWERS = ("option1", "option2")
@@ -18,19 +19,7 @@ def tiny_run_setup(root: pathlib.Path, *, n_train=48, n_test=8):
   """A tiny random LLaMA + tokenizer saved as one HF directory, and a JSONL/JSON MC task."""
   tokenizer = build_tiny_tokenizer(root / "model")
   torch.manual_seed(0)
-  hf_config = transformers.LlamaConfig(
-      vocab_size=len(tokenizer),
-      hidden_size=32,
-      intermediate_size=64,
-      num_hidden_layers=2,
-      num_attention_heads=4,
-      num_key_value_heads=2,
-      max_position_embeddings=256,
-      rms_norm_eps=1e-5,
-      pad_token_id=0,
-      bos_token_id=1,
-      eos_token_id=2,
-  )
+  hf_config = tiny_llama_config(len(tokenizer), intermediate_size=64)
   transformers.LlamaForCausalLM(hf_config).save_pretrained(root / "model")
   rng = np.random.default_rng(0)
   records = []
@@ -74,3 +63,18 @@ def tiny_run_setup(root: pathlib.Path, *, n_train=48, n_test=8):
   }
   (root / "tiny.yaml").write_text(yaml.safe_dump(config))
   return root / "tiny.yaml"
+
+
+def tiny_run_config(root: pathlib.Path, **changes) -> pathlib.Path:
+  """The tiny CLI setup with a fixed run_dir and extra/changed keys (dotted)."""
+  path = tiny_run_setup(root)
+  raw = yaml.safe_load(path.read_text())
+  raw["run_dir"] = str(root / "run")
+  for key, value in changes.items():
+    node = raw
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = value
+  path.write_text(yaml.safe_dump(raw))
+  return path
