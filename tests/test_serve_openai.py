@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from anlr_jax.app.config import load_config
-from anlr_jax.app.generation import make_generate_fn
+from anlr_jax.app.text_generation import make_generate_fn
 from anlr_jax.app.serve import ChatService, exposure_warning, load_service, make_server, start_server
 from anlr_jax.data import mtbench
 from tests.helpers.tiny_chat import save_tiny_chat_llama
