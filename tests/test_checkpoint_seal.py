@@ -432,3 +432,20 @@ def test_a_run_killed_the_instant_a_checkpoint_is_committed_finds_any_damage_to_
     assert warning.startswith(f"checkpoint 4 in {ckpt} is corrupt: ")
     assert warning.endswith("restored checkpoint 2 instead") and "resumed at step 2" in out
   assert TrainCheckpointer(ckpt).all_steps()[-1] == 6  # finished
+
+
+def test_a_step_saved_anew_after_its_deletion_is_verified_anew(tmp_path):
+  """verify() answers a step it has checked from memory; a step deleted (as a roll-back does) and
+  saved again is a new checkpoint, checked again."""
+  state = {"w": jnp.ones((32, 32))}
+  checkpointer = TrainCheckpointer(tmp_path, keep=3)
+  checkpointer.save(2, state, {}, force=True)
+  checkpointer.wait()
+  assert checkpointer.verify(2) is None
+  checkpointer.manager.delete(2)
+  checkpointer.save(2, state, {}, force=True)
+  checkpointer.wait()
+  victim = _victim(tmp_path / "2", "largest array file")
+  victim.write_bytes(victim.read_bytes()[:-8])
+  assert "does not match its checksum" in checkpointer.verify(2)
+  checkpointer.close()

@@ -410,6 +410,7 @@ class TrainCheckpointer:
       raise self.failure
     if step in self.manager.all_steps():
       return False
+    self._verified.discard(int(step))  # a step deleted (rolled back) and saved anew
     import orbax.checkpoint as ocp
 
     items = {
