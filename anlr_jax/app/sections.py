@@ -338,6 +338,11 @@ class JudgeSection:
       "judge model: a local HF directory, a .gguf file or a package:// path; empty: answers only"
       " (judge them later with 'anlr judge')",
   )
+  fallback: str = setting(
+      "",
+      "judge model used when eval.judge.model's files are not installed (one line says so);"
+      " empty: that is an error",
+  )
   dtype: str = setting("float32", "dtype the judge's weights are loaded in", OneOf(_DTYPE_NAMES))
   quantize: str = setting(
       "none",
