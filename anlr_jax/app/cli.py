@@ -66,8 +66,9 @@ def load_run_config(path: str | None, overrides: Sequence[str]) -> RunConfig:
 
 def use_compile_cache(path: str | None) -> None:
   """Keeps compiled XLA executables in ``path`` across processes (JAX's persistent compilation
-  cache), for computations that took at least half a second to compile. ``JAX_COMPILATION_CACHE_DIR``
-  in the environment wins; None turns it off; a directory that cannot be made is a warning."""
+  cache), every program however quickly it compiled, so a second identical run compiles none.
+  ``JAX_COMPILATION_CACHE_DIR`` in the environment wins; None turns it off; a directory that
+  cannot be made is a warning."""
   if path is None or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     return
   path = os.path.expanduser(path)
@@ -79,7 +80,8 @@ def use_compile_cache(path: str | None) -> None:
     )
     return
   jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: any size
 
 
 # ------------------------------------------------------------------------------- subcommands

@@ -130,7 +130,7 @@ def load_judge(config: RunConfig) -> Judge:
         "eval.judge.model is not set: name the judge, a HF model directory, a .gguf file or a"
         " package:// path (eval.judge.model=<path>), or an endpoint (eval.judge.url=<url>)"
     )
-  path = require_path(section.model, "eval.judge.model", kind="judge model")
+  name, path = judge_path(section)
   judge_config = dataclasses.replace(
       config, model=ModelSection(path=path, dtype=section.dtype, quantize=section.quantize)
   )
@@ -161,7 +161,19 @@ def load_judge(config: RunConfig) -> Judge:
       batch_size=batch_size,
       max_new_tokens=section.max_new_tokens,
   )
-  return Judge(section.model, judge_fn, batch_size, probes)
+  return Judge(name, judge_fn, batch_size, probes)
+
+
+def judge_path(section, *, log: Log = say) -> tuple[str, str]:
+  """``(name, resolved path)`` of the local judge: ``eval.judge.model``, or ``eval.judge.fallback``
+  when the former's files are not installed (said in one line)."""
+  try:
+    return section.model, require_path(section.model, "eval.judge.model", kind="judge model")
+  except FileNotFoundError as err:
+    if not section.fallback:
+      raise
+    log(f"judge: {err.args[0] if err.args else err}; judging with {section.fallback} instead")
+  return section.fallback, require_path(section.fallback, "eval.judge.fallback", kind="judge model")
 
 
 # ------------------------------------------------------------------- a judge behind an endpoint
@@ -386,6 +398,7 @@ __all__ = [
     "grade_single",
     "judge_configured",
     "judge_main",
+    "judge_path",
     "judge_prompt",
     "load_judge",
     "read_answers",

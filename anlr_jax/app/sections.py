@@ -32,8 +32,17 @@ _DTYPE_NAMES = tuple(DTYPES)
 
 _FILE_SAFE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
-COMPILE_CACHE = "~/.cache/anlr-jax/xla"
-"""The default ``compile_cache`` directory (``$ANLR_COMPILE_CACHE`` overrides it; empty: off)."""
+COMPILE_CACHE = "~/.cache/anlr_jax/xla"
+"""The default ``compile_cache`` directory without ``$ANLR_CACHE_DIR`` (:func:`compile_cache_dir`)."""
+
+
+def compile_cache_dir() -> str | None:
+  """The default ``compile_cache``: ``$ANLR_COMPILE_CACHE`` (empty: off), else ``xla`` under the
+  cache root of the downloads (``$ANLR_CACHE_DIR``, else ``~/.cache/anlr_jax``)."""
+  if "ANLR_COMPILE_CACHE" in os.environ:
+    return os.environ["ANLR_COMPILE_CACHE"] or None
+  root = os.environ.get("ANLR_CACHE_DIR")
+  return os.path.join(root, "xla") if root else COMPILE_CACHE
 
 
 # ------------------------------------------------------------------------------------- sections
@@ -329,6 +338,11 @@ class JudgeSection:
       "judge model: a local HF directory, a .gguf file or a package:// path; empty: answers only"
       " (judge them later with 'anlr judge')",
   )
+  fallback: str = setting(
+      "",
+      "judge model used when eval.judge.model's files are not installed (one line says so);"
+      " empty: that is an error",
+  )
   dtype: str = setting("float32", "dtype the judge's weights are loaded in", OneOf(_DTYPE_NAMES))
   quantize: str = setting(
       "none",
@@ -500,8 +514,8 @@ class RunConfig:
   compile_cache: str | None = setting(
       help="persistent XLA compilation cache: a re-run, a resumed run, an eval or the next cell of"
       " a sweep loads its compiled steps instead of compiling them again; null: off (default:"
-      f" $ANLR_COMPILE_CACHE, else {COMPILE_CACHE})",
-      factory=lambda: os.environ.get("ANLR_COMPILE_CACHE", COMPILE_CACHE) or None,
+      " $ANLR_COMPILE_CACHE, else $ANLR_CACHE_DIR/xla, else ~/.cache/anlr_jax/xla)",
+      factory=compile_cache_dir,
   )
   model: ModelSection = dataclasses.field(default_factory=ModelSection)
   lora: LoraSection = dataclasses.field(default_factory=LoraSection)
