@@ -30,6 +30,7 @@ from anlr_jax.app.model import load_base
 from anlr_jax.app.paths import require_path
 from anlr_jax.app.report import Log, is_writer, say
 from anlr_jax.data import chat_prompt, mtbench
+from anlr_jax.data.chat import require_chat_template
 from anlr_jax.data.formats import DataFormatError
 from anlr_jax.evals import judge as judging
 from anlr_jax.evals.judge_probs import JudgeProbes, local_probes
@@ -139,8 +140,7 @@ def load_judge(config: RunConfig) -> Judge:
   except (OSError, ValueError, KeyError, TypeError) as err:
     message = err.args[0] if err.args else type(err).__name__
     raise ValueError(f"eval.judge.model: {section.model} does not load as a model: {message}")
-  if not getattr(tokenizer, "chat_template", None):
-    raise ValueError(f"eval.judge.model: {section.model}: its tokenizer has no chat template")
+  require_chat_template(tokenizer, f"eval.judge.model: {section.model}")
   model.eval()
   batch_size = section.batch_size or config.eval.batch_size
   generate_fn = make_generate_fn(

@@ -57,6 +57,7 @@ from anlr_jax.app.config import RunConfig, load_config
 from anlr_jax.app.model import is_run_dir, load_adapted_model
 from anlr_jax.app.report import Log, say
 from anlr_jax.data import end_of_turn_id
+from anlr_jax.data.chat import require_chat_template
 from anlr_jax.evals.mtbench import conversation_prompt
 
 MAX_BODY = 16 << 20
@@ -521,10 +522,9 @@ def load_service(
       raise
     what = f"--adapter {adapter}" if adapter else f"model.path: {config.model.path}"
     raise ValueError(f"{what} does not load: {message}") from None
-  if template == "chat" and not getattr(tokenizer, "chat_template", None):
-    raise ValueError(
-        f"model.path: {config.model.path}: its tokenizer has no chat template; serve it with"
-        " data.template=alpaca"
+  if template == "chat":
+    require_chat_template(
+        tokenizer, f"model.path: {config.model.path}", "serve it with data.template=alpaca"
     )
   model.eval()
   if name is None:
