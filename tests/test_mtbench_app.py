@@ -361,3 +361,30 @@ def test_a_second_writer_of_an_output_directory_is_refused(tmp_path, capsys):
     holder.wait()
   assert code == 2 and "MT-Bench output directory" in err and len(err.strip().splitlines()) == 1
   assert not (tmp_path / "mt_bench_single.jsonl").exists()
+
+
+def test_the_scores_file_is_written_atomically_beside_a_stale_temporary(tmp_path):
+  """The summary goes through ``fileio.write_json_atomic`` (a fresh temporary name, fsync): a
+  leftover ``<scores>.tmp`` (here a directory, which a fixed temporary name cannot open) is no
+  obstacle, and nothing is left beside the file."""
+  from anlr_jax.app.judge import Judge, grade_single
+
+  question = mtbench.load_questions(per_category=1)[0]
+  out = tmp_path / "a"
+  out.mkdir()
+  record = {"question_id": question.question_id, "category": question.category}
+  record |= {"model_id": "model_a", "choices": [{"index": 0, "turns": ["one", "two"]}]}
+  (out / "mt_bench_answers.jsonl").write_text(json.dumps(record) + "\n")
+  (out / f"{scores_file('model_a')}.tmp").mkdir()
+  judge = Judge("fake", lambda prompts: ["Fine. Rating: [[7]]"] * len(prompts), 2)
+  summary = grade_single(judge, str(out / "mt_bench_answers.jsonl"), str(out), log=lambda _: None)
+  assert summary["overall"] == 7.0 and summary["judgments"] == 2
+  assert json.loads((out / scores_file("model_a")).read_text()) == json.loads(json.dumps(summary))
+  assert sorted(p.name for p in out.iterdir()) == sorted(
+      [
+          "mt_bench_answers.jsonl",
+          "mt_bench_single.jsonl",
+          scores_file("model_a"),
+          f"{scores_file('model_a')}.tmp",
+      ]
+  )
