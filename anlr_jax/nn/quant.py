@@ -143,8 +143,10 @@ def _double_quantize(s: jax.Array):
 def _double_dequantize(codes: jax.Array, scale: jax.Array, mean: jax.Array) -> jax.Array:
   flat = _torch_order(codes).astype(jnp.float32)
   n = flat.shape[0]
-  per_value = jnp.repeat(scale, DQ_BLOCK, total_repeat_length=scale.shape[0] * DQ_BLOCK)[:n]
-  return _from_torch_order(flat * per_value + mean, codes.shape)
+  # a broadcast, not jnp.repeat: its gather's index constant made XLA:CPU's compiler take GiBs
+  blocks = jnp.pad(flat, (0, -n % DQ_BLOCK)).reshape(-1, DQ_BLOCK)
+  values = (blocks * scale[:, None] + mean).reshape(-1)[:n]
+  return _from_torch_order(values, codes.shape)
 
 
 def quantize_kernel(w: jax.Array, mode: str) -> dict[str, jax.Array]:
