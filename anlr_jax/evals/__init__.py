@@ -1,4 +1,7 @@
-"""The paper's evaluation protocol: generation, answer extraction, accuracy tables."""
+"""The paper's evaluation protocol: generation then answer extraction (``generative``), log-likelihood
+ranking of choices (``loglik``), code execution (``code``, ``humaneval``), accuracy tables
+(``accuracy``), MT-Bench answers and judge (``mtbench``, ``judge``) and the visual benchmarks'
+scorers (``visual``, a package: normalisation, files, scorers, command line)."""
 
 from anlr_jax.evals import humaneval
 from anlr_jax.evals.code import CodeEvalResult, evaluate_code, load_code_problems
