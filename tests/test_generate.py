@@ -126,3 +126,47 @@ def test_bad_arguments(hf_and_flax, kwargs, match):
     generate(model, ids, mask, **kwargs)
   with pytest.raises(ValueError, match="prompt_mask"):
     generate(model, ids, mask[:, 1:], max_new_tokens=2)
+
+
+def test_logits_to_keep_computes_only_the_last_positions(hf_and_flax):
+  """``logits_to_keep=k`` gives the full call's last ``k`` positions, and the prompt pass that
+  generation compiles makes no ``(B, T, V)`` logits array: its output matrix multiplies one row per
+  prompt (a vocabulary-wide array per prompt position is what a long judge prompt cannot afford)."""
+  _, model, ids, mask = hf_and_flax
+  full = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask))
+  for k in (1, 3):
+    kept = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask), logits_to_keep=k)
+    np.testing.assert_array_equal(np.asarray(kept), np.asarray(full[:, -k:]))
+  with pytest.raises(ValueError, match="logits_to_keep=-1"):
+    model(jnp.asarray(ids), logits_to_keep=-1)
+
+  from flax import nnx
+
+  from anlr_jax.models import generation
+
+  graphdef, state = nnx.split(model)
+  cache = generation.init_cache(model.config, ids.shape[0], ids.shape[1] + 2)
+  params = generation.SamplingParams(
+      temperature=jnp.float32(1.0),
+      top_k=jnp.int32(0),
+      top_p=jnp.float32(1.0),
+      eos_token_id=jnp.int32(-1),
+      pad_token_id=jnp.int32(0),
+  )
+  hlo = (
+      generation._prefill.lower(
+          graphdef=graphdef,
+          state=state,
+          prompt_ids=jnp.asarray(ids, jnp.int32),
+          prompt_mask=jnp.asarray(mask, jnp.int32),
+          cache=cache,
+          rng=jax.random.key(0),
+          params=params,
+          greedy=True,
+      )
+      .compile()
+      .as_text()
+  )
+  b, t, v = ids.shape[0], ids.shape[1], model.config.vocab_size
+  assert f"f32[{b},{t},{v}]" not in hlo and f"f32[{b * t},{v}]" not in hlo
+  assert f"f32[{b},{v}]" in hlo or f"f32[{b},1,{v}]" in hlo

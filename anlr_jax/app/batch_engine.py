@@ -116,7 +116,7 @@ def _prefill(graphdef, state, ids, mask, seeds, temperatures):
   """The first new token of each left-padded prompt ``(n, W)`` and their per-layer keys/values."""
   model = nnx.merge(graphdef, state)
   cache = init_cache(model.config, ids.shape[0], ids.shape[1])
-  logits, cache = model(ids, attention_mask=mask, cache=cache)
+  logits, cache = model(ids, attention_mask=mask, cache=cache, logits_to_keep=1)
   first = jax.vmap(_choose)(logits[:, -1], seeds, temperatures, jnp.zeros_like(seeds, jnp.int32))
   return first, cache.keys, cache.values
 

@@ -96,7 +96,9 @@ def _prefill(
   TRACE_COUNTS["prefill"] += 1
   model = nnx.merge(graphdef, state)
   images = {} if pixel_values is None else {"pixel_values": pixel_values}
-  logits, cache = model(prompt_ids, attention_mask=prompt_mask, cache=cache, **images)
+  logits, cache = model(
+      prompt_ids, attention_mask=prompt_mask, cache=cache, logits_to_keep=1, **images
+  )
   done = jnp.zeros(prompt_ids.shape[:1], bool)
   token, done = _next_token(logits[:, -1], done, rng, 0, params, greedy=greedy)
   last_position = jnp.sum(prompt_mask, axis=-1) - 1

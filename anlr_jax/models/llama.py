@@ -392,6 +392,7 @@ class LlamaForCausalLM(nnx.Module):
       cache: KVCache | None = None,
       inputs_embeds: jax.Array | None = None,
       remat: str | None = None,
+      logits_to_keep: int = 0,
   ):
     """Logits ``(B, T, V)`` float32 for ``input_ids`` ``(B, T)``.
 
@@ -406,11 +407,18 @@ class LlamaForCausalLM(nnx.Module):
         (LLaVA puts image features at its image tokens); ``input_ids`` still gives the shape.
       remat: per-layer rematerialisation of the cache-free pass, ``'none'``, ``'full'`` or
         ``'dots'`` (:data:`REMAT_POLICIES`); None: ``config.remat``.
+      logits_to_keep: ``k > 0`` computes the logits of the last ``k`` positions only,
+        ``(B, k, V)`` (a prefill that samples one token: the output matrix multiplies ``k`` rows
+        instead of ``T``, and no ``(B, T, V)`` array is made); 0: every position.
 
     Returns:
       ``logits`` or, when ``cache`` is given, ``(logits, updated_cache)``.
     """
+    if logits_to_keep < 0:
+      raise ValueError(f"logits_to_keep={logits_to_keep} must be >= 0.")
     h, new_cache = self._forward(input_ids, positions, attention_mask, cache, remat, inputs_embeds)
+    if logits_to_keep:
+      h = h[:, -logits_to_keep:]
     logits = self.logits(h)
     return logits if cache is None else (logits, new_cache)
 

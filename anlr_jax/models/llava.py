@@ -222,9 +222,11 @@ class LlavaForConditionalGeneration(nnx.Module):
       attention_mask: jax.Array | None = None,
       cache: KVCache | None = None,
       remat: str | None = None,
+      logits_to_keep: int = 0,
   ):
     """Logits ``(B, T, V)`` float32 (and the cache when given), as :class:`LlamaForCausalLM`
-    (``remat``: the language model's per-decoder-layer rematerialisation, as there).
+    (``remat``: the language model's per-decoder-layer rematerialisation; ``logits_to_keep``: the
+    last positions' logits only; both as there).
 
     ``pixel_values``: ``(num_images, 3, S, S)``, the images of the batch in order of appearance of
     their image tokens (transformers' layout); or ``(B, K, 3, S, S)``, ``K`` image slots per row
@@ -244,6 +246,7 @@ class LlavaForConditionalGeneration(nnx.Module):
         cache=cache,
         inputs_embeds=embeds,
         remat=remat,
+        logits_to_keep=logits_to_keep,
     )
 
 
