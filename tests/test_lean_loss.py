@@ -10,6 +10,7 @@ number but the memory: XLA's compiled memory analysis on CPU shrinks accordingly
 
 import collections
 import functools
+import logging
 import re
 
 import jax
@@ -333,9 +334,10 @@ def test_remat_with_lora_dropout_over_updates_and_micro_batches_is_the_same_trai
     np.testing.assert_array_equal(raw(a), raw(b))
 
 
-def test_a_loss_chunk_that_cannot_apply_is_said_not_dropped(caplog):
+def test_a_loss_chunk_that_cannot_apply_is_said_not_dropped(caplog, monkeypatch):
   """trainer.loss_chunk on a batch with images (LLaVA merges their features inside its forward
   pass) or a model without an output matrix: a warning, and the whole logits' loss."""
+  monkeypatch.setattr(logging.getLogger('anlr_jax'), 'propagate', True)  # the CLI turns it off
   seen = []
 
   class WholeLogitsOnly:  # a model without output_matrix / hidden_states (as LLaVA's)

@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from anlr_jax.app.paths import resolve_path
+from anlr_jax.models.quantize import quantize_model
 from anlr_jax.nn import quant
 from anlr_jax.nn.quant import QuantLinear, dequantize_kernel, quantize_kernel
 
@@ -177,7 +178,7 @@ def test_a_forward_holds_one_layers_dequantised_weights_at_a_time():
     config = ModelConfig.preset(
         "tiny", vocab_size=64, hidden_size=256, intermediate_size=1024, num_hidden_layers=layers
     )
-    model = quant.quantize_model(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), "nf4")
+    model = quantize_model(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), "nf4")
     graphdef, state = nnx.split(model)
     forward = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids))
     compiled = forward.lower(state, jnp.ones((1, 8), jnp.int32)).compile()

@@ -20,7 +20,8 @@ from anlr_jax.models.hf_io import (
 )
 from anlr_jax.models.llama import LlamaForCausalLM
 from anlr_jax.nn import inject_lora, iter_lora_layers
-from anlr_jax.nn.quant import QuantLinear, quantize_kernel, quantize_model
+from anlr_jax.models.quantize import quantize_model
+from anlr_jax.nn.quant import QuantLinear, quantize_kernel
 from anlr_jax.optim import anlr
 
 TARGETS = ("q_proj", "v_proj", "up_proj", "down_proj")

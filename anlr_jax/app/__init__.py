@@ -12,6 +12,8 @@ for type annotations alone excepted):
 - :mod:`~anlr_jax.app.config`: loading it (YAML + ``key=value`` overrides, renamed keys, checked)
   and ``--help``;
 - :mod:`~anlr_jax.app.identity`: a run's identity (the settings that determine its trajectory);
+- :mod:`~anlr_jax.app.split_files`: files shipped in pieces over several packages (the offline judge),
+  joined once into the cache (``anlr judge-model``);
 - :mod:`~anlr_jax.app.paths`: ``asset://`` / ``package://`` paths, placeholders, shipped configs;
 - :mod:`~anlr_jax.app.dryrun`: ``anlr train --dry_run`` (memory per device of a config and mesh);
 - :mod:`~anlr_jax.app.report`: log lines, loss plots, tables, JSON files (process 0 writes);

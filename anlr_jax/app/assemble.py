@@ -21,10 +21,10 @@ from anlr_jax.nn import dash_launched, launch_dash, lora_scale
 from anlr_jax.optim import Signal
 from anlr_jax.optim.adalora import AdaLoRAConfig, orth_regularization
 from anlr_jax.models.llava import PROJECTOR_PATH
-from anlr_jax.nn.quant import check_mesh, quantize_model
+from anlr_jax.models.quantize import quantize_model
 from anlr_jax.nn.trainable import train_in_full, with_full_params
 from anlr_jax.train.distributed import put_global
-from anlr_jax.train.mesh import make_mesh
+from anlr_jax.train.mesh import check_quantized_blocks, make_mesh
 from anlr_jax.train.trainer import first_devices
 
 if TYPE_CHECKING:
@@ -70,7 +70,8 @@ def _quantize(model: nnx.Module, config: RunConfig) -> nnx.Module:
 
 def check_quantized_mesh(model: nnx.Module, config: RunConfig, mesh=None) -> None:
   """A ConfigError when the run's mesh (``trainer.mesh_*``, or ``mesh``) would split a block of a
-  quantised layer (:func:`anlr_jax.nn.quant.check_mesh`); nothing without ``model.quantize``."""
+  quantised layer (:func:`anlr_jax.train.mesh.check_quantized_blocks`); nothing without ``model.quantize``.
+  """
   if config.model.quantize == "none":
     return
   tc = config.trainer
@@ -78,7 +79,7 @@ def check_quantized_mesh(model: nnx.Module, config: RunConfig, mesh=None) -> Non
     if mesh is None:
       devices = None if tc.devices is None else first_devices(tc.devices)
       mesh = make_mesh(tc.mesh_data, tc.mesh_fsdp, tc.mesh_tensor, devices=devices)
-    check_mesh(model, mesh)
+    check_quantized_blocks(model, mesh)
   except ValueError as err:
     raise ConfigError(str(err)) from None
 

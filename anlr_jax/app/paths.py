@@ -23,7 +23,6 @@ The YAML configs of the paper's settings and the quickstart ship inside the pack
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import pathlib
 import time
@@ -58,31 +57,12 @@ def resolve_path(value: str | None) -> str | None:
   if split_files.is_split(value):
     return split_files.join_split(value, log=lambda line: print(line, flush=True))
   if value.startswith(PACKAGE_PREFIX):
-    return _package_path(value)
+    return split_files.package_file(value)
   if value.startswith(ASSET_PREFIX):
     return os.path.join(
         os.path.dirname(os.path.abspath(assets.__file__)), value[len(ASSET_PREFIX) :]
     )
   return os.path.expanduser(value)
-
-
-def _package_path(value: str) -> str:
-  package, _, rel = value[len(PACKAGE_PREFIX) :].partition("/")
-  if not package.isidentifier():
-    raise ValueError(
-        f"{value}: {package!r} is not a top-level package name (package://<package>/<path>)"
-    )
-  try:
-    spec = importlib.util.find_spec(package)
-  except (ImportError, ValueError):
-    spec = None
-  if spec is None:
-    raise FileNotFoundError(f"{value}: the Python package {package!r} is not installed")
-  if spec.submodule_search_locations:
-    root = list(spec.submodule_search_locations)[0]
-  else:  # a single-module distribution: its directory
-    root = os.path.dirname(spec.origin or "")
-  return os.path.join(root, rel) if rel else root
 
 
 def require_path(value: str | None, key: str, *, kind: str = "path") -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib.util
 import math
 import os
 import re
@@ -115,14 +116,33 @@ def joined_name(value: str, is_gguf: bool) -> str:
   return f"{stem}-{digest}{ext}"
 
 
+def package_file(value: str) -> str:
+  """The file a plain ``package://<package>/<path>`` names inside the installed package (its
+  directory without ``<path>``); FileNotFoundError when the package is not installed."""
+  package, _, rel = value[len("package://") :].partition("/")
+  if not package.isidentifier():
+    raise ValueError(
+        f"{value}: {package!r} is not a top-level package name (package://<package>/<path>)"
+    )
+  try:
+    spec = importlib.util.find_spec(package)
+  except (ImportError, ValueError):
+    spec = None
+  if spec is None:
+    raise FileNotFoundError(f"{value}: the Python package {package!r} is not installed")
+  if spec.submodule_search_locations:
+    root = list(spec.submodule_search_locations)[0]
+  else:  # a single-module distribution: its directory
+    root = os.path.dirname(spec.origin or "")
+  return os.path.join(root, rel) if rel else root
+
+
 def _locate(value: str) -> tuple[list[str], list[tuple[int, str]]]:
   """``(files of the pieces found, [(number, package://path) of those missing])``."""
-  from anlr_jax.app.paths import resolve_path
-
   found, missing = [], []
   for n, part in enumerate(split_parts(value), 1):
     try:
-      path = resolve_path(part)
+      path = package_file(part)
     except FileNotFoundError:
       path = None
     if path and os.path.isfile(path):

@@ -400,60 +400,6 @@ def is_quantized(module: Any) -> bool:
   return isinstance(module, QuantLinear)
 
 
-def quantize_model(model: nnx.Module, mode: str) -> nnx.Module:
-  """Replaces every ``nnx.Linear`` of ``model`` (adapter layers' bases included) by a
-  :class:`QuantLinear` of ``mode``, in place; ``none`` and quantised layers are left as they are.
-
-  Raises:
-    ValueError: ``mode`` unknown, a model type with no quantised path (only the LLaMA / Qwen2
-      models have one), or a layer that cannot be quantised (:class:`QuantLinear`).
-  """
-  from anlr_jax.models.llama import LlamaForCausalLM
-  from anlr_jax.nn.inject import get_submodule, path_str, set_submodule
-
-  check_mode(mode)
-  if mode == "none":
-    return model
-  if not isinstance(model, LlamaForCausalLM):
-    raise ValueError(
-        f"model.quantize={mode}: {type(model).__name__} has no quantised path (LLaMA / Qwen2 only)"
-    )
-  paths = [
-      p for p, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear) and not is_quantized(m)
-  ]
-  for path in paths:
-    linear = get_submodule(model, path)
-    set_submodule(model, path, QuantLinear(linear, mode, name=path_str(path)))
-  return model
-
-
-def check_mesh(model: nnx.Module, mesh, rules=None) -> None:
-  """Raises ValueError naming the first quantised layer whose blocks ``mesh`` would split.
-
-  ``mesh``: a ``jax.sharding.Mesh`` or ``AbstractMesh``; ``rules``: the logical axis rules the
-  weights are placed by (default: the trainer's). The input axis of a layer's codes is split over
-  ``n`` devices without splitting a block only if ``d_in`` is a multiple of ``64 n``.
-  """
-  from anlr_jax.nn.inject import path_str
-  from anlr_jax.train.mesh import DEFAULT_LOGICAL_AXIS_RULES, state_shardings
-
-  layers = [(p, m) for p, m in nnx.iter_modules(model) if is_quantized(m)]
-  if not layers:
-    return
-  rules = DEFAULT_LOGICAL_AXIS_RULES if rules is None else rules
-  for path, layer in layers:
-    spec = state_shardings(nnx.state(layer, QuantizedParam), mesh, rules)["codes"].spec
-    axes = spec[0] if len(spec) else None
-    axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
-    parts = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-    if layer.in_features % (BLOCK * parts):
-      raise ValueError(
-          f"model.quantize={layer.quantize}: the mesh splits {path_str(path)}'s input width"
-          f" {layer.in_features} over {parts} devices ({'x'.join(axes)}), which would split its"
-          f" {BLOCK}-weight blocks; put fewer devices on that mesh axis"
-      )
-
-
 __all__ = [
     "BLOCK",
     "BYTES_PER_PARAM",
@@ -463,11 +409,9 @@ __all__ = [
     "QUANTIZE_MODES",
     "QuantLinear",
     "QuantizedParam",
-    "check_mesh",
     "check_mode",
     "dequantize_kernel",
     "is_quantized",
     "nf4_indices",
     "quantize_kernel",
-    "quantize_model",
 ]
