@@ -31,8 +31,13 @@ import anlr_jax
 VOCAB, SEQ, BATCH = 32, 16, 8
 
 
-def tiny_gemma(seed: int = 0) -> nnx.Module:
-  """A 2-layer Gemma (``d_model`` 32, 2 query heads, 1 KV head) with Qwix LoRA on attention + MLP."""
+def tiny_gemma(seed: int = 0, weight_qtype: str | None = None) -> nnx.Module:
+  """A 2-layer Gemma (``d_model`` 32, 2 query heads, 1 KV head) with Qwix LoRA on attention + MLP.
+
+  ``weight_qtype="nf4"`` is QLoRA: Qwix stores each adapted weight as a 4-bit NormalFloat ``QArray``
+  (``uint4`` codes and a float scale per output channel, ``nnx.Param`` leaves that ``PeftTrainer``
+  does not train) beside its float LoRA factors.
+  """
   config = gemma.ModelConfig(
       num_layers=2,
       num_embed=VOCAB,
@@ -53,7 +58,9 @@ def tiny_gemma(seed: int = 0) -> nnx.Module:
   for layer in model.layers:
     for proj in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
       proj.kernel[...] = 0.1 * jax.random.normal(next(keys), proj.kernel.shape)
-  lora = qwix.LoraProvider(module_path=".*(attn|mlp).*", rank=4, alpha=8.0)
+  lora = qwix.LoraProvider(
+      module_path=".*(attn|mlp).*", rank=4, alpha=8.0, weight_qtype=weight_qtype
+  )
   tokens = jnp.ones((1, SEQ), jnp.int32)
   positions = jnp.arange(SEQ)[None]
   return qwix.apply_lora_to_model(

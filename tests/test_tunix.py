@@ -1,6 +1,7 @@
 """``anlr_jax.anlr`` as the optimizer of Tunix's ``PeftTrainer`` (examples/finetune_tunix.py): Qwix
 LoRA on a Gemma's attention einsums and MLP, multipliers on every module, state kept by Tunix's
-checkpoints. Needs the ``tunix`` extra (``pip install -e .[tunix]``)."""
+checkpoints; and the same on Qwix QLoRA (``weight_qtype="nf4"``), where the nf4 base stays untouched.
+Needs the ``tunix`` extra (``pip install -e .[tunix]``)."""
 
 import importlib.util
 import os
@@ -11,7 +12,10 @@ import numpy as np
 import pytest
 
 pytest.importorskip("tunix")
-from flax import nnx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import qwix  # noqa: E402
+from flax import nnx, traverse_util  # noqa: E402
 
 import anlr_jax  # noqa: E402
 
@@ -75,3 +79,49 @@ def test_peft_trainer_with_anlr_on_qwix_attention_and_mlp_and_checkpoint_restore
   restored.train(example.batches(steps + 2))  # and goes on from there
   restored.close()
   assert _anlr_state(restored)["count"] == steps + 2
+
+
+def _flat(state):
+  return {
+      ".".join(map(str, path)): np.asarray(v)
+      for path, v in traverse_util.flatten_dict(nnx.to_pure_dict(state)).items()
+  }
+
+
+def test_peft_trainer_with_anlr_on_qwix_qlora_nf4():
+  steps, warmup = 5, 2
+  model = example.tiny_gemma(seed=0, weight_qtype="nf4")
+  lora = nnx.state(model, nnx.LoRAParam)
+  names = {m.name for m in anlr_jax.find_lora_modules(lora)}
+  assert len(names) == 12
+  assert len(jax.tree.leaves(lora)) == 2 * len(names)  # every trainable leaf is a paired factor
+  # each adapted weight is stored frozen as a Qwix nf4 QArray: uint4 codes and a float scale
+  for name in names:
+    *path, weight = name.split(".")
+    module = model
+    for part in path:
+      module = module[int(part)] if part.isdigit() else getattr(module, part)
+    quantized = getattr(module, weight).array
+    assert isinstance(quantized, qwix.QArray) and quantized.qtype == "nf4", name
+    assert quantized.qvalue.dtype == jnp.uint4 and quantized.scale.dtype == jnp.float32, name
+  frozen_state = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+  frozen = _flat(frozen_state)
+  assert {k.rsplit(".array.", 1)[0] for k, v in frozen.items() if v.dtype == jnp.uint4} == names
+  factors = _flat(lora)
+
+  before = example.loss(model)
+  trainer = example.make_trainer(model, steps, learning_rate=1e-2, warmup_steps=warmup)
+  trainer.train(example.batches(steps))
+  trainer.close()
+  state = _anlr_state(trainer)
+  assert state["count"] == steps and set(state["multipliers"]) == names
+  for name, s in state["multipliers"].items():  # AnLR rescaled the ranks of every module
+    assert np.ptp(s) > 1e-3, name
+    np.testing.assert_allclose(s.mean(), 1.0, rtol=1e-5)
+  assert example.loss(model) < before
+  # the nf4 base (codes and scales) and the other frozen params are untouched, every factor moved
+  chex.assert_trees_all_equal(
+      _flat(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))), frozen
+  )
+  for key, value in _flat(nnx.state(model, nnx.LoRAParam)).items():
+    assert not np.array_equal(value, factors[key]), key
