@@ -152,7 +152,9 @@ def test_quantize_flags_reach_the_loader(trained, monkeypatch, capsys):
   argv = ["generate", "--model", str(root / "model"), "--prompt", "hi", "--max-new-tokens", "2"]
   assert cli.main(argv + ["--quantize", "int8"]) == 0
   assert cli.main(argv + ["--adapter", str(run_dir)]) == 0  # the run's own nf4
-  assert seen == ["int8", "nf4"]
+  # an explicit none: the adapter of the nf4 run on the float base
+  assert cli.main(argv + ["--adapter", str(run_dir), "--quantize", "none"]) == 0
+  assert seen == ["int8", "nf4", "none"]
   served = []
   monkeypatch.setattr(serve, "serve_main", lambda config, *a, **k: served.append(config))
   assert cli.main(["serve", "--config", str(config), "--quantize", "nf4"]) == 0

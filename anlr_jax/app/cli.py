@@ -449,7 +449,11 @@ def _add_file_commands(sub) -> None:
   gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
   gen.add_argument("--seed", type=int, default=0, help="sampling seed")
   gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-  gen.add_argument("--quantize", default="none", choices=QUANTIZE_MODES, help=QUANTIZE_HELP)
+  gen.add_argument(
+      "--quantize",
+      choices=QUANTIZE_MODES,
+      help=f"{QUANTIZE_HELP}; default: as the run was trained (--adapter <run>), else none",
+  )
   gen.add_argument(
       "--raw", action="store_true", help="do not wrap the prompt in a template (used verbatim)"
   )

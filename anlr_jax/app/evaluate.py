@@ -372,14 +372,16 @@ def generate_text(
     seed: int = 0,
     dtype: str = "float32",
     template: str | None = None,
-    quantize: str = "none",
+    quantize: str | None = None,
 ) -> str:
   """``anlr generate``: the continuation of ``prompt``, wrapped in the Alpaca or the chat template
   (``template``; None: the run's ``data.template`` when ``adapter`` is a run directory, else
   ``alpaca``) unless ``raw``. With the chat template no bos is prepended and generation stops at
-  the template's end-of-turn token."""
+  the template's end-of-turn token. ``quantize``: the base's linear layers as ``model.quantize``;
+  None: as the run was trained when ``adapter`` is a run directory, else ``none``."""
   config = load_config(
-      None, [f"model.path={model_path}", f"model.dtype={dtype}", f"model.quantize={quantize}"]
+      None,
+      [f"model.path={model_path}", f"model.dtype={dtype}", f"model.quantize={quantize or 'none'}"],
   )
   if template is None:
     run_config = adapter is not None and is_run_dir(adapter)
@@ -388,7 +390,9 @@ def generate_text(
         if run_config
         else "alpaca"
     )
-  model, _, tokenizer = load_adapted_model(config, adapter, model_path=model_path)
+  model, _, tokenizer = load_adapted_model(
+      config, adapter, model_path=model_path, quantize=quantize
+  )
   model.eval()
   chat = template == "chat"
   if raw:

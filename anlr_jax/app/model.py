@@ -219,16 +219,26 @@ def is_run_dir(path: str) -> bool:
   )
 
 
-def load_adapted_model(config: RunConfig, adapter: str | None, *, model_path: str | None = None):
+def load_adapted_model(
+    config: RunConfig,
+    adapter: str | None,
+    *,
+    model_path: str | None = None,
+    quantize: str | None = None,
+):
   """Base model plus an adapter: a run directory (``lora_final.safetensors`` + ``config.yaml``,
-  rebuilt with the run's method and LoRA settings; its base quantised as ``config.model.quantize``
-  says, or as the run's was when that is ``none``) or a PEFT adapter directory. Returns
-  ``(model, model_config, tokenizer)``."""
+  rebuilt with the run's method and LoRA settings) or a PEFT adapter directory. Returns
+  ``(model, model_config, tokenizer)``.
+
+  A run directory's base is quantised as ``quantize`` says when it is given (``none``: a float
+  base under an adapter trained on a quantised one), else as ``config.model.quantize`` says, or as
+  the run's was when that is ``none``."""
   if adapter is None:
     return load_base(config, model_path)
   if is_run_dir(adapter):
     run_config = load_config(os.path.join(adapter, rundir.CONFIG_FILE))
-    quantize = config.model.quantize if config.model.quantize != "none" else None
+    if quantize is None:
+      quantize = config.model.quantize if config.model.quantize != "none" else None
     run_config = dataclasses.replace(
         run_config,
         model=dataclasses.replace(
@@ -241,6 +251,10 @@ def load_adapted_model(config: RunConfig, adapter: str | None, *, model_path: st
     build_method(run_config, model=model)
     load_lora_params(model, os.path.join(adapter, rundir.LORA_FILE))
   elif os.path.isfile(os.path.join(adapter, ADAPTER_CONFIG_FILE)):
+    if quantize is not None:
+      config = dataclasses.replace(
+          config, model=dataclasses.replace(config.model, quantize=quantize)
+      )
     model, model_config, tokenizer = load_base(config, model_path)
     if adapter_peft_type(adapter) == "ADALORA":
       import_adalora_adapter(model, adapter)
