@@ -12,8 +12,9 @@ Per way and round: tokens/s = completion tokens (``usage``) / wall time of the e
 time to first token (TTFT, from sending to the first event with text) and total latency. The
 script prints the medians over rounds, the throughput ratio (concurrent / sequential), the
 p50 / p95 latencies and the engine's median turn (one decoding step of the rows it holds: one row
-one by one, eight together; a turn that admits requests also prefills them), checks that every concurrent reply equals the sequential reply of the same
-request, and writes everything as JSON (``--out``). Warm-up runs of each way first (compiles).
+one by one, eight together; a turn that admits requests also prefills them), checks that every
+concurrent reply equals the sequential reply of the same request, and writes everything as JSON
+(``--out``). Warm-up runs of each way first (compiles).
 
   python benchmarks/serve.py [--rounds 3] [--max_tokens 48] [--max_batch 8] [--out FILE]
 """

@@ -5,12 +5,11 @@ A :class:`BatchEngine` owns one thread and a key/value cache of ``max_batch`` ro
 is then *admitted*: its prompt, left-padded to :func:`~anlr_jax.models.generation.prompt_width`
 ``W``, is run through the model (the prefill, one call for the prompts of one width admitted
 together), which gives its first token, and its keys and values are copied into slots ``[0, W)``
-of its row. A prompt that starts with the engine's ``prefix`` (the prompt template's shared start, e.g.
-a chat template's default system prompt) is prefilled after it: the prefix's keys and values are
-computed once and copied into slots ``[0, P)`` of the row, and only the rest of the prompt,
+of its row. A prompt that starts with the engine's ``prefix`` (the prompt template's shared
+start, e.g. a chat template's default system prompt) is prefilled after it: the prefix's keys and
+values, computed once, fill slots ``[0, P)`` of the row, and only the rest of the prompt,
 left-padded to ``W``, runs through the model (into slots ``[P, P + W)``). From then on one jitted
-*decode step* feeds the
-last token of every row at once and chooses each row's next one:
+*decode step* feeds the last token of every row at once and chooses each row's next one:
 
     token_{b, n+1} = argmax_v logits_{b, v}                       (temperature_b == 0)
                    ~ softmax(logits_b / temperature_b), key fold_in(key(seed_b), n)   (otherwise)
@@ -359,7 +358,8 @@ class BatchEngine:
     self._cache = (tuple(map(fit, keys)), tuple(map(fit, values)), fit(mask))
 
   def _admit_all(self, admit: list[tuple[int, Generation]]) -> None:
-    """Prefills the admitted requests, those of one padded width together (one call)."""
+    """Prefills the admitted requests, those with the same prefix use and padded width together
+    (one call)."""
     groups: dict[tuple[int, int], list[tuple[int, Generation]]] = {}
     for row, generation in admit:
       if generation.cancelled:
