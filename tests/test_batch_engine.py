@@ -1,14 +1,13 @@
 """The batch engine of ``anlr serve`` on a tiny random model: a shared prompt prefix prefilled once
-and reused (replies equal to those of prompts prefilled whole, alone or together), the batch
-shrinking to the rows still decoding, and the model's graph not hashed again at every decoding
-step."""
+and reused (replies equal to those of prompts prefilled whole, alone or together), and the model's
+graph not hashed again at every decoding step."""
 
 import numpy as np
 import pytest
 from flax import nnx
 from flax.nnx import graphlib
 
-from anlr_jax.app.batch_engine import BatchEngine, Generation, batch_rows
+from anlr_jax.app.batch_engine import BatchEngine, Generation
 from anlr_jax.compiles import compile_log
 from anlr_jax.models.config import ModelConfig
 from anlr_jax.models.llama import LlamaForCausalLM
@@ -30,8 +29,7 @@ def prompts():
 
 
 def replies(engine, rows, together=True, max_tokens=10):
-  lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(rows)
-  gens = [Generation(list(ids), max_tokens=n) for ids, n in zip(rows, lengths)]
+  gens = [Generation(list(ids), max_tokens=max_tokens) for ids in rows]
   if together:  # queued before the engine takes any: admitted at one turn
     with engine._cond:
       for g in gens:
@@ -74,23 +72,5 @@ def test_the_models_graph_is_not_hashed_at_each_step(model, monkeypatch):
     replies(engine, prompts()[:2], max_tokens=12)
     assert engine.tokens_made - before == 24
     assert hashes == []
-  finally:
-    engine.close()
-
-
-def test_the_batch_shrinks_to_the_rows_still_decoding(model):
-  assert [batch_rows(n, 8) for n in range(1, 9)] == [1, 2, 3, 4, 6, 6, 8, 8]
-  assert batch_rows(5, 5) == 5 and batch_rows(40, 64) == 48
-  rows = prompts()
-  lengths = [2, 12, 2, 2, 12, 2, 2, 12]  # three rows go on after the others have ended
-  engine = BatchEngine(model, pad_id=0, max_batch=8)
-  try:
-    alone = replies(engine, rows, together=False, max_tokens=lengths)
-    shapes = []
-    engine.step_hook = lambda: shapes.append(engine._cache[2].shape[0] if engine._cache else 0)
-    together = replies(engine, rows, max_tokens=lengths)
-    engine.step_hook = None
-    assert together == alone and [len(r) for r in together] == lengths
-    assert 8 in shapes and shapes.count(3) >= 8  # the last ten steps on three rows, not eight
   finally:
     engine.close()

@@ -17,12 +17,9 @@ left-padded to ``W``, runs through the model (into slots ``[P, P + W)``). From t
 The step is the model's single-row decoding mapped over the rows (``jax.vmap``), so every row has
 its own write index, RoPE position and key mask: a row's tokens are those it would get decoded
 alone (same prompt padding, same positions, the other rows' keys never visible to it), and a
-request joins or leaves the batch between any two steps. The cache has as many rows as the
-requests being decoded, rounded up to a power of two or three quarters of one (1, 2, 3, 4, 6, 8,
-12, ..., at most ``max_batch``): when requests end, the others move down to the first rows and the
-cache shrinks, so a step computes few rows that have nothing left to decode. ``S`` grows (doubling)
-when a row reaches its end and shrinks back when the engine is idle; each distinct shape compiles
-once.
+request joins or leaves the batch between any two steps. The cache has one row while one request
+is decoded, else ``max_batch``; ``S`` grows (doubling) when a row reaches its end and shrinks back
+when the engine is idle; each distinct shape compiles once.
 
 A generation ends at its stop token (``stop``), after ``max_tokens`` tokens (``length``), or when
 its consumer cancels it (a client gone, a stop string seen): its slot is free for the next step.
@@ -207,21 +204,6 @@ def _decode(model, leaves, keys, values, mask, tokens, positions, index, seeds, 
   return keys, values, mask, chosen
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-def _gather(keys, values, mask, rows):
-  """The cache's rows ``rows`` (a permutation of its rows), in that order."""
-  take = lambda x: jnp.take(x, rows, axis=0)
-  return tuple(map(take, keys)), tuple(map(take, values)), take(mask)
-
-
-def batch_rows(n: int, max_batch: int) -> int:
-  """The cache rows for ``n`` rows in use: the smallest of 1, 2, 3, 4, 6, 8, 12, ... (powers of two
-  and three quarters of them) that holds ``n``, at most ``max_batch``."""
-  power = 1 << max(n - 1, 0).bit_length()
-  rows = power * 3 // 4 if power >= 4 and power * 3 // 4 >= n else power
-  return min(rows, max_batch)
-
-
 @dataclasses.dataclass
 class _Slot:
   """A row of the cache and the generation decoding in it."""
@@ -349,12 +331,11 @@ class BatchEngine:
       generation._end("cancelled")
 
   def _ensure_shape(self, rows: int, length: int) -> None:
-    """A cache of :func:`batch_rows` rows for the first ``rows`` rows and those in use, and at
-    least ``length`` positions (:data:`MIN_LENGTH` times a power of two); zeros where nothing was
-    written. Rows and positions grow when a request needs them; rows shrink when the rows above
-    are free."""
+    """A cache of one row, or ``max_batch`` rows when more are needed, and at least ``length``
+    positions (:data:`MIN_LENGTH` times a power of two); zeros where nothing was written. Rows and
+    positions grow when a request needs them and shrink when the rows above are free."""
     used = max((row + 1 for row, slot in enumerate(self._slots) if slot is not None), default=0)
-    rows = batch_rows(max(rows, used), self.max_batch)  # a few decoding shapes, one compile each
+    rows = 1 if max(rows, used) <= 1 else self.max_batch  # two decoding shapes, two compilations
     length = MIN_LENGTH * (1 << (max(1, -(-length // MIN_LENGTH)) - 1).bit_length())
     if self._cache is None:
       cache = init_cache(self.config, rows, length)
@@ -459,15 +440,6 @@ class BatchEngine:
       generation._end(finish)
       self._slots[row] = None
 
-  def _compact(self, rows: list[int]) -> None:
-    """Moves the rows ``rows`` (in use, ascending) to the first rows of the cache, so that it can
-    shrink to :func:`batch_rows` of them."""
-    have = self._cache[2].shape[0]
-    order = rows + [row for row in range(have) if row not in rows]
-    self._cache = _gather(*self._cache, np.asarray(order, np.int32))
-    slots = [self._slots[row] for row in rows]
-    self._slots = slots + [None] * (self.max_batch - len(slots))
-
   def _step(self) -> None:
     for row, slot in enumerate(self._slots):  # a consumer that went away frees its row now
       if slot is not None and slot.generation.cancelled:
@@ -477,9 +449,6 @@ class BatchEngine:
     live = [(row, slot) for row, slot in enumerate(self._slots) if slot is not None]
     if not live:
       return
-    if self._cache is not None and live[-1][0] >= batch_rows(len(live), self.max_batch):
-      self._compact([row for row, _ in live])
-      live = [(row, slot) for row, slot in enumerate(self._slots) if slot is not None]
     self._ensure_shape(1, max(s.width + s.made for _, s in live))
     b = self._cache[2].shape[0]
     tokens, positions, index = (np.zeros(b, np.int32) for _ in range(3))
