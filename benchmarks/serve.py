@@ -10,9 +10,11 @@ in its chat template. Eight different questions are sent as streamed greedy requ
 
 Per way and round: tokens/s = completion tokens (``usage``) / wall time of the eight. Per request:
 time to first token (TTFT, from sending to the first event with text) and total latency. The
-script prints the medians over rounds, the throughput ratio (concurrent / sequential) and the
-p50 / p95 latencies, checks that every concurrent reply equals the sequential reply of the same
-request, and writes everything as JSON (``--out``). Warm-up runs of each way first (compiles).
+script prints the medians over rounds, the throughput ratio (concurrent / sequential), the
+p50 / p95 latencies and the engine's median turn (one decoding step of the rows it holds: one row
+one by one, eight together; a turn that admits requests also prefills them), checks that every
+concurrent reply equals the sequential reply of the same request, and writes everything as JSON
+(``--out``). Warm-up runs of each way first (compiles).
 
   python benchmarks/serve.py [--rounds 3] [--max_tokens 48] [--max_batch 8] [--out FILE]
 """
@@ -123,6 +125,8 @@ def main(argv=None):
   threading.Thread(target=server.serve_forever, daemon=True).start()
   host, port = server.server_address[:2]
   load = lambda: round(os.getloadavg()[0], 2)
+  turns = []  # the engine's loop turns (admissions and one decoding step each), as they end
+  server.service.engine.step_hook = lambda: turns.append(time.perf_counter())
   try:
     loads = [load()]
     warm_seq, _ = one_by_one(host, port, args.max_tokens)  # compiles the one-row shapes
@@ -131,12 +135,25 @@ def main(argv=None):
     rounds = []
     for r in range(args.rounds):
       for way, run in (("sequential", one_by_one), ("concurrent", all_at_once)):
+        turns.clear()
         replies, wall = run(host, port, args.max_tokens)
         tokens = sum(x["tokens"] for x in replies)
+        turn = statistics.median(b - a for a, b in zip(turns, turns[1:]))
         rounds.append(
-            {"round": r, "way": way, "wall_s": wall, "tokens": tokens, "replies": replies}
+            {
+                "round": r,
+                "way": way,
+                "wall_s": wall,
+                "tokens": tokens,
+                "turn_p50_s": turn,
+                "turns": len(turns),
+                "replies": replies,
+            }
         )
-        print(f"round {r} {way}: {tokens} tokens in {wall:.2f} s = {tokens / wall:.2f} tokens/s")
+        print(
+            f"round {r} {way}: {tokens} tokens in {wall:.2f} s = {tokens / wall:.2f} tokens/s;"
+            f" {len(turns)} engine turns, median {turn * 1e3:.1f} ms"
+        )
         loads.append(load())
   finally:
     server.shutdown()
@@ -153,6 +170,7 @@ def main(argv=None):
         "ttft_p95_s": percentile([y["ttft_s"] for y in replies], 0.95),
         "total_p50_s": percentile([y["total_s"] for y in replies], 0.5),
         "total_p95_s": percentile([y["total_s"] for y in replies], 0.95),
+        "turn_p50_s": statistics.median(x["turn_p50_s"] for x in mine),
     }
   ratio = summary["concurrent"]["tokens_per_s"] / summary["sequential"]["tokens_per_s"]
   paired = statistics.median(
@@ -165,7 +183,7 @@ def main(argv=None):
     print(
         f"{way:>10}: {s['tokens_per_s']:.2f} tokens/s (median of {args.rounds}); TTFT p50"
         f" {s['ttft_p50_s']:.2f} s, p95 {s['ttft_p95_s']:.2f} s; total p50 {s['total_p50_s']:.2f}"
-        f" s, p95 {s['total_p95_s']:.2f} s"
+        f" s, p95 {s['total_p95_s']:.2f} s; engine turn p50 {s['turn_p50_s'] * 1e3:.1f} ms"
     )
   print(f"concurrent / sequential tokens/s: {ratio:.2f} (paired rounds: {paired:.2f})")
   print(f"every concurrent reply equals the sequential one: {same}")

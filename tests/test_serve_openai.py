@@ -199,6 +199,18 @@ def test_eight_concurrent_clients_get_the_replies_each_gets_alone(server, client
   assert max(batch_sizes) >= 4  # decoded together, not one after another
 
 
+def test_the_templates_shared_start_is_run_through_the_model_once(server, client):
+  service = server.service
+  engine = service.engine
+  prefix = service.shared_prefix()
+  assert prefix and engine.prefix == prefix
+  ids = [service.prompt_ids([("user", q)]) for q in QUESTIONS]
+  assert all(i[: len(prefix)] == prefix and len(i) > len(prefix) for i in ids)
+  for q in QUESTIONS[:3]:
+    ask(client, q)
+  assert engine.prefix_passes == 1
+
+
 def test_temperature_samples_and_the_seed_fixes_the_sample(client):
   greedy = ask(client, QUESTIONS[4], max_tokens=16).choices[0].message.content
   sampled = [

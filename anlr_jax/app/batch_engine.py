@@ -5,8 +5,11 @@ A :class:`BatchEngine` owns one thread and a key/value cache of ``max_batch`` ro
 is then *admitted*: its prompt, left-padded to :func:`~anlr_jax.models.generation.prompt_width`
 ``W``, is run through the model (the prefill, one call for the prompts of one width admitted
 together), which gives its first token, and its keys and values are copied into slots ``[0, W)``
-of its row. From then on one jitted *decode step* feeds the
-last token of every row at once and chooses each row's next one:
+of its row. A prompt that starts with the engine's ``prefix`` (the prompt template's shared
+start, e.g. a chat template's default system prompt) is prefilled after it: the prefix's keys and
+values, computed once, fill slots ``[0, P)`` of the row, and only the rest of the prompt,
+left-padded to ``W``, runs through the model (into slots ``[P, P + W)``). From then on one jitted
+*decode step* feeds the last token of every row at once and chooses each row's next one:
 
     token_{b, n+1} = argmax_v logits_{b, v}                       (temperature_b == 0)
                    ~ softmax(logits_b / temperature_b), key fold_in(key(seed_b), n)   (otherwise)
@@ -30,7 +33,7 @@ import dataclasses
 import functools
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -111,11 +114,45 @@ def _choose(logits, seed, temperature, step):
   return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _prefill(graphdef, state, ids, mask, seeds, temperatures):
-  """The first new token of each left-padded prompt ``(n, W)`` and their per-layer keys/values."""
-  model = nnx.merge(graphdef, state)
-  cache = init_cache(model.config, ids.shape[0], ids.shape[1])
+class _Model:
+  """The model's graph and the layout of its state's leaves, a static argument of the jitted
+  functions. Its hash is computed once: hashing the graph of a many-layer model takes
+  milliseconds, which the jitted call would otherwise pay at every decoding step."""
+
+  def __init__(self, graphdef, treedef):
+    self.graphdef, self.treedef = graphdef, treedef
+    self._hash = hash((graphdef, treedef))
+
+  def __hash__(self):
+    return self._hash
+
+  def __eq__(self, other):
+    return isinstance(other, _Model) and (
+        self is other or (self.graphdef, self.treedef) == (other.graphdef, other.treedef)
+    )
+
+  def merge(self, leaves):
+    return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def _prefill(model, leaves, prefix, ids, mask, seeds, temperatures):
+  """The first new token of each left-padded prompt ``(n, W)`` and their per-layer keys/values
+  ``(n, P + W, ...)``; ``prefix``: None (``P = 0``) or the keys/values ``(1, P, ...)`` of the
+  tokens before the prompts (the prompts' positions follow them)."""
+  model = model.merge(leaves)
+  n, width = ids.shape
+  length = width if prefix is None else prefix[0][0].shape[1] + width
+  cache = init_cache(model.config, n, length)
+  if prefix is not None:
+    p = prefix[0][0].shape[1]
+    put = lambda full, part: full.at[:, :p].set(jnp.broadcast_to(part, (n, *part.shape[1:])))
+    cache = cache._replace(
+        keys=tuple(map(put, cache.keys, prefix[0])),
+        values=tuple(map(put, cache.values, prefix[1])),
+        mask=cache.mask.at[:, :p].set(1),
+        index=jnp.asarray(p, jnp.int32),
+    )
   logits, cache = model(ids, attention_mask=mask, cache=cache, logits_to_keep=1)
   first = jax.vmap(_choose)(logits[:, -1], seeds, temperatures, jnp.zeros_like(seeds, jnp.int32))
   return first, cache.keys, cache.values
@@ -134,19 +171,18 @@ def _insert(keys, values, mask, row, new_keys, new_values, new_mask):
   return keys, values, jax.lax.dynamic_update_slice(mask, new_mask[None], (row, 0))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(2, 3, 4))
-def _decode(graphdef, state, keys, values, mask, tokens, positions, index, seeds, temps, steps):
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnums=(2, 3, 4))
+def _decode(model, leaves, keys, values, mask, tokens, positions, index, seeds, temps, steps):
   """One decoding step of every row (see the module doc); returns the cache and the next tokens."""
 
   def row(keys, values, mask, token, position, index):
-    model = nnx.merge(graphdef, state)
     cache = KVCache(
         keys=tuple(k[None] for k in keys),
         values=tuple(v[None] for v in values),
         mask=mask[None],
         index=index,
     )
-    logits, cache = model(
+    logits, cache = model.merge(leaves)(
         token.reshape(1, 1),
         positions=position.reshape(1, 1),
         attention_mask=jnp.ones((1, 1), jnp.int32),
@@ -186,13 +222,33 @@ class BatchEngine:
     pad_id: the token id of prompt padding.
     max_batch: rows decoded together at most.
     max_queue: requests waiting for a row at most; :meth:`submit` refuses more (:class:`QueueFull`).
+    prefix: token ids that many prompts start with (the prompt template's start): their keys and
+      values are computed once, at the first prompt that starts with them and has more tokens,
+      and reused by every such prompt (see the module doc). Empty: every prompt is prefilled
+      whole.
   """
 
-  def __init__(self, model, *, pad_id: int, max_batch: int = 8, max_queue: int = 64):
+  def __init__(
+      self,
+      model,
+      *,
+      pad_id: int,
+      max_batch: int = 8,
+      max_queue: int = 64,
+      prefix: Sequence[int] = (),
+  ):
     if max_batch < 1 or max_queue < 0:
       raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
     self.config = getattr(model.config, "text_config", model.config)
-    self.graphdef, self.state = nnx.split(model)
+    graphdef, state = nnx.split(model)
+    self._leaves, treedef = jax.tree.flatten(state)
+    self._model = _Model(graphdef, treedef)
+    self.prefix = [int(i) for i in prefix]
+    self.prefix_passes = 0
+    """Times the prefix's keys and values were computed (once while the engine runs)."""
+    self.prefilled_tokens = 0
+    """Prompt positions run through the model so far, padding included (the prefix's once)."""
+    self._prefix_kv = None
     self.pad_id = int(pad_id)
     self.max_batch = max_batch
     self.max_queue = max_queue
@@ -302,36 +358,63 @@ class BatchEngine:
     self._cache = (tuple(map(fit, keys)), tuple(map(fit, values)), fit(mask))
 
   def _admit_all(self, admit: list[tuple[int, Generation]]) -> None:
-    """Prefills the admitted requests, those of one padded width together (one call)."""
-    by_width: dict[int, list[tuple[int, Generation]]] = {}
+    """Prefills the admitted requests, those with the same prefix use and padded width together
+    (one call)."""
+    groups: dict[tuple[int, int], list[tuple[int, Generation]]] = {}
     for row, generation in admit:
       if generation.cancelled:
         generation._end("cancelled")
         self.cancelled += 1
       else:
-        by_width.setdefault(prompt_width(len(generation.ids)), []).append((row, generation))
-    for width, group in by_width.items():
-      self._admit(width, group)
+        skip = self._skip(generation.ids)
+        key = (skip, prompt_width(len(generation.ids) - skip))
+        groups.setdefault(key, []).append((row, generation))
+    for (skip, width), group in groups.items():
+      self._admit(skip, width, group)
 
-  def _admit(self, width: int, group: list[tuple[int, Generation]]) -> None:
-    """Prefills ``group`` (prompts of padded width ``width``) in one call, rows padded to a power
-    of two, and copies each prompt's keys/values into its row."""
+  def _skip(self, ids: list[int]) -> int:
+    """The prompt positions whose keys/values come from the prefix: ``len(prefix)`` when ``ids``
+    starts with it and goes on after it, else 0."""
+    p = len(self.prefix)
+    return p if p and len(ids) > p and ids[:p] == self.prefix else 0
+
+  def _prefix_cache(self):
+    """The prefix's keys/values ``(1, P, ...)`` per layer, computed at the first call."""
+    if self._prefix_kv is None:
+      ids = np.asarray([self.prefix], np.int32)
+      one = np.zeros(1, np.uint32), np.zeros(1, np.float32)
+      _, keys, values = _prefill(self._model, self._leaves, None, ids, np.ones_like(ids), *one)
+      self._prefix_kv = (keys, values)
+      self.prefix_passes += 1
+      self.prefilled_tokens += ids.shape[1]
+    return self._prefix_kv
+
+  def _admit(self, skip: int, width: int, group: list[tuple[int, Generation]]) -> None:
+    """Prefills ``group`` (prompts of ``skip`` prefix tokens, the rest of padded width ``width``)
+    in one call, rows padded to a power of two, and copies each prompt's keys/values into its
+    row."""
     n = 1 << (len(group) - 1).bit_length()
     prompts = np.full((n, width), self.pad_id, np.int32)
     masks = np.zeros((n, width), np.int32)
     seeds, temps = np.zeros(n, np.uint32), np.zeros(n, np.float32)
     for i in range(n):
       generation = group[min(i, len(group) - 1)][1]  # padding rows repeat the last prompt
-      ids = generation.ids
+      ids = generation.ids[skip:]
       prompts[i, width - len(ids) :], masks[i, width - len(ids) :] = ids, 1
       seeds[i], temps[i] = generation.seed, generation.temperature
-    tokens, new_keys, new_values = _prefill(self.graphdef, self.state, prompts, masks, seeds, temps)
+    prefix = self._prefix_cache() if skip else None
+    tokens, new_keys, new_values = _prefill(
+        self._model, self._leaves, prefix, prompts, masks, seeds, temps
+    )
+    self.prefilled_tokens += prompts.size
     tokens = np.asarray(tokens)
+    width += skip  # the row's slots in use: the prefix, then the padded rest
     self._ensure_shape(max(row for row, _ in group) + 1, width + 1)
     for i, (row, generation) in enumerate(group):
       keys, values, cache_mask = self._cache
       row_mask = np.zeros(cache_mask.shape[1], np.int32)
-      row_mask[:width] = masks[i]
+      row_mask[:skip] = 1
+      row_mask[skip:width] = masks[i]
       one = lambda arrays: tuple(a[i : i + 1] for a in arrays)
       self._cache = _insert(keys, values, cache_mask, row, one(new_keys), one(new_values), row_mask)
       slot = _Slot(generation, width)
@@ -378,7 +461,7 @@ class BatchEngine:
       seeds[row], temps[row], steps[row] = g.seed, g.temperature, slot.made
     keys, values, mask = self._cache
     keys, values, mask, chosen = _decode(
-        self.graphdef, self.state, keys, values, mask, tokens, positions, index, seeds, temps, steps
+        self._model, self._leaves, keys, values, mask, tokens, positions, index, seeds, temps, steps
     )
     self._cache = (keys, values, mask)
     chosen = np.asarray(chosen)

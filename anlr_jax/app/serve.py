@@ -16,7 +16,9 @@ Two routes, the subset of the OpenAI API that chat clients and LLM judges use:
   then ``data: [DONE]``.
 
 Requests are decoded together, up to ``max_batch`` at once, by the continuous batching of
-:mod:`anlr_jax.app.batch_engine`: each reply is the one the request gets alone. Up to
+:mod:`anlr_jax.app.batch_engine`: each reply is the one the request gets alone. The template's
+shared start (:meth:`ChatService.shared_prefix`, e.g. a chat template's default system prompt) is
+run through the model once; each prompt that starts with it is prefilled from there on. Up to
 ``max_queue`` more wait; beyond that a request is answered HTTP 429 with ``Retry-After``. A client
 that leaves a stream frees its place at the next token.
 
@@ -146,8 +148,27 @@ class ChatService:
     self.pad_id = int(pad or 0)
     self.stop_id = end_of_turn_id(tok) if self.template == "chat" else tok.eos_token_id
     self.engine = BatchEngine(
-        self.model, pad_id=self.pad_id, max_batch=self.max_batch, max_queue=self.max_queue
+        self.model,
+        pad_id=self.pad_id,
+        max_batch=self.max_batch,
+        max_queue=self.max_queue,
+        prefix=self.shared_prefix(),
     )
+
+  def shared_prefix(self) -> list[int]:
+    """The token ids that every prompt of a conversation without a system message starts with
+    in :attr:`template` (a chat template's default system prompt and the opening of the user's
+    turn): the common start of a few probe prompts, less its last token (which a message's first
+    characters might merge with). The batch engine computes their keys and values once and
+    reuses them for every prompt that starts with them. Empty when the probes share nothing."""
+    try:
+      probes = [self.prompt_ids([("user", text)]) for text in ("Hello.", "2 + 2 = ?", "Why")]
+    except Exception:  # noqa: BLE001  (a template that rejects the probes: no shared prefix)
+      return []
+    n = 0
+    while all(n < len(p) and p[n] == probes[0][n] for p in probes):
+      n += 1
+    return probes[0][: max(n - 1, 0)]
 
   def close(self) -> None:
     """Stops the batch engine's thread."""
