@@ -156,9 +156,15 @@ def test_quantize_flags_reach_the_loader(trained, monkeypatch, capsys):
   assert cli.main(argv + ["--adapter", str(run_dir), "--quantize", "none"]) == 0
   assert seen == ["int8", "nf4", "none"]
   served = []
-  monkeypatch.setattr(serve, "serve_main", lambda config, *a, **k: served.append(config))
+  monkeypatch.setattr(serve, "serve_main", lambda config, *a, **k: served.append((config, k)))
   assert cli.main(["serve", "--config", str(config), "--quantize", "nf4"]) == 0
-  assert served[0].model.quantize == "nf4"
+  assert served[0][0].model.quantize == "nf4"
+  # serve --quantize none under the nf4 run's adapter: the float base
+  argv = ["serve", "--config", str(config), "--adapter", str(run_dir), "--quantize", "none"]
+  assert cli.main(argv) == 0 and served[1][1]["quantize"] == "none"
+  seen.clear()
+  serve.load_service(served[1][0], str(run_dir), quantize="none").close()
+  assert seen == ["none"]
   judge = load_config(config, ["eval.judge.quantize=int8"]).eval.judge
   assert judge.quantize == "int8"
 

@@ -184,6 +184,7 @@ def cmd_serve(args) -> int:
         name=args.name,
         max_batch=args.max_batch,
         max_queue=args.max_queue,
+        quantize=args.quantize,
     )
   except KeyboardInterrupt:
     print("anlr serve: stopped", file=sys.stderr)
@@ -406,7 +407,11 @@ def _add_run_commands(sub) -> None:
   serve.add_argument(
       "--name", help="the model id clients send (default: the adapter's or model's file name)"
   )
-  serve.add_argument("--quantize", choices=QUANTIZE_MODES, help=QUANTIZE_HELP)
+  serve.add_argument(
+      "--quantize",
+      choices=QUANTIZE_MODES,
+      help=f"{QUANTIZE_HELP}; default: model.quantize, or as the run was trained (--adapter <run>)",
+  )
   serve.add_argument(
       "--max_batch", type=_positive_int, default=8, help="requests decoded together at most"
   )

@@ -526,17 +526,19 @@ def load_service(
     name: str | None = None,
     max_batch: int = 8,
     max_queue: int = 64,
+    quantize: str | None = None,
 ) -> ChatService:
   """The :class:`ChatService` of ``model.path`` (+ ``adapter``: a run directory or a PEFT adapter
-  directory). A run directory's model is prompted in its own ``data.template``. One-line errors
-  name ``model.path`` / ``--adapter``."""
+  directory). A run directory's model is prompted in its own ``data.template``; its base is
+  quantised as ``quantize`` says (``--quantize``; None: as ``load_adapted_model`` decides). One-line
+  errors name ``model.path`` / ``--adapter``."""
   template = config.data.template
   if adapter is not None and is_run_dir(adapter):
     template = load_config(os.path.join(adapter, rundir.CONFIG_FILE)).data.template
   elif adapter is not None and not os.path.isdir(adapter):
     raise FileNotFoundError(f"--adapter {adapter}: no such directory")
   try:
-    model, model_config, tokenizer = load_adapted_model(config, adapter)
+    model, model_config, tokenizer = load_adapted_model(config, adapter, quantize=quantize)
   except (OSError, ValueError, KeyError, TypeError) as err:
     message = str(err.args[0] if err.args else type(err).__name__)
     if message.startswith(("model.path", "--adapter")):  # already names what is wrong
@@ -614,6 +616,7 @@ def start_server(
     name: str | None = None,
     max_batch: int = 8,
     max_queue: int = 64,
+    quantize: str | None = None,
     log: Log = say,
 ) -> ChatServer:
   """The bound server of ``anlr serve`` with its model loaded, not serving yet: the port is taken
@@ -625,7 +628,7 @@ def start_server(
     log(warning)
   try:
     server.service = load_service(
-        config, adapter, name=name, max_batch=max_batch, max_queue=max_queue
+        config, adapter, name=name, max_batch=max_batch, max_queue=max_queue, quantize=quantize
     )
   except BaseException:
     server.server_close()
@@ -648,6 +651,7 @@ def serve_main(
     name: str | None = None,
     max_batch: int = 8,
     max_queue: int = 64,
+    quantize: str | None = None,
     log: Log = say,
 ) -> None:
   """``anlr serve``: loads the model and answers requests until interrupted."""
@@ -659,6 +663,7 @@ def serve_main(
       name=name,
       max_batch=max_batch,
       max_queue=max_queue,
+      quantize=quantize,
       log=log,
   )
   try:
