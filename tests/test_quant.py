@@ -231,3 +231,31 @@ def test_quantising_in_column_chunks_gives_the_same_arrays(monkeypatch, mode):
   assert chunked.keys() == whole.keys()
   for name in whole:
     np.testing.assert_array_equal(chunked[name], whole[name], err_msg=name)
+
+
+@pytest.mark.parametrize("mode", ["nf4", "int8"])
+def test_a_quantised_table_looks_up_and_attends_like_its_dequantised_table(mode):
+  embed = nnx.Embed(300, 128, rngs=nnx.Rngs(0))
+  table = quant.QuantEmbed(embed, mode)
+  plain = np.asarray(table.embedding[...])
+  assert plain.shape == (300, 128) and table.codes[...].shape[1] == 300
+  np.testing.assert_array_equal(
+      plain, np.asarray(dequantize_kernel(quantize_kernel(embed.embedding[...].T, mode), mode).T)
+  )
+  ids = jnp.array([[0, 299, 17], [5, -1, 300]])
+  rows = np.asarray(jax.jit(table)(ids))
+  np.testing.assert_allclose(rows[0], plain[[0, 299, 17]], rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(rows[1, :2], plain[[5, 299]], rtol=1e-6, atol=1e-7)
+  assert np.isnan(rows[1, 2]).all()  # outside the table, as nnx.Embed's lookup
+  query = jax.random.normal(jax.random.key(0), (3, 128))
+  np.testing.assert_allclose(table.attend(query), query @ plain.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_lookup_dequantises_only_the_rows_it_reads():
+  table = quant.QuantEmbed(nnx.Embed(4096, 128, rngs=nnx.Rngs(0)), "nf4")
+  graphdef, state = nnx.split(table)
+  lookup = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids))
+  text = lookup.lower(state, jnp.ones((2, 8), jnp.int32)).compile().as_text()
+  assert "f32[4096,128]" not in text and "f32[128,4096]" not in text
+  with pytest.raises(ValueError, match=r"embedding table has width 100, not a multiple"):
+    quant.QuantEmbed(nnx.Embed(10, 100, rngs=nnx.Rngs(0)), "nf4")

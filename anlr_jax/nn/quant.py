@@ -501,6 +501,110 @@ class QuantLinear(nnx.Linear):
     return y
 
 
+class _TableView(_KernelView):
+  """``QuantEmbed.embedding``: reads dequantise the table ``(V, d)``, writes quantise."""
+
+  shape = property(lambda self: (self._layer.num_embeddings, self._layer.features))
+  size = property(lambda self: self._layer.num_embeddings * self._layer.features)
+
+  def __getitem__(self, index):
+    table = dequantize_kernel(self._layer.arrays(), self._layer.quantize).T
+    return table.astype(self.dtype)[index]
+
+  def __setitem__(self, index, value):
+    full = value if index is Ellipsis else self[...].at[index].set(value)
+    self._layer.set_table(full)
+
+
+class QuantEmbed(nnx.Embed):
+  """A frozen ``nnx.Embed`` whose table ``E`` ``(V, d)`` is stored quantised.
+
+  The stored arrays are those of the kernel ``E^T`` ``(d, V)`` (module doc): blocks of 64
+  consecutive features of one token. A lookup dequantises only the rows it reads; ``attend``
+  (a tied output matrix) is ``QuantLinear``'s product with the kernel ``E^T``. The arrays are not
+  sharded (a mesh replicates them). ``embedding[...]`` is the dequantised table.
+  """
+
+  def __init__(self, embed: nnx.Embed, mode: str, table: jax.Array | None = None):
+    """``embed`` quantised (``table``: the ``(V, d)`` values to quantise instead of ``embed``'s
+    own, e.g. when those are abstract).
+
+    Raises:
+      ValueError: an unknown mode or a feature width that is not a multiple of 64.
+    """
+    check_mode(mode)
+    if mode == "none":
+      raise ValueError("QuantEmbed: mode 'none' keeps the nnx.Embed")
+    if embed.features % BLOCK:
+      raise ValueError(
+          f"model.quantize={mode}: the embedding table has width {embed.features}, not a"
+          f" multiple of the block size {BLOCK}"
+      )
+    self.num_embeddings, self.features = embed.num_embeddings, embed.features
+    self.dtype, self.param_dtype = embed.dtype, embed.param_dtype
+    self.promote_dtype = embed.promote_dtype
+    self.quantize = mode
+    self.set_table(embed.embedding.get_value() if table is None else table)
+
+  @property
+  def embedding(self) -> _TableView:
+    return _TableView(self)
+
+  arrays = QuantLinear.arrays
+
+  def set_table(self, value: jax.Array) -> None:
+    """Quantise ``value`` ``(V, d)`` into the layer's arrays."""
+    if tuple(value.shape) != (self.num_embeddings, self.features):
+      raise ValueError(
+          f"QuantEmbed: table shape {value.shape} != {(self.num_embeddings, self.features)}"
+      )
+    value = jnp.asarray(value)
+    concrete = not isinstance(value, jax.core.Tracer)
+    arrays = (quantize_concrete if concrete else quantize_kernel)(value.T, self.quantize)
+    for name, array in arrays.items():
+      if isinstance(getattr(self, name, None), QuantizedParam):
+        getattr(self, name).set_value(array)
+      else:
+        setattr(self, name, QuantizedParam(array))
+
+  def _dtype(self) -> Any:
+    return self.dtype if self.dtype is not None else self.param_dtype
+
+  def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+    """The dequantised rows of ``inputs`` (integer ids; an id outside the table gives NaN, as
+    ``nnx.Embed``'s lookup does)."""
+    if not jnp.issubdtype(inputs.dtype, jnp.integer):
+      raise ValueError("Input type must be an integer or unsigned integer.")
+    arrays = self.arrays()
+    v, d = self.num_embeddings, self.features
+    ids = jnp.where(inputs < 0, inputs + v, inputs)
+    valid = (ids >= 0) & (ids < v)
+    flat = jnp.clip(ids, 0, v - 1).reshape(-1)
+    codes = jnp.take(arrays["codes"], flat, axis=1)
+    scales = _row_scales(arrays, flat, self.quantize, d)
+    rows = _dequantize_codes(codes, scales, self.quantize).T.reshape(*inputs.shape, d)
+    rows = jnp.where(valid[..., None], rows, jnp.nan)
+    return rows.astype(self.param_dtype).astype(self._dtype())
+
+  def attend(self, query: jax.Array, out_sharding=None) -> jax.Array:
+    """``query @ E^T`` ``(..., V)``, the quantised product of :class:`QuantLinear`."""
+    query = query.astype(self._dtype())
+    spec = _MatmulSpec(self.quantize, jnp.dtype(query.dtype), False, None)
+    return _quant_matmul(query, self.arrays(), spec)
+
+
+def _row_scales(arrays, rows: jax.Array, mode: str, d: int) -> jax.Array:
+  """The float32 scales ``(d / 64, n)`` of the table rows ``rows`` ``(n,)`` (kernel columns),
+  computed for those rows only."""
+  scales = jnp.take(arrays["scales"], rows, axis=1)
+  if mode == "int8":
+    return _float(scales)
+  # torch order: the absmax of block m of row j is value j * (d / 64) + m (module doc)
+  t = rows[None, :] * (d // BLOCK) + jnp.arange(d // BLOCK)[:, None]
+  dq_scales = _float(arrays["dq_scales"])[t // DQ_BLOCK]
+  return scales.astype(jnp.float32) * dq_scales + _float(arrays["dq_mean"])
+
+
 def is_quantized(module: Any) -> bool:
   return isinstance(module, QuantLinear)
 
@@ -512,6 +616,7 @@ __all__ = [
     "DQ_BLOCK",
     "NF4_CODEBOOK",
     "QUANTIZE_MODES",
+    "QuantEmbed",
     "QuantLinear",
     "QuantizedParam",
     "check_mode",
