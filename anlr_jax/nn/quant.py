@@ -38,7 +38,13 @@ quantisation's second-level scales and mean are small and replicated.
 the jitted matmul, and its backward (``jax.custom_vjp``) keeps only the packed arrays and
 dequantises again, so no dequantised weight is held between the passes. ``layer.kernel`` is a
 view: ``kernel[...]`` is the dequantised weight (in ``param_dtype``), and assigning to it
-quantises the new value (PiSSA's residual).
+quantises the new value (PiSSA's residual). On a CPU, an input of at most :data:`DECODE_ROWS` rows
+(one-token decoding) is multiplied a chunk of output columns at a time
+(:func:`_columnwise_matmul`): no float32 buffer of the whole kernel exists; more rows (prefill,
+training) dequantise the whole kernel once and take one product.
+
+:class:`QuantEmbed` stores an embedding table the same way, as the kernel of its transpose: a
+lookup dequantises only the rows it reads.
 """
 
 from __future__ import annotations
@@ -205,7 +211,7 @@ def quantize_concrete(w, mode: str) -> dict[str, jax.Array]:
         _codes_jit(w[:, j : j + width], s[:, j : j + width], mode) for j in range(0, d_out, width)
     ]
     codes = jnp.concatenate(parts, axis=1)
-  return {"codes": codes, **_scales_jit(s, mode)}
+  return jax.block_until_ready({"codes": codes, **_scales_jit(s, mode)})
 
 
 def nf4_indices(codes: jax.Array) -> jax.Array:
@@ -218,7 +224,9 @@ def float_scales(arrays: dict[str, jax.Array], mode: str) -> jax.Array:
   """The float32 absmax scales ``(d_in / 64, d_out)`` of :func:`quantize_kernel`'s arrays."""
   if mode == "int8":
     return _float(arrays["scales"])
-  return _double_dequantize(arrays["scales"], _float(arrays["dq_scales"]), _float(arrays["dq_mean"]))
+  return _double_dequantize(
+      arrays["scales"], _float(arrays["dq_scales"]), _float(arrays["dq_mean"])
+  )
 
 
 def _dequantize_codes(codes: jax.Array, scales: jax.Array, mode: str) -> jax.Array:
@@ -309,11 +317,12 @@ def _columnwise_matmul(x, arrays, spec: _MatmulSpec) -> jax.Array:
   """``x @ dequantize(W)`` a chunk of output columns at a time (about :data:`CHUNK_BYTES` of
   float32 weights), in a loop: no ``(d_in, d_out)`` float buffer exists.
 
-  For a few rows the product reads each weight once, and the dequantised one-layer buffer of the
-  whole-kernel path costs more than the product: XLA:CPU writes it to freshly mapped memory at
-  every call (a 1536 x 8960 kernel: 55 MB, about 40 ms of page faults on a 2-core VM against 3-8
-  ms for the float32 product), and the output matrix's is 0.9 GB. The chunk's buffer is reused
-  by every iteration. Each output column is the same dot product as on the whole-kernel path.
+  For a few rows the product reads each weight once, and writing the whole dequantised kernel
+  costs more than the product: XLA:CPU allocates that buffer afresh at every call (converting a
+  1536 x 8960 int8 kernel into a new 55 MB float32 array took about 45 ms on a loaded 2-core VM,
+  summing the same conversion without a buffer 6 ms), and the output matrix's is 0.9 GB. The
+  chunk's buffer is reused by every iteration. Each output column is the same dot product as on
+  the whole-kernel path.
   """
   codes = arrays["codes"]
   d_out = codes.shape[1]
