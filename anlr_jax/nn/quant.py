@@ -211,6 +211,9 @@ def quantize_concrete(w, mode: str) -> dict[str, jax.Array]:
         _codes_jit(w[:, j : j + width], s[:, j : j + width], mode) for j in range(0, d_out, width)
     ]
     codes = jnp.concatenate(parts, axis=1)
+  # waiting here releases the float kernel's buffer now: otherwise the runtime held the last
+  # call's input until the next computation ran (0.87 GiB after loading a 1.5B model's output
+  # matrix)
   return jax.block_until_ready({"codes": codes, **_scales_jit(s, mode)})
 
 
