@@ -19,9 +19,12 @@ Parts, each model in its own subprocess (its peak resident set is its own):
               generated position, and how many of the greedy continuations are identical.
     generate  a Qwen2-1.5B-shaped model (the judge's shape: 28 layers, hidden 1536, 12 / 2 heads,
               MLP 8960, vocabulary 151,936, untied output matrix) with random weights, built one
-              tensor at a time with its linear layers stored as nf4 (``--gen_dtypes``: float32 and
-              bfloat16 for the embedding table and norms): the resident set once loaded and its peak
-              over a greedy generation of ``--gen_tokens`` tokens after a 64-token prompt.
+              tensor at a time, per ``--gen_modes`` (none: float32; nf4: its linear layers and
+              embedding table stored as nf4) and ``--gen_dtypes`` (the model's dtype): the
+              resident set once loaded and its peak over a greedy generation of ``--gen_tokens``
+              tokens after a 64-token prompt; then, per ``--gen_batches`` (rows of 64 tokens),
+              a prefill and ``--decode_steps`` one-token steps of the product's own programs
+              (the first, compiling, step left out), their median and the peak meanwhile.
     dryrun    ``anlr train --dry_run`` of Llama-2-7B (``commonsense_llama2_7b``) on one device at
               batch 4 x 1024 with remat ``full``: none against nf4.
 
@@ -182,10 +185,10 @@ def worker_generate(args) -> None:
   import numpy as np
   from flax import nnx
 
-  from anlr_jax.models import generate
+  from anlr_jax.models import generate, generation
   from anlr_jax.models.config import ModelConfig
   from anlr_jax.models.hf_io import check_filled, hf_param_table, set_tensor
-  from anlr_jax.models.llama import LlamaForCausalLM
+  from anlr_jax.models.llama import LlamaForCausalLM, init_cache
 
   dtype = jnp.dtype(args.dtype)
   config = ModelConfig(**QWEN2_1_5B, dtype=dtype, param_dtype=dtype)
@@ -213,17 +216,48 @@ def worker_generate(args) -> None:
   start = time.perf_counter()
   out = generate(model, ids, jnp.ones_like(ids), max_new_tokens=args.gen_tokens)
   jax.block_until_ready(out)
-  common.emit_result(
-      {
-          "mode": args.mode,
-          "dtype": args.dtype,
-          "params": params,
-          "stored_bytes": stored,
-          **loaded,
-          "generate_s": time.perf_counter() - start,
-          "peak_generate_mib": common.status_mib("VmHWM"),
-      }
+  result = {
+      "mode": args.mode,
+      "dtype": args.dtype,
+      "params": params,
+      "stored_bytes": stored,
+      **loaded,
+      "generate_s": time.perf_counter() - start,
+      "peak_generate_mib": common.status_mib("VmHWM"),
+      "decode": {},
+  }
+  graphdef, state = nnx.split(model)
+  sampling = generation.SamplingParams(
+      temperature=jnp.float32(1.0),
+      top_k=jnp.int32(0),
+      top_p=jnp.float32(1.0),
+      eos_token_id=jnp.int32(-1),
+      pad_token_id=jnp.int32(0),
   )
+  key = jax.random.key(0)
+  for batch in args.gen_batches:  # the product's own prefill and one-token programs, timed
+    common.reset_peak_rss()
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, 151936, (batch, 64)), jnp.int32)
+    cache = init_cache(config, batch, 64 + args.decode_steps + 2)
+    state_ = generation._prefill(
+        graphdef, state, ids, jnp.ones_like(ids), cache, key, sampling, greedy=True
+    )
+    token, cache, done, position = state_
+    steps = []
+    for step in range(args.decode_steps + 1):  # the first compiles
+      t = time.perf_counter()
+      token, cache, done, position = generation._decode_step(
+          graphdef, state, token, cache, done, position, key, jnp.int32(step + 1), sampling,
+          greedy=True,
+      )  # fmt: skip
+      jax.block_until_ready(token)
+      steps.append(time.perf_counter() - t)
+    result["decode"][str(batch)] = {
+        "steps_s": steps[1:],
+        "median_s": float(np.median(steps[1:])),
+        "peak_mib": common.status_mib("VmHWM"),
+    }
+  common.emit_result(result)
 
 
 def dryrun_part() -> dict:
@@ -307,13 +341,18 @@ def main(argv=None) -> int:
   ap.add_argument("--prompts", type=int, default=32)
   ap.add_argument("--new_tokens", type=int, default=16)
   ap.add_argument("--gen_tokens", type=int, default=8)
-  ap.add_argument("--gen_dtypes", default="float32,bfloat16")
+  ap.add_argument("--gen_dtypes", default="float32")
+  ap.add_argument("--gen_modes", default="none,nf4")
+  ap.add_argument("--gen_batches", default="1,8")
+  ap.add_argument("--decode_steps", type=int, default=5)
   ap.add_argument("--worker", choices=("train", "agree", "generate"))
   ap.add_argument("--mode", default="nf4")
   ap.add_argument("--dtype", default="float32")
   ap.add_argument("--out", help="write the figures as JSON here")
   args = ap.parse_args(argv)
   args.modes = args.modes.split(",")
+  if args.worker == "generate":
+    args.gen_batches = [int(b) for b in args.gen_batches.split(",")]
   if args.worker:
     {"train": worker_train, "agree": worker_agree, "generate": worker_generate}[args.worker](args)
     return 0
@@ -336,19 +375,36 @@ def main(argv=None) -> int:
           flush=True,
       )
   if "generate" in parts:
-    for dtype in args.gen_dtypes.split(","):
-      argv = [sys.executable, __file__, "--worker", "generate", "--mode", "nf4", "--dtype", dtype]
-      argv += ["--gen_tokens", str(args.gen_tokens)]
-      r = results[f"generate_{dtype}"] = common.run_worker(argv, env=env)
-      print(
-          f"Qwen2-1.5B shape ({r['params'] / 1e9:.2f} B params), nf4 linear layers, {dtype}"
-          f" embeddings: stored {r['stored_bytes'] / 2**30:.2f} GiB; resident loaded"
-          f" {_gib(r['rss_loaded_mib'])} (peak while loading {_gib(r['peak_load_mib'])}), peak"
-          f" generating {_gib(r['peak_generate_mib'])} ({args.gen_tokens} tokens in"
-          f" {r['generate_s']:.1f} s, compile included); float32 weights would be"
-          f" {r['params'] * 4 / 2**30:.2f} GiB",
-          flush=True,
-      )
+    gens = {}
+    for mode in args.gen_modes.split(","):
+      for dtype in args.gen_dtypes.split(","):
+        argv = [sys.executable, __file__, "--worker", "generate", "--mode", mode, "--dtype", dtype]
+        argv += ["--gen_tokens", str(args.gen_tokens), "--gen_batches", args.gen_batches]
+        argv += ["--decode_steps", str(args.decode_steps)]
+        r = gens[(mode, dtype)] = results[f"generate_{mode}_{dtype}"] = common.run_worker(
+            argv, env=env
+        )
+        what = "nf4 linear layers and table" if mode == "nf4" else f"{mode} base"
+        print(
+            f"Qwen2-1.5B shape ({r['params'] / 1e9:.2f} B params), {what}, {dtype}:"
+            f" stored {r['stored_bytes'] / 2**30:.2f} GiB; resident loaded"
+            f" {_gib(r['rss_loaded_mib'])} (peak while loading {_gib(r['peak_load_mib'])}), peak"
+            f" generating {_gib(r['peak_generate_mib'])} ({args.gen_tokens} tokens in"
+            f" {r['generate_s']:.1f} s, compile included); float32 weights would be"
+            f" {r['params'] * 4 / 2**30:.2f} GiB",
+            flush=True,
+        )
+        for batch, d in r["decode"].items():
+          ratio = ""
+          base = gens.get(("none", dtype))
+          if mode != "none" and base and batch in base["decode"]:
+            ratio = f", {d['median_s'] / base['decode'][batch]['median_s']:.2f}x none"
+          print(
+              f"  one-token decode step, batch {batch}: median {d['median_s']:.3f} s over"
+              f" {len(d['steps_s'])} steps{ratio}; peak while prefilling and decoding"
+              f" {_gib(d['peak_mib'])}",
+              flush=True,
+          )
   if "dryrun" in parts:
     results["dryrun"] = dry = dryrun_part()
     for mode, r in dry.items():

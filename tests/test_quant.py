@@ -186,3 +186,76 @@ def test_a_forward_holds_one_layers_dequantised_weights_at_a_time():
 
   layer_weights = (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 1024) * 4
   assert temp_bytes(4) - temp_bytes(1) < layer_weights / 2
+
+
+def _decode_layer(mode, d_out=1000):
+  """A layer whose float32 kernel (128 x ``d_out``) is over two of the decode product's chunks
+  (``CHUNK_BYTES`` set to 64 KiB by the tests that use it)."""
+  linear = nnx.Linear(128, d_out, rngs=nnx.Rngs(0))
+  linear.bias[...] = jnp.linspace(-1, 1, d_out)
+  return QuantLinear(linear, mode)
+
+
+@pytest.mark.parametrize("mode", ["nf4", "int8"])
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("d_out", [1000, 1024])  # a shorter last chunk; chunks that divide d_out
+def test_decode_product_equals_the_dequantised_product(monkeypatch, mode, rows, d_out):
+  monkeypatch.setattr(quant, "CHUNK_BYTES", 64 * 2**10)
+  layer = _decode_layer(mode, d_out)
+  x = jax.random.normal(jax.random.key(0), (rows, 128))
+  assert quant._columnwise(x, layer.codes[...], mode)
+  expected = x @ dequantize_kernel(layer.arrays(), mode) + layer.bias[...]
+  np.testing.assert_allclose(jax.jit(layer)(x), expected, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(layer(x[None]), expected[None], rtol=1e-6, atol=1e-6)  # (1, M, d)
+
+
+@pytest.mark.parametrize("mode", ["nf4", "int8"])
+def test_a_decode_step_holds_no_whole_float_kernel(monkeypatch, mode):
+  """One to a few rows: the product dequantises a chunk of columns at a time, so the compiled
+  program has no float32 buffer of the whole kernel; many rows (prefill, training) take the
+  whole-kernel product, which has one."""
+  monkeypatch.setattr(quant, "CHUNK_BYTES", 64 * 2**10)
+  layer = _decode_layer(mode)
+  graphdef, state = nnx.split(layer)
+  forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+  text = lambda rows: forward.lower(state, jnp.ones((rows, 128))).compile().as_text()  # noqa: E731
+  assert "f32[128,1000]" not in text(1) and "f32[128,1000]" not in text(8)
+  assert "f32[128,1000]" in text(64)
+
+
+@pytest.mark.parametrize("mode", ["nf4", "int8"])
+def test_quantising_in_column_chunks_gives_the_same_arrays(monkeypatch, mode):
+  w = jax.random.normal(jax.random.key(4), (128, 300)) * 0.02
+  monkeypatch.setattr(quant, "QUANTIZE_CHUNK_BYTES", 128 * 4 * 64)  # 64 columns a chunk
+  chunked, whole = quant.quantize_concrete(w, mode), quantize_kernel(w, mode)
+  assert chunked.keys() == whole.keys()
+  for name in whole:
+    np.testing.assert_array_equal(chunked[name], whole[name], err_msg=name)
+
+
+@pytest.mark.parametrize("mode", ["nf4", "int8"])
+def test_a_quantised_table_looks_up_and_attends_like_its_dequantised_table(mode):
+  embed = nnx.Embed(300, 128, rngs=nnx.Rngs(0))
+  table = quant.QuantEmbed(embed, mode)
+  plain = np.asarray(table.embedding[...])
+  assert plain.shape == (300, 128) and table.codes[...].shape[1] == 300
+  np.testing.assert_array_equal(
+      plain, np.asarray(dequantize_kernel(quantize_kernel(embed.embedding[...].T, mode), mode).T)
+  )
+  ids = jnp.array([[0, 299, 17], [5, -1, 300]])
+  rows = np.asarray(jax.jit(table)(ids))
+  np.testing.assert_allclose(rows[0], plain[[0, 299, 17]], rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(rows[1, :2], plain[[5, 299]], rtol=1e-6, atol=1e-7)
+  assert np.isnan(rows[1, 2]).all()  # outside the table, as nnx.Embed's lookup
+  query = jax.random.normal(jax.random.key(0), (3, 128))
+  np.testing.assert_allclose(table.attend(query), query @ plain.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_lookup_dequantises_only_the_rows_it_reads():
+  table = quant.QuantEmbed(nnx.Embed(4096, 128, rngs=nnx.Rngs(0)), "nf4")
+  graphdef, state = nnx.split(table)
+  lookup = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids))
+  text = lookup.lower(state, jnp.ones((2, 8), jnp.int32)).compile().as_text()
+  assert "f32[4096,128]" not in text and "f32[128,4096]" not in text
+  with pytest.raises(ValueError, match=r"embedding table has width 100, not a multiple"):
+    quant.QuantEmbed(nnx.Embed(10, 100, rngs=nnx.Rngs(0)), "nf4")

@@ -21,7 +21,7 @@ from anlr_jax.models.hf_io import (
 from anlr_jax.models.llama import LlamaForCausalLM
 from anlr_jax.nn import inject_lora, iter_lora_layers
 from anlr_jax.models.quantize import quantize_model
-from anlr_jax.nn.quant import QuantLinear, quantize_kernel
+from anlr_jax.nn.quant import QuantEmbed, QuantLinear, quantize_kernel
 from anlr_jax.optim import anlr
 
 TARGETS = ("q_proj", "v_proj", "up_proj", "down_proj")
@@ -65,7 +65,7 @@ def test_logits_equal_the_dequantised_model(mode, kind):
   quantised, plain = quantised_and_dequantised(mode, kind)
   linears = [m for _, m in nnx.iter_modules(quantised) if isinstance(m, nnx.Linear)]
   assert linears and all(isinstance(m, QuantLinear) for m in linears)  # lm_head too
-  assert isinstance(quantised.model.embed_tokens, nnx.Embed)  # the table is not quantised
+  assert isinstance(quantised.model.embed_tokens, QuantEmbed)  # the table too
   ids, mask = batch()
   forward = nnx.jit(lambda m, ids, mask: m(ids, attention_mask=mask))
   assert relative_error(forward(quantised, ids, mask), forward(plain, ids, mask)) <= 1e-6

@@ -52,7 +52,7 @@ from anlr_jax.models.gguf import read_gguf
 from anlr_jax.models.hf_files import is_gguf
 from anlr_jax.models.llava import LlavaForConditionalGeneration
 from anlr_jax.models.llava_config import LlavaConfig, is_llava_config
-from anlr_jax.nn.quant import QuantizedParam, is_quantized
+from anlr_jax.nn.quant import QuantEmbed, QuantizedParam, is_quantized
 from anlr_jax.train.mesh import MESH_AXES, matching_shardings, state_shardings
 
 PRESETS = (*(name for name in MODEL_PRESETS if name != "tiny"), "llava1_5_7b")
@@ -143,9 +143,10 @@ def _base_params(model: nnx.Module, frozen_tree) -> int:
   """The base's weights, a quantised layer's counted as ``d_in * d_out`` (not its packed bytes)."""
   count = sum(math.prod(x.shape) for x in jax.tree.leaves(frozen_tree))
   for _, layer in nnx.iter_modules(model):
-    if is_quantized(layer):
+    if is_quantized(layer) or isinstance(layer, QuantEmbed):
       packed = jax.tree.leaves(nnx.state(layer, QuantizedParam))
-      count += layer.in_features * layer.out_features - sum(math.prod(x.shape) for x in packed)
+      weights = math.prod(layer.kernel.shape if is_quantized(layer) else layer.embedding.shape)
+      count += weights - sum(math.prod(x.shape) for x in packed)
   return int(count)
 
 
@@ -209,7 +210,11 @@ def describe(result: dict[str, Any], config: RunConfig) -> str:
   mesh = " x ".join(f"{a} {n}" for a, n in result["mesh"].items())
   mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
   gib = lambda n: f"{n / GIB:,.2f} GiB"  # noqa: E731
-  quantized = "" if config.model.quantize == "none" else f", linear layers {config.model.quantize}"
+  quantized = (
+      ""
+      if config.model.quantize == "none"
+      else f", linear layers and embedding table {config.model.quantize}"
+  )
   return "\n".join(
       [
           f"dry run: {result['model']} ({result['base_params'] / 1e9:.2f} B base params),"

@@ -53,7 +53,7 @@ from anlr_jax.models.hf_files import (
     write_safetensors_shards,
 )
 from anlr_jax.models.llama import LlamaForCausalLM
-from anlr_jax.nn.quant import QuantLinear, check_mode
+from anlr_jax.nn.quant import QuantEmbed, QuantLinear, check_mode
 
 # Buffers some older checkpoints store next to the weights; they are recomputed, never loaded.
 IGNORED_KEY = re.compile(r".*rotary_emb\.inv_freq$")
@@ -192,7 +192,8 @@ def set_tensor(
 ) -> None:
   """Writes one torch-layout checkpoint tensor into the (abstract) model, placed and cast; with
   ``quantize`` (int8, nf4) a linear layer's weight is quantised from its float32 values and the
-  layer becomes a :class:`~anlr_jax.nn.quant.QuantLinear`."""
+  layer becomes a :class:`~anlr_jax.nn.quant.QuantLinear`, the embedding table a
+  :class:`~anlr_jax.nn.quant.QuantEmbed`."""
   if entry.transpose:
     array = array.T
   module = tensor_submodule(model, entry.module_path)
@@ -202,6 +203,10 @@ def set_tensor(
     name = ".".join(map(str, entry.module_path))
     layer = QuantLinear(module, quantize, value, name=name)
     setattr(tensor_submodule(model, entry.module_path[:-1]), entry.module_path[-1], layer)
+    return
+  if quantize != "none" and entry.attr == "embedding":
+    table = QuantEmbed(module, quantize, jnp.asarray(array).astype(jnp.float32))
+    setattr(tensor_submodule(model, entry.module_path[:-1]), entry.module_path[-1], table)
     return
   variable = getattr(module, entry.attr)
   value = jnp.asarray(array).astype(dtype)

@@ -38,7 +38,13 @@ quantisation's second-level scales and mean are small and replicated.
 the jitted matmul, and its backward (``jax.custom_vjp``) keeps only the packed arrays and
 dequantises again, so no dequantised weight is held between the passes. ``layer.kernel`` is a
 view: ``kernel[...]`` is the dequantised weight (in ``param_dtype``), and assigning to it
-quantises the new value (PiSSA's residual).
+quantises the new value (PiSSA's residual). On a CPU, an input of at most :data:`DECODE_ROWS` rows
+(one-token decoding) is multiplied a chunk of output columns at a time
+(:func:`_columnwise_matmul`): no float32 buffer of the whole kernel exists; more rows (prefill,
+training) dequantise the whole kernel once and take one product.
+
+:class:`QuantEmbed` stores an embedding table the same way, as the kernel of its transpose: a
+lookup dequantises only the rows it reads.
 """
 
 from __future__ import annotations
@@ -149,32 +155,66 @@ def _double_dequantize(codes: jax.Array, scale: jax.Array, mean: jax.Array) -> j
   return _from_torch_order(values, codes.shape)
 
 
+def _codes(w: jax.Array, s: jax.Array, mode: str) -> jax.Array:
+  """The codes of kernel columns ``w`` ``(d_in, n)`` with their absmax ``s`` ``(d_in / 64, n)``."""
+  d_in, d_out = w.shape
+  blocks = w.astype(jnp.float32).reshape(d_in // BLOCK, BLOCK, d_out)
+  if mode == "int8":
+    a = s * _INV_127
+    codes = jnp.where(a[:, None] > 0, jnp.round(blocks / jnp.where(a > 0, a, 1)[:, None]), 0)
+    return jnp.clip(codes, -127, 127).astype(jnp.int8).reshape(d_in, d_out)
+  normed = (blocks / jnp.where(s > 0, s, 1)[:, None]).reshape(d_in, d_out)
+  idx = jnp.searchsorted(jnp.asarray(_NF4_MIDPOINTS), normed, side="left").astype(jnp.uint8)
+  pairs = idx.reshape(d_in // 2, 2, d_out)
+  return (pairs[:, 0] << 4) | pairs[:, 1]
+
+
+def _scales(s: jax.Array, mode: str) -> dict[str, jax.Array]:
+  if mode == "int8":
+    return {"scales": _bits(s * _INV_127)}
+  s_codes, dq_scales, dq_mean = _double_quantize(s)
+  return {"scales": s_codes, "dq_scales": _bits(dq_scales), "dq_mean": _bits(dq_mean)}
+
+
 def quantize_kernel(w: jax.Array, mode: str) -> dict[str, jax.Array]:
   """The stored arrays of kernel ``w`` ``(d_in, d_out)`` (module doc): ``codes``, ``scales`` and,
   for nf4, ``dq_scales`` and ``dq_mean`` (float32 values as uint32 bits)."""
-  w = jnp.asarray(w).astype(jnp.float32)
-  d_in, d_out = w.shape
-  s = block_absmax(w)
-  safe = jnp.where(s > 0, s, 1)
-  if mode == "int8":
-    a = s * _INV_127
-    blocks = w.reshape(d_in // BLOCK, BLOCK, d_out)
-    codes = jnp.where(a[:, None] > 0, jnp.round(blocks / jnp.where(a > 0, a, 1)[:, None]), 0)
-    codes = jnp.clip(codes, -127, 127).astype(jnp.int8).reshape(d_in, d_out)
-    return {"codes": codes, "scales": _bits(a)}
-  if mode != "nf4":
+  if mode not in ("int8", "nf4"):
     raise ValueError(f"quantize_kernel: mode {mode!r} is not one of int8, nf4")
-  normed = (w.reshape(d_in // BLOCK, BLOCK, d_out) / safe[:, None]).reshape(d_in, d_out)
-  idx = jnp.searchsorted(jnp.asarray(_NF4_MIDPOINTS), normed, side="left").astype(jnp.uint8)
-  pairs = idx.reshape(d_in // 2, 2, d_out)
-  codes = (pairs[:, 0] << 4) | pairs[:, 1]
-  s_codes, dq_scales, dq_mean = _double_quantize(s)
-  return {
-      "codes": codes,
-      "scales": s_codes,
-      "dq_scales": _bits(dq_scales),
-      "dq_mean": _bits(dq_mean),
-  }
+  s = block_absmax(w)
+  return {"codes": _codes(jnp.asarray(w), s, mode), **_scales(s, mode)}
+
+
+QUANTIZE_CHUNK_BYTES = 64 * 2**20
+"""Float32 bytes of kernel columns :func:`quantize_concrete` quantises per compiled call."""
+
+_absmax_jit = jax.jit(block_absmax)
+_codes_jit = jax.jit(_codes, static_argnums=2)
+_scales_jit = jax.jit(_scales, static_argnums=1)
+
+
+def quantize_concrete(w, mode: str) -> dict[str, jax.Array]:
+  """:func:`quantize_kernel` of a concrete kernel, its codes computed for column chunks of
+  about :data:`QUANTIZE_CHUNK_BYTES` at a time: the same arrays, while the temporaries of the
+  quantisation (several times the float32 kernel: 7.4 GiB for a 151,936 x 1536 output matrix
+  in one call) stay those of a chunk."""
+  if mode not in ("int8", "nf4"):
+    raise ValueError(f"quantize_kernel: mode {mode!r} is not one of int8, nf4")
+  w = jnp.asarray(w)
+  d_in, d_out = w.shape
+  s = _absmax_jit(w)
+  width = max(1, QUANTIZE_CHUNK_BYTES // (4 * d_in))
+  if width >= d_out:
+    codes = _codes_jit(w, s, mode)
+  else:
+    parts = [
+        _codes_jit(w[:, j : j + width], s[:, j : j + width], mode) for j in range(0, d_out, width)
+    ]
+    codes = jnp.concatenate(parts, axis=1)
+  # waiting here releases the float kernel's buffer now: otherwise the runtime held the last
+  # call's input until the next computation ran (0.87 GiB after loading a 1.5B model's output
+  # matrix)
+  return jax.block_until_ready({"codes": codes, **_scales_jit(s, mode)})
 
 
 def nf4_indices(codes: jax.Array) -> jax.Array:
@@ -183,18 +223,31 @@ def nf4_indices(codes: jax.Array) -> jax.Array:
   return pairs.reshape(codes.shape[0] * 2, codes.shape[1])
 
 
-def dequantize_kernel(arrays: dict[str, jax.Array], mode: str) -> jax.Array:
-  """The float32 kernel ``(d_in, d_out)`` of :func:`quantize_kernel`'s arrays."""
+def float_scales(arrays: dict[str, jax.Array], mode: str) -> jax.Array:
+  """The float32 absmax scales ``(d_in / 64, d_out)`` of :func:`quantize_kernel`'s arrays."""
   if mode == "int8":
-    codes = arrays["codes"]
+    return _float(arrays["scales"])
+  return _double_dequantize(
+      arrays["scales"], _float(arrays["dq_scales"]), _float(arrays["dq_mean"])
+  )
+
+
+def _dequantize_codes(codes: jax.Array, scales: jax.Array, mode: str) -> jax.Array:
+  """The float32 weights of codes (``(d_in / 2, n)`` bytes or ``(d_in, n)`` int8) and their
+  float scales ``(d_in / 64, n)``."""
+  if mode == "int8":
     d_in, d_out = codes.shape
     blocks = codes.astype(jnp.float32).reshape(d_in // BLOCK, BLOCK, d_out)
-    return (blocks * _float(arrays["scales"])[:, None]).reshape(d_in, d_out)
-  idx = nf4_indices(arrays["codes"])
+    return (blocks * scales[:, None]).reshape(d_in, d_out)
+  idx = nf4_indices(codes)
   d_in, d_out = idx.shape
   values = jnp.asarray(NF4_CODEBOOK)[idx.astype(jnp.int32)]
-  s = _double_dequantize(arrays["scales"], _float(arrays["dq_scales"]), _float(arrays["dq_mean"]))
-  return (values.reshape(d_in // BLOCK, BLOCK, d_out) * s[:, None]).reshape(d_in, d_out)
+  return (values.reshape(d_in // BLOCK, BLOCK, d_out) * scales[:, None]).reshape(d_in, d_out)
+
+
+def dequantize_kernel(arrays: dict[str, jax.Array], mode: str) -> jax.Array:
+  """The float32 kernel ``(d_in, d_out)`` of :func:`quantize_kernel`'s arrays."""
+  return _dequantize_codes(arrays["codes"], float_scales(arrays, mode), mode)
 
 
 # ------------------------------------------------------------------------- the jitted matmul
@@ -216,6 +269,12 @@ def _dot(x, w, spec: _MatmulSpec, w_axis: int):
   return jax.lax.dot_general(x, w.astype(spec.dtype), dims, precision=spec.precision)
 
 
+def _tie(x) -> jax.Array:
+  """A float32 zero computed from ``x`` (``0 * x[0]``): added to the scales, it makes the
+  dequantisation depend on the layer's input (:func:`_dequantize_after`)."""
+  return 0 * jax.lax.stop_gradient(x).reshape(-1)[0].astype(jnp.float32)
+
+
 def _dequantize_after(arrays, x, mode: str) -> jax.Array:
   """The dequantised kernel, computed only once ``x`` exists.
 
@@ -224,7 +283,7 @@ def _dequantize_after(arrays, x, mode: str) -> jax.Array:
   4-layer forward). The scales pass through ``s + 0 * x[0]`` first: the same values (a
   non-finite ``x``, whose output is not finite either, gives others), computed after ``x``.
   """
-  zero = 0 * jax.lax.stop_gradient(x).reshape(-1)[0].astype(jnp.float32)
+  zero = _tie(x)
   tied = dict(arrays)
   tied["scales"] = _bits(_float(arrays["scales"]) + zero) if mode == "int8" else arrays["scales"]
   if mode == "nf4":
@@ -232,8 +291,69 @@ def _dequantize_after(arrays, x, mode: str) -> jax.Array:
   return dequantize_kernel(tied, mode)
 
 
+DECODE_ROWS = 16
+"""Inputs of at most this many rows (one-token decoding) take :func:`_columnwise_matmul`."""
+
+CHUNK_BYTES = 8 * 2**20
+"""Bytes of the float32 weights :func:`_columnwise_matmul` dequantises at a time."""
+
+
+def _chunk_width(d_in: int, d_out: int) -> int:
+  """Columns per chunk: at most :data:`CHUNK_BYTES` of float32 weights, a divisor of ``d_out``
+  when one of at least half that width exists (no shorter last chunk)."""
+  most = max(1, min(d_out, CHUNK_BYTES // (4 * d_in)))
+  divisor = next(w for w in range(most, 0, -1) if d_out % w == 0)
+  return divisor if 2 * divisor >= most else most
+
+
+def _columnwise(x, codes, mode: str) -> bool:
+  """Whether the forward takes :func:`_columnwise_matmul` (decided at trace time): on a CPU, at
+  most :data:`DECODE_ROWS` rows and a float32 kernel over two chunks (smaller ones gained nothing
+  measurable from the loop)."""
+  d_in = codes.shape[0] * (2 if mode == "nf4" else 1)
+  rows = int(np.prod(x.shape[:-1]))
+  small = rows <= DECODE_ROWS and 4 * d_in * codes.shape[1] > 2 * CHUNK_BYTES
+  return small and jax.default_backend() == "cpu"
+
+
+def _columnwise_matmul(x, arrays, spec: _MatmulSpec) -> jax.Array:
+  """``x @ dequantize(W)`` a chunk of output columns at a time (about :data:`CHUNK_BYTES` of
+  float32 weights), in a loop: no ``(d_in, d_out)`` float buffer exists.
+
+  For a few rows the product reads each weight once, and writing the whole dequantised kernel
+  costs more than the product: XLA:CPU allocates that buffer afresh at every call (converting a
+  1536 x 8960 int8 kernel into a new 55 MB float32 array took about 45 ms on a loaded 2-core VM,
+  summing the same conversion without a buffer 6 ms), and the output matrix's is 0.9 GB. The
+  chunk's buffer is reused by every iteration. Each output column is the same dot product as on
+  the whole-kernel path.
+  """
+  codes = arrays["codes"]
+  d_out = codes.shape[1]
+  d_in = codes.shape[0] * (2 if spec.mode == "nf4" else 1)
+  scales = float_scales(arrays, spec.mode) + _tie(x)
+  width = _chunk_width(d_in, d_out)
+  full = d_out // width
+
+  def product(start, size):
+    cols = lambda a: jax.lax.dynamic_slice_in_dim(a, start, size, axis=1)  # noqa: E731
+    return _dot(x, _dequantize_codes(cols(codes), cols(scales), spec.mode), spec, 0)
+
+  out_dtype = x.dtype if spec.lowp else jnp.result_type(x.dtype, spec.dtype)
+  y = jnp.zeros((*x.shape[:-1], d_out), out_dtype)
+  body = lambda i, y: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+      y, product(i * width, width).astype(out_dtype), i * width, axis=y.ndim - 1
+  )
+  y = jax.lax.fori_loop(0, full, body, y)
+  if full * width < d_out:
+    tail = product(full * width, d_out - full * width).astype(out_dtype)
+    y = jax.lax.dynamic_update_slice_in_dim(y, tail, full * width, axis=y.ndim - 1)
+  return y
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _quant_matmul(x, arrays, spec):
+  if _columnwise(x, arrays["codes"], spec.mode):
+    return _columnwise_matmul(x, arrays, spec)
   return _dot(x, _dequantize_after(arrays, x, spec.mode), spec, 0)
 
 
@@ -293,9 +413,6 @@ def _place(value: jax.Array, like: jax.Array | None, spec_axes: bool) -> jax.Arr
     if mesh is None or getattr(mesh, "empty", False):
       return value
   return jax.device_put(value, jax.sharding.NamedSharding(mesh, spec))
-
-
-_quantize_jit = jax.jit(quantize_kernel, static_argnums=1)
 
 
 class QuantLinear(nnx.Linear):
@@ -368,7 +485,7 @@ class QuantLinear(nnx.Linear):
       )
     like = like if like is not None else getattr(self, "codes", None)
     like = like.get_value() if isinstance(like, nnx.Variable) else like
-    fn = quantize_kernel if isinstance(value, jax.core.Tracer) else _quantize_jit
+    fn = quantize_kernel if isinstance(value, jax.core.Tracer) else quantize_concrete
     arrays = fn(jnp.asarray(value), self.quantize)
     for name, array in arrays.items():
       sharded = name in ("codes", "scales")
@@ -396,6 +513,110 @@ class QuantLinear(nnx.Linear):
     return y
 
 
+class _TableView(_KernelView):
+  """``QuantEmbed.embedding``: reads dequantise the table ``(V, d)``, writes quantise."""
+
+  shape = property(lambda self: (self._layer.num_embeddings, self._layer.features))
+  size = property(lambda self: self._layer.num_embeddings * self._layer.features)
+
+  def __getitem__(self, index):
+    table = dequantize_kernel(self._layer.arrays(), self._layer.quantize).T
+    return table.astype(self.dtype)[index]
+
+  def __setitem__(self, index, value):
+    full = value if index is Ellipsis else self[...].at[index].set(value)
+    self._layer.set_table(full)
+
+
+class QuantEmbed(nnx.Embed):
+  """A frozen ``nnx.Embed`` whose table ``E`` ``(V, d)`` is stored quantised.
+
+  The stored arrays are those of the kernel ``E^T`` ``(d, V)`` (module doc): blocks of 64
+  consecutive features of one token. A lookup dequantises only the rows it reads; ``attend``
+  (a tied output matrix) is ``QuantLinear``'s product with the kernel ``E^T``. The arrays are not
+  sharded (a mesh replicates them). ``embedding[...]`` is the dequantised table.
+  """
+
+  def __init__(self, embed: nnx.Embed, mode: str, table: jax.Array | None = None):
+    """``embed`` quantised (``table``: the ``(V, d)`` values to quantise instead of ``embed``'s
+    own, e.g. when those are abstract).
+
+    Raises:
+      ValueError: an unknown mode or a feature width that is not a multiple of 64.
+    """
+    check_mode(mode)
+    if mode == "none":
+      raise ValueError("QuantEmbed: mode 'none' keeps the nnx.Embed")
+    if embed.features % BLOCK:
+      raise ValueError(
+          f"model.quantize={mode}: the embedding table has width {embed.features}, not a"
+          f" multiple of the block size {BLOCK}"
+      )
+    self.num_embeddings, self.features = embed.num_embeddings, embed.features
+    self.dtype, self.param_dtype = embed.dtype, embed.param_dtype
+    self.promote_dtype = embed.promote_dtype
+    self.quantize = mode
+    self.set_table(embed.embedding.get_value() if table is None else table)
+
+  @property
+  def embedding(self) -> _TableView:
+    return _TableView(self)
+
+  arrays = QuantLinear.arrays
+
+  def set_table(self, value: jax.Array) -> None:
+    """Quantise ``value`` ``(V, d)`` into the layer's arrays."""
+    if tuple(value.shape) != (self.num_embeddings, self.features):
+      raise ValueError(
+          f"QuantEmbed: table shape {value.shape} != {(self.num_embeddings, self.features)}"
+      )
+    value = jnp.asarray(value)
+    concrete = not isinstance(value, jax.core.Tracer)
+    arrays = (quantize_concrete if concrete else quantize_kernel)(value.T, self.quantize)
+    for name, array in arrays.items():
+      if isinstance(getattr(self, name, None), QuantizedParam):
+        getattr(self, name).set_value(array)
+      else:
+        setattr(self, name, QuantizedParam(array))
+
+  def _dtype(self) -> Any:
+    return self.dtype if self.dtype is not None else self.param_dtype
+
+  def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+    """The dequantised rows of ``inputs`` (integer ids; an id outside the table gives NaN, as
+    ``nnx.Embed``'s lookup does)."""
+    if not jnp.issubdtype(inputs.dtype, jnp.integer):
+      raise ValueError("Input type must be an integer or unsigned integer.")
+    arrays = self.arrays()
+    v, d = self.num_embeddings, self.features
+    ids = jnp.where(inputs < 0, inputs + v, inputs)
+    valid = (ids >= 0) & (ids < v)
+    flat = jnp.clip(ids, 0, v - 1).reshape(-1)
+    codes = jnp.take(arrays["codes"], flat, axis=1)
+    scales = _row_scales(arrays, flat, self.quantize, d)
+    rows = _dequantize_codes(codes, scales, self.quantize).T.reshape(*inputs.shape, d)
+    rows = jnp.where(valid[..., None], rows, jnp.nan)
+    return rows.astype(self.param_dtype).astype(self._dtype())
+
+  def attend(self, query: jax.Array, out_sharding=None) -> jax.Array:
+    """``query @ E^T`` ``(..., V)``, the quantised product of :class:`QuantLinear`."""
+    query = query.astype(self._dtype())
+    spec = _MatmulSpec(self.quantize, jnp.dtype(query.dtype), False, None)
+    return _quant_matmul(query, self.arrays(), spec)
+
+
+def _row_scales(arrays, rows: jax.Array, mode: str, d: int) -> jax.Array:
+  """The float32 scales ``(d / 64, n)`` of the table rows ``rows`` ``(n,)`` (kernel columns),
+  computed for those rows only."""
+  scales = jnp.take(arrays["scales"], rows, axis=1)
+  if mode == "int8":
+    return _float(scales)
+  # torch order: the absmax of block m of row j is value j * (d / 64) + m (module doc)
+  t = rows[None, :] * (d // BLOCK) + jnp.arange(d // BLOCK)[:, None]
+  dq_scales = _float(arrays["dq_scales"])[t // DQ_BLOCK]
+  return scales.astype(jnp.float32) * dq_scales + _float(arrays["dq_mean"])
+
+
 def is_quantized(module: Any) -> bool:
   return isinstance(module, QuantLinear)
 
@@ -407,11 +628,14 @@ __all__ = [
     "DQ_BLOCK",
     "NF4_CODEBOOK",
     "QUANTIZE_MODES",
+    "QuantEmbed",
     "QuantLinear",
     "QuantizedParam",
     "check_mode",
     "dequantize_kernel",
+    "float_scales",
     "is_quantized",
     "nf4_indices",
+    "quantize_concrete",
     "quantize_kernel",
 ]
