@@ -48,6 +48,7 @@ def _broken_deps(root) -> str:
   return str(root)
 
 
+@pytest.mark.slow  # three worker processes, each importing torch (one transformers and peft too)
 def test_float32_base_trains_and_missing_packages_are_reported(tiny_model, tmp_path, capsys):
   out = tmp_path / "result.json"
   result = qlora_torch.main(
