@@ -65,13 +65,14 @@ QWEN2_1_5B = dict(
 )
 
 
-def _load_smollm2(mode: str):
+def _load_smollm2(mode: str, path: str = MODEL):
+  """SmolLM2-135M-Instruct (or the model at ``path``) in float32, its base as ``mode`` says."""
   import jax.numpy as jnp
 
   from anlr_jax.app.paths import resolve_path
   from anlr_jax.models import load_hf_model
 
-  return load_hf_model(resolve_path(MODEL), dtype=jnp.float32, quantize=mode)[0]
+  return load_hf_model(resolve_path(path), dtype=jnp.float32, quantize=mode)[0]
 
 
 def _linear_bytes(frozen) -> int:
@@ -147,7 +148,7 @@ def worker_agree(args) -> None:
   from anlr_jax.data.mtbench import load_questions
   from anlr_jax.models import generate, load_tokenizer
 
-  tokenizer = load_tokenizer(resolve_path(MODEL))
+  tokenizer = load_tokenizer(resolve_path(args.agree_model))
   questions = load_questions(per_category=max(1, args.prompts // 8))[: args.prompts]
   texts = [chat_prompt(tokenizer, q.turns[0]) for q in questions]
   rows = [tokenizer(t, add_special_tokens=False).input_ids[-64:] for t in texts]
@@ -156,7 +157,7 @@ def worker_agree(args) -> None:
   mask = np.zeros_like(ids)
   for i, row in enumerate(rows):
     ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
-  reference = _load_smollm2("none")
+  reference = _load_smollm2("none", args.agree_model)
   out = np.asarray(generate(reference, ids, mask, max_new_tokens=args.new_tokens))
   full = np.concatenate([ids, out], axis=1)
   full_mask = np.concatenate([mask, np.ones_like(out)], axis=1)
@@ -165,8 +166,8 @@ def worker_agree(args) -> None:
   )
   del reference
   result = {}
-  for mode in ("nf4", "int8"):
-    model = _load_smollm2(mode)
+  for mode in [m for m in args.modes if m != "none"]:
+    model = _load_smollm2(mode, args.agree_model)
     top = np.asarray(model(jnp.asarray(full), attention_mask=jnp.asarray(full_mask)).argmax(-1))
     own = np.asarray(generate(model, ids, mask, max_new_tokens=args.new_tokens))
     gen = slice(width - 1, width - 1 + args.new_tokens)  # positions that predict the new tokens
@@ -339,6 +340,9 @@ def main(argv=None) -> int:
   ap.add_argument("--rounds", type=int, default=7)
   ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
   ap.add_argument("--prompts", type=int, default=32)
+  ap.add_argument(
+      "--agree_model", default=MODEL, help="the model of the agree part (default SmolLM2-135M)"
+  )
   ap.add_argument("--new_tokens", type=int, default=16)
   ap.add_argument("--gen_tokens", type=int, default=8)
   ap.add_argument("--gen_dtypes", default="float32")
@@ -365,11 +369,13 @@ def main(argv=None) -> int:
       print(line, flush=True)
   if "agree" in parts:
     argv = [sys.executable, __file__, "--worker", "agree", "--prompts", str(args.prompts)]
-    argv += ["--new_tokens", str(args.new_tokens)]
+    argv += ["--new_tokens", str(args.new_tokens), "--agree_model", args.agree_model]
+    argv += ["--modes", ",".join(args.modes)]
     results["agree"] = agree = common.run_worker(argv, env=env)
+    name = os.path.basename(args.agree_model)
     for mode, r in agree.items():
       print(
-          f"agreement with float32, SmolLM2-135M, {r['prompts']} prompts x {args.new_tokens}"
+          f"agreement with float32, {name}, {r['prompts']} prompts x {args.new_tokens}"
           f" greedy tokens: {mode} top-1 {100 * r['top1_agreement']:.1f} %,"
           f" {r['identical_continuations']} identical continuations",
           flush=True,
