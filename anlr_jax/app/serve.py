@@ -642,30 +642,10 @@ def start_server(
   return server
 
 
-def serve_main(
-    config: RunConfig,
-    adapter: str | None = None,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    name: str | None = None,
-    max_batch: int = 8,
-    max_queue: int = 64,
-    quantize: str | None = None,
-    log: Log = say,
-) -> None:
-  """``anlr serve``: loads the model and answers requests until interrupted."""
-  server = start_server(
-      config,
-      adapter,
-      host=host,
-      port=port,
-      name=name,
-      max_batch=max_batch,
-      max_queue=max_queue,
-      quantize=quantize,
-      log=log,
-  )
+def serve_main(config: RunConfig, adapter: str | None = None, **options) -> None:
+  """``anlr serve``: loads the model and answers requests until interrupted; ``options`` are
+  :func:`start_server`'s."""
+  server = start_server(config, adapter, **options)
   try:
     server.serve_forever()
   finally:
