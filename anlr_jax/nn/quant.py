@@ -415,6 +415,25 @@ def _place(value: jax.Array, like: jax.Array | None, spec_axes: bool) -> jax.Arr
   return jax.device_put(value, jax.sharding.NamedSharding(mesh, spec))
 
 
+class _ShardingOf:
+  """Stands for an array in :func:`_place`: only its ``sharding`` is read."""
+
+  def __init__(self, sharding):
+    self.sharding = sharding
+
+
+def _transposed_sharding(table: jax.Array) -> Any:
+  """A stand-in for ``table.T`` in :func:`_place`: the table's named sharding with its two axes
+  swapped (None when the table has no named sharding)."""
+  sharding = getattr(table, "sharding", None)
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return None
+  spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
+  return _ShardingOf(
+      jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*reversed(spec)))
+  )
+
+
 class QuantLinear(nnx.Linear):
   """A frozen ``nnx.Linear`` whose kernel is stored quantised (module doc).
 
@@ -533,8 +552,9 @@ class QuantEmbed(nnx.Embed):
 
   The stored arrays are those of the kernel ``E^T`` ``(d, V)`` (module doc): blocks of 64
   consecutive features of one token. A lookup dequantises only the rows it reads; ``attend``
-  (a tied output matrix) is ``QuantLinear``'s product with the kernel ``E^T``. The arrays are not
-  sharded (a mesh replicates them). ``embedding[...]`` is the dequantised table.
+  (a tied output matrix) is ``QuantLinear``'s product with the kernel ``E^T``. The codes and scales
+  carry the table's logical axis names reversed and shard like the table would (its
+  ``(vocab, embed)`` as ``(embed, vocab)``). ``embedding[...]`` is the dequantised table.
   """
 
   def __init__(self, embed: nnx.Embed, mode: str, table: jax.Array | None = None):
@@ -556,7 +576,16 @@ class QuantEmbed(nnx.Embed):
     self.dtype, self.param_dtype = embed.dtype, embed.param_dtype
     self.promote_dtype = embed.promote_dtype
     self.quantize = mode
-    self.set_table(embed.embedding.get_value() if table is None else table)
+    meta = {
+        k: v
+        for k, v in embed.embedding.get_metadata().items()
+        if k in ("out_sharding", "eager_sharding")
+    }
+    if meta.get("out_sharding") is not None:  # the table's (vocab, embed): the kernel's reversed
+      meta["out_sharding"] = tuple(reversed(tuple(meta["out_sharding"])))
+    self.kernel_metadata = tuple(sorted(meta.items()))  # static: hashable
+    like = embed.embedding.get_value()
+    self.set_table(like if table is None else table, like=like)
 
   @property
   def embedding(self) -> _TableView:
@@ -564,8 +593,9 @@ class QuantEmbed(nnx.Embed):
 
   arrays = QuantLinear.arrays
 
-  def set_table(self, value: jax.Array) -> None:
-    """Quantise ``value`` ``(V, d)`` into the layer's arrays."""
+  def set_table(self, value: jax.Array, like: jax.Array | None = None) -> None:
+    """Quantise ``value`` ``(V, d)`` into the layer's arrays, placed like the table ``like``
+    ``(V, d)`` transposed (default: like the current codes)."""
     if tuple(value.shape) != (self.num_embeddings, self.features):
       raise ValueError(
           f"QuantEmbed: table shape {value.shape} != {(self.num_embeddings, self.features)}"
@@ -573,11 +603,20 @@ class QuantEmbed(nnx.Embed):
     value = jnp.asarray(value)
     concrete = not isinstance(value, jax.core.Tracer)
     arrays = (quantize_concrete if concrete else quantize_kernel)(value.T, self.quantize)
+    if like is not None:
+      like = like.get_value() if isinstance(like, nnx.Variable) else like
+      like = _transposed_sharding(like)
+    else:
+      like = getattr(self, "codes", None)
+      like = like.get_value() if isinstance(like, nnx.Variable) else like
     for name, array in arrays.items():
+      sharded = name in ("codes", "scales")
+      array = _place(array, like, sharded)
       if isinstance(getattr(self, name, None), QuantizedParam):
         getattr(self, name).set_value(array)
       else:
-        setattr(self, name, QuantizedParam(array))
+        meta = dict(getattr(self, "kernel_metadata", ())) if sharded else {}
+        setattr(self, name, QuantizedParam(array, **meta))
 
   def _dtype(self) -> Any:
     return self.dtype if self.dtype is not None else self.param_dtype

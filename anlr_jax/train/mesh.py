@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from anlr_jax.nn.inject import path_str
-from anlr_jax.nn.quant import BLOCK, QuantizedParam, is_quantized
+from anlr_jax.nn.quant import BLOCK, QuantEmbed, QuantizedParam, is_quantized
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
 BATCH_AXES = ('data', 'fsdp')
@@ -141,9 +141,12 @@ def check_quantized_blocks(model: nnx.Module, mesh, rules=None) -> None:
 
   ``mesh``: a ``jax.sharding.Mesh`` or ``AbstractMesh``; ``rules``: the logical axis rules the
   weights are placed by (default: the trainer's). The input axis of a layer's codes is split over
-  ``n`` devices without splitting a block only if ``d_in`` is a multiple of ``64 n``.
+  ``n`` devices without splitting a block only if ``d_in`` is a multiple of ``64 n`` (for a
+  quantised embedding table, its width ``d``).
   """
-  layers = [(p, m) for p, m in nnx.iter_modules(model) if is_quantized(m)]
+  layers = [
+      (p, m) for p, m in nnx.iter_modules(model) if is_quantized(m) or isinstance(m, QuantEmbed)
+  ]
   if not layers:
     return
   rules = DEFAULT_LOGICAL_AXIS_RULES if rules is None else rules
@@ -152,9 +155,10 @@ def check_quantized_blocks(model: nnx.Module, mesh, rules=None) -> None:
     axes = spec[0] if len(spec) else None
     axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
     parts = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-    if layer.in_features % (BLOCK * parts):
+    width = layer.features if isinstance(layer, QuantEmbed) else layer.in_features
+    if width % (BLOCK * parts):
       raise ValueError(
           f"model.quantize={layer.quantize}: the mesh splits {path_str(path)}'s input width"
-          f" {layer.in_features} over {parts} devices ({'x'.join(axes)}), which would split its"
+          f" {width} over {parts} devices ({'x'.join(axes)}), which would split its"
           f' {BLOCK}-weight blocks; put fewer devices on that mesh axis'
       )
