@@ -22,6 +22,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH_2X2X2 = dict(mesh_data=2, mesh_fsdp=2, mesh_tensor=2)
 
 
+@pytest.fixture(autouse=True, scope='module')
+def _compile_each_program_once():
+  """The trainers here compile the same few programs again and again (and the in-process runs
+  those of ``tests.helpers.ckpt_run``'s process): JAX's persistent compilation cache (the
+  session's, as ``anlr train`` turns it on) compiles each once."""
+  from anlr_jax.app.cli import use_compile_cache
+
+  use_compile_cache(os.environ.get('ANLR_COMPILE_CACHE') or None)
+
+
 def _trainer(ckpt_dir, steps=4, **overrides):
   tx = optax.chain(optax.clip_by_global_norm(1.0), anlr_jax.anlr(1e-2, warmup_steps=1))
   config = {**MESH_2X2X2, 'steps': steps, 'save_every': 0, 'keep': 2, **overrides}

@@ -29,6 +29,15 @@ def _library_warnings_reach_caplog(monkeypatch):
   monkeypatch.setattr(logging.getLogger("anlr_jax"), "propagate", True)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _compile_each_program_once():
+  """The trainers here compile the same few programs again and again: JAX's persistent compilation
+  cache (the session's, as ``anlr train`` turns it on) compiles each once."""
+  from anlr_jax.app.cli import use_compile_cache
+
+  use_compile_cache(os.environ.get("ANLR_COMPILE_CACHE") or None)
+
+
 def _trainer(tmp_path, steps=6, **kw):
   return make_toy_trainer(
       optax.adamw(1e-2),
@@ -199,7 +208,7 @@ def trained_run(tmp_path_factory):
   from tests.helpers.tiny_run import tiny_run_setup
 
   root = tmp_path_factory.mktemp("trained")
-  config = tiny_run_setup(root)
+  config = tiny_run_setup(root, layers=1)  # the layers' count is not the point: 1 compiles faster
   assert cli.main(["train", "--config", str(config), f"run_dir={root / 'run'}", *SAVE_EVERY_2]) == 0
   return root
 

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 import anlr_jax
+from anlr_jax.app import cli
 from anlr_jax.train import diskfull
 from anlr_jax.train.diskfull import DiskFullError
 from anlr_jax.train.metrics import MetricsWriter, read_metrics
@@ -67,7 +68,9 @@ def _anlr_train(config: pathlib.Path, *overrides: str) -> subprocess.CompletedPr
   )
 
 
-def test_a_full_disk_stops_the_cli_with_one_line_and_the_run_resumes_once_freed(tmp_path, small_fs):
+def test_a_full_disk_stops_the_cli_with_one_line_and_the_run_resumes_once_freed(
+    tmp_path, small_fs, capfd
+):
   """Checkpoints every 2 updates into a run directory with room for about two: a save fails in
   the background while the loop goes on; the run stops at the next save with exit 5 and one line
   (the file system, the checkpoint it could not write, the last complete one kept), the partial
@@ -103,10 +106,13 @@ def test_a_full_disk_stops_the_cli_with_one_line_and_the_run_resumes_once_freed(
   rows = read_metrics(str(mount / "run"))
 
   filler.unlink()
-  second = _anlr_train(config)
-  assert second.returncode == 0, second.stderr
-  assert f"resumed at update {kept} from {ckpt}" in second.stdout
-  assert "Traceback" not in second.stderr
+  # the same command again, in this process (the stop above is the fresh process's part)
+  capfd.readouterr()
+  code = cli.main(["train", "--config", str(config)])
+  second = capfd.readouterr()
+  assert code == 0, second.err
+  assert f"resumed at update {kept} from {ckpt}" in second.out
+  assert "Traceback" not in second.err
   resumed = read_metrics(str(mount / "run"))
   assert [r["step"] for r in resumed] == list(range(1, 13))
   assert resumed[:kept] == rows[:kept]
@@ -114,7 +120,9 @@ def test_a_full_disk_stops_the_cli_with_one_line_and_the_run_resumes_once_freed(
 
 
 def _toy_trainer(log_dir, ckpt_dir, *, steps=6, **kw):
-  cfg = TrainerConfig(steps=steps, global_batch=8, compute_dtype="float32", progress=False, **kw)
+  cfg = TrainerConfig(
+      steps=steps, global_batch=8, compute_dtype="float32", progress=False, devices=1, **kw
+  )
   tx = anlr_jax.anlr(1e-2, warmup_steps=1)
   return Trainer(
       make_toy_model(), ToyBatches(), cfg, tx, log_dir=str(log_dir), checkpoint_dir=str(ckpt_dir)

@@ -16,7 +16,7 @@ from anlr_jax.train.trainer import Trainer, TrainerConfig
 from tests.helpers.toy_lm import ToyBatches, make_toy_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 3
+STEPS = 4  # the fresh job trains STEPS - 1 updates, the resumed one the last
 
 
 def _free_port() -> int:
@@ -89,23 +89,32 @@ def _single_process_losses():
   return tuple(float(trainer.train_step()['loss']) for _ in range(STEPS))
 
 
+@pytest.fixture(scope='module')
+def fresh_job(tmp_path_factory):
+  """The 2-process job trained from scratch for STEPS - 1 updates, saving a checkpoint of its end:
+  the job both tests below look at (the second resumes it)."""
+  root = tmp_path_factory.mktemp('multihost')
+  _launch(root / 'first.npy', STEPS - 1, ['--ckpt', str(root / 'ckpt')])
+  return root
+
+
 @pytest.mark.slow
-def test_two_processes_match_one_process(tmp_path):
-  _launch(tmp_path / 'losses.npy', STEPS)
+def test_two_processes_match_one_process(fresh_job):
   single = _single_process_losses()
-  np.testing.assert_allclose(np.load(tmp_path / 'losses.npy'), single, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+      np.load(fresh_job / 'first.npy'), single[: STEPS - 1], rtol=1e-5, atol=1e-5
+  )
   assert len(set(np.round(single, 4))) == STEPS  # the losses move: the test compares real steps
 
 
 @pytest.mark.slow
-def test_two_processes_checkpoint_and_resume(tmp_path):
+def test_two_processes_checkpoint_and_resume(fresh_job):
   """Process 0 seals the checkpoint (checksums); both verify and check it on restore."""
-  ckpt = tmp_path / 'ckpt'
-  _launch(tmp_path / 'first.npy', STEPS - 1, ['--ckpt', str(ckpt)])
+  ckpt = fresh_job / 'ckpt'
   assert (ckpt / str(STEPS - 1) / 'anlr_checksums.json').is_file()
-  stdouts = _launch(tmp_path / 'rest.npy', STEPS, ['--ckpt', str(ckpt)])
+  stdouts = _launch(fresh_job / 'rest.npy', STEPS, ['--ckpt', str(ckpt)])
   assert all(f'resumed at step {STEPS - 1}' in out for out in stdouts)
-  losses = list(np.load(tmp_path / 'first.npy')) + list(np.load(tmp_path / 'rest.npy'))
+  losses = list(np.load(fresh_job / 'first.npy')) + list(np.load(fresh_job / 'rest.npy'))
   np.testing.assert_allclose(losses, _single_process_losses(), rtol=1e-5, atol=1e-5)
 
 

@@ -33,9 +33,15 @@ from anlr_jax.train.trainer import (
     TrainerConfig,
 )
 from tests.helpers.toy_lm import ToyBatches, make_toy_model, make_toy_trainer
-from tests.helpers.tiny_run import tiny_run_config
+from tests.helpers.tiny_run import tiny_run_config as _tiny_run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_run_config(root: pathlib.Path, **changes) -> pathlib.Path:
+  """The tiny CLI setup of every run here, with a 1-layer model: no test here is about the layers'
+  count, and the programs of 1 compile faster (one model for all: compiled programs are reused)."""
+  return _tiny_run_config(root, layers=1, **changes)
 
 
 @pytest.fixture(autouse=True)
@@ -158,7 +164,9 @@ def test_resume_allow_permits_a_longer_schedule(finished, tmp_path, capsys):
 def test_trainer_refuses_a_checkpoint_of_another_structure(tmp_path):
   def trainer(rank):
     model = make_toy_model(rank=rank)
-    return make_toy_trainer(optax.adamw(1e-2), model=model, checkpoint_dir=tmp_path, steps=2)
+    return make_toy_trainer(
+        optax.adamw(1e-2), model=model, checkpoint_dir=tmp_path, steps=2, one_device=True
+    )
 
   first = trainer(4)
   first.save()  # of the initial state: the structure is the point, no update needs compiling
@@ -220,6 +228,7 @@ def _ckpt_trainer(ckpt, steps=4, **kw):
       progress=False,
       save_every=2,
       keep=2,
+      devices=1,  # what is on disk is the point: one device compiles fastest
       **kw,
   )
   return Trainer(make_toy_model(), ToyBatches(), cfg, optax.adamw(1e-2), checkpoint_dir=str(ckpt))
@@ -334,6 +343,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
       compute_dtype="float32",
       progress=False,
       max_nonfinite=3,
+      devices=1,  # the step guard is the point: one device compiles it fastest
   )
   tx = anlr_jax.anlr(1e-2, warmup_steps=1)
   trainer = Trainer(make_toy_model(), _PoisonedBatches(2), cfg, tx, log_dir=str(tmp_path))
@@ -365,6 +375,7 @@ def test_a_non_finite_gradient_with_a_finite_loss_is_skipped(tmp_path):
       compute_dtype="float32",
       progress=False,
       max_nonfinite=3,
+      devices=1,  # the step guard is the point: one device compiles it fastest
   )
   tx = anlr_jax.anlr(1e-2, warmup_steps=1)
   trainer = Trainer(
@@ -397,7 +408,7 @@ def test_a_stuck_loss_is_warned_about(tmp_path, caplog):
       batch = super().get_batch(step, **kw)
       return dict(batch, loss_mask=np.zeros_like(batch["loss_mask"]))  # loss 0, gradient 0
 
-  cfg = TrainerConfig(steps=6, global_batch=8, compute_dtype="float32", progress=False)
+  cfg = TrainerConfig(steps=6, global_batch=8, compute_dtype="float32", progress=False, devices=1)
   with caplog.at_level(logging.WARNING, logger="anlr_jax.train"):
     Trainer(make_toy_model(), Silent(), cfg, optax.adamw(1e-2)).run()
   (message,) = [r.getMessage() for r in caplog.records if "stopped moving" in r.getMessage()]
@@ -500,8 +511,48 @@ def test_a_second_writer_fails_fast_and_a_stale_lock_is_taken_over(tmp_path, cap
   lock.release()
 
 
+HOLDER = r"""
+import sys
+from anlr_jax.train.lock import DirectoryLock
+
+locks = {}
+for line in sys.stdin:  # "acquire <dir>" / "release <dir>", one answer line each
+  verb, folder = line.rstrip("\n").split(" ", 1)
+  if verb == "acquire":
+    locks[folder] = DirectoryLock(folder).acquire()
+    print("held", flush=True)
+  else:
+    locks.pop(folder).release()
+    print("released", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def lock_holder():
+  """Another process that takes and gives back directory locks on request (``ask(verb, dir)``):
+  one start of Python and the library for all the tests that need a lock held elsewhere."""
+  holder = subprocess.Popen(
+      [sys.executable, "-c", HOLDER],
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      text=True,
+      cwd=REPO,
+  )
+
+  def ask(verb: str, folder: pathlib.Path) -> str:
+    holder.stdin.write(f"{verb} {folder}\n")
+    holder.stdin.flush()
+    return holder.stdout.readline().strip()
+
+  try:
+    yield ask
+  finally:
+    holder.kill()
+    holder.wait()
+
+
 @pytest.mark.parametrize("state", ["new", "trained", "complete", "compare"])
-def test_two_trainings_on_one_run_dir(finished, tmp_path, state):
+def test_two_trainings_on_one_run_dir(finished, tmp_path, state, lock_holder):
   """A second ``anlr train`` on a run directory in use fails at once and writes nothing, whatever
   the directory holds: nothing yet, a trained adapter to evaluate, or a complete run; and a
   comparison (``compare``: one sub-directory per method) held by another process as a whole."""
@@ -514,20 +565,8 @@ def test_two_trainings_on_one_run_dir(finished, tmp_path, state):
     _copy_run(finished, tmp_path)
     if state == "trained":
       (run / RESULTS_FILE).unlink()  # trained, not evaluated yet
-  holder = subprocess.Popen(
-      [
-          sys.executable,
-          "-c",
-          "import time; from anlr_jax.train.lock import DirectoryLock;"
-          f"DirectoryLock({str(run)!r}).acquire(); print('held', flush=True);"
-          "time.sleep(60)",
-      ],
-      stdout=subprocess.PIPE,
-      text=True,
-      cwd=REPO,
-  )
+  assert lock_holder("acquire", run) == "held"
   try:
-    assert holder.stdout.readline().strip() == "held"
     before = _files(run)
     argv = ["train", "--config", str(config), f"run_dir={run}"]
     if state == "compare":
@@ -535,8 +574,7 @@ def test_two_trainings_on_one_run_dir(finished, tmp_path, state):
     assert cli.main(argv) == 2
     assert _files(run) == before  # no config.yaml, no metrics, no results
   finally:
-    holder.kill()
-    holder.wait()
+    assert lock_holder("release", run) == "released"
 
 
 # --------------------------------------------------------------- 7. metrics are a function of step

@@ -80,4 +80,9 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
+  if os.environ.get('ANLR_COMPILE_CACHE'):  # the test session's: the tests' in-process runs of
+    # the same programs read what this process compiled
+    jax.config.update('jax_compilation_cache_dir', os.environ['ANLR_COMPILE_CACHE'])
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+    jax.config.update('jax_persistent_cache_min_entry_size_bytes', -1)
   main()

@@ -3,6 +3,7 @@ joined with jax.distributed (gloo); trains the toy LM on the global (2, 2, 2) me
 feeding only its own batch rows; process 0 writes the losses."""
 
 import argparse
+import os
 import sys
 
 import jax
@@ -16,6 +17,10 @@ def main():
   parser.add_argument('--ckpt', help='checkpoint dir: train with Trainer.run (resuming, saving)')
   args = parser.parse_args()
   jax.config.update('jax_num_cpu_devices', args.devices)  # before any JAX call
+  if os.environ.get('ANLR_COMPILE_CACHE'):  # the test session's: a job run again compiles less
+    jax.config.update('jax_compilation_cache_dir', os.environ['ANLR_COMPILE_CACHE'])
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+    jax.config.update('jax_persistent_cache_min_entry_size_bytes', -1)
 
   import numpy as np
   import optax

@@ -15,11 +15,12 @@ from tests.tiny_tokenizer import build_tiny_tokenizer
 ANSWERS = ("option1", "option2")
 
 
-def tiny_run_setup(root: pathlib.Path, *, n_train=48, n_test=8):
-  """A tiny random LLaMA + tokenizer saved as one HF directory, and a JSONL/JSON MC task."""
+def tiny_run_setup(root: pathlib.Path, *, n_train=48, n_test=8, layers=2):
+  """A tiny random LLaMA (``layers`` decoder layers) + tokenizer saved as one HF directory, and a
+  JSONL/JSON MC task."""
   tokenizer = build_tiny_tokenizer(root / "model")
   torch.manual_seed(0)
-  hf_config = tiny_llama_config(len(tokenizer), intermediate_size=64)
+  hf_config = tiny_llama_config(len(tokenizer), intermediate_size=64, num_hidden_layers=layers)
   transformers.LlamaForCausalLM(hf_config).save_pretrained(root / "model")
   rng = np.random.default_rng(0)
   records = []
@@ -65,9 +66,10 @@ def tiny_run_setup(root: pathlib.Path, *, n_train=48, n_test=8):
   return root / "tiny.yaml"
 
 
-def tiny_run_config(root: pathlib.Path, **changes) -> pathlib.Path:
-  """The tiny CLI setup with a fixed run_dir and extra/changed keys (dotted)."""
-  path = tiny_run_setup(root)
+def tiny_run_config(root: pathlib.Path, *, layers=2, **changes) -> pathlib.Path:
+  """The tiny CLI setup (a model of ``layers`` decoder layers) with a fixed run_dir and
+  extra/changed keys (dotted)."""
+  path = tiny_run_setup(root, layers=layers)
   raw = yaml.safe_load(path.read_text())
   raw["run_dir"] = str(root / "run")
   for key, value in changes.items():
