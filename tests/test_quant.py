@@ -191,7 +191,8 @@ def test_a_forward_holds_one_layers_dequantised_weights_at_a_time():
     return compiled.memory_analysis().temp_size_in_bytes
 
   layer_weights = (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 1024) * 4
-  assert temp_bytes(4) - temp_bytes(1) < layer_weights / 2
+  # untied, the second layer alone adds 0.85 of a layer's weights (XLA:CPU); tied, nothing
+  assert temp_bytes(2) - temp_bytes(1) < layer_weights / 2
 
 
 def _decode_layer(mode, d_out=1000):
