@@ -2,6 +2,7 @@
 the same model built from the dequantised weights; loading quantises from safetensors and GGUF."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -43,14 +44,23 @@ def hf_tensors(model, config) -> dict[str, np.ndarray]:
   }
 
 
-def quantised_and_dequantised(mode: str, kind: str = "llama"):
-  """``(model with a quantised base, the same model built from its dequantised weights)``."""
+@functools.cache
+def _source_and_dequantised(mode: str, kind: str):
+  """``(config.json dict, a random model's tensors, its quantised model's dequantised tensors)``,
+  computed once per ``(mode, kind)``; the tests build their own models from them."""
   config = tiny_config(kind)
   source = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
   tensors = hf_tensors(source, config)
   hf = config.to_hf_config()
   quantised, _ = model_from_hf_tensors(hf, tensors, quantize=mode)
-  plain, _ = model_from_hf_tensors(hf, hf_tensors(quantised, config))
+  return hf, tensors, hf_tensors(quantised, config)
+
+
+def quantised_and_dequantised(mode: str, kind: str = "llama"):
+  """``(model with a quantised base, the same model built from its dequantised weights)``."""
+  hf, tensors, dequantised = _source_and_dequantised(mode, kind)
+  quantised, _ = model_from_hf_tensors(hf, tensors, quantize=mode)
+  plain, _ = model_from_hf_tensors(hf, dequantised)
   return quantised, plain
 
 
