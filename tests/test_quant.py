@@ -67,18 +67,25 @@ def as_torch_order(array) -> np.ndarray:
   return np.asarray(array).T.reshape(-1)
 
 
+# The functions under test, each compiled as one program (as the layers run them, under a trace):
+# one compile a shape instead of one for each of their many operations run eagerly.
+_quantize_jit = jax.jit(quantize_kernel, static_argnums=1)
+_absmax_jit = jax.jit(quant.block_absmax)
+_dequantize_jit = jax.jit(dequantize_kernel, static_argnums=1)
+
+
 def check_nf4(kernel: np.ndarray):
-  arrays = quantize_kernel(jnp.asarray(kernel), "nf4")
+  arrays = _quantize_jit(jnp.asarray(kernel), "nf4")
   mean = jax.lax.bitcast_convert_type(arrays["dq_mean"], jnp.float32)
   absmax = np.abs(np.asarray(kernel, np.float32).T.reshape(-1, 64)).max(axis=1)
   np.testing.assert_allclose(float(mean), np.mean(absmax, dtype=np.float64), rtol=1e-6)
   packed, absmax_ref, q, a, w_hat = reference_nf4(kernel, np.float32(mean))
-  np.testing.assert_array_equal(as_torch_order(quant.block_absmax(jnp.asarray(kernel))), absmax_ref)
+  np.testing.assert_array_equal(as_torch_order(_absmax_jit(jnp.asarray(kernel))), absmax_ref)
   np.testing.assert_array_equal(as_torch_order(arrays["codes"]), packed)
   np.testing.assert_array_equal(as_torch_order(arrays["scales"]), q)
   dq = jax.lax.bitcast_convert_type(arrays["dq_scales"], jnp.float32)
   np.testing.assert_array_equal(np.asarray(dq), a)
-  np.testing.assert_array_equal(np.asarray(dequantize_kernel(arrays, "nf4")), w_hat)
+  np.testing.assert_array_equal(np.asarray(_dequantize_jit(arrays, "nf4")), w_hat)
 
 
 def test_codebook_is_the_normal_float_of_the_paper():
@@ -100,12 +107,11 @@ def test_nf4_matches_the_reference_on_real_weights():
   from anlr_jax.models import read_gguf
   from safetensors.numpy import load_file
 
+  # one trained weight of each model (the reference's rules do not depend on which)
   quickstart = load_file(resolve_path("asset://quickstart") + "/model.safetensors")
-  for key in ("model.layers.0.self_attn.q_proj.weight", "model.layers.3.mlp.up_proj.weight"):
-    check_nf4(quickstart[key].astype(np.float32).T)
+  check_nf4(quickstart["model.layers.3.mlp.up_proj.weight"].astype(np.float32).T)
   _, tensors = read_gguf(resolve_path(SMOLLM2), lazy=True)
-  for key in ("model.layers.0.self_attn.k_proj.weight", "model.layers.5.mlp.down_proj.weight"):
-    check_nf4(np.asarray(tensors[key], np.float32).T)
+  check_nf4(np.asarray(tensors["model.layers.5.mlp.down_proj.weight"], np.float32).T)
 
 
 def test_int8_matches_blockwise_absmax():
@@ -153,7 +159,7 @@ def test_assigning_the_kernel_quantises_it():
   layer = QuantLinear(nnx.Linear(64, 8, rngs=nnx.Rngs(0)), "nf4")
   new = jax.random.normal(jax.random.key(3), (64, 8))
   layer.kernel[...] = new
-  expected = dequantize_kernel(quantize_kernel(new, "nf4"), "nf4")
+  expected = _dequantize_jit(_quantize_jit(new, "nf4"), "nf4")
   np.testing.assert_array_equal(layer.kernel[...], expected)
 
 
@@ -185,7 +191,8 @@ def test_a_forward_holds_one_layers_dequantised_weights_at_a_time():
     return compiled.memory_analysis().temp_size_in_bytes
 
   layer_weights = (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 1024) * 4
-  assert temp_bytes(4) - temp_bytes(1) < layer_weights / 2
+  # untied, the second layer alone adds 0.85 of a layer's weights (XLA:CPU); tied, nothing
+  assert temp_bytes(2) - temp_bytes(1) < layer_weights / 2
 
 
 def _decode_layer(mode, d_out=1000):
@@ -197,16 +204,18 @@ def _decode_layer(mode, d_out=1000):
 
 
 @pytest.mark.parametrize("mode", ["nf4", "int8"])
-@pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("d_out", [1000, 1024])  # a shorter last chunk; chunks that divide d_out
-def test_decode_product_equals_the_dequantised_product(monkeypatch, mode, rows, d_out):
+def test_decode_product_equals_the_dequantised_product(monkeypatch, mode, d_out):
   monkeypatch.setattr(quant, "CHUNK_BYTES", 64 * 2**10)
   layer = _decode_layer(mode, d_out)
-  x = jax.random.normal(jax.random.key(0), (rows, 128))
-  assert quant._columnwise(x, layer.codes[...], mode)
-  expected = x @ dequantize_kernel(layer.arrays(), mode) + layer.bias[...]
-  np.testing.assert_allclose(jax.jit(layer)(x), expected, rtol=1e-6, atol=1e-6)
-  np.testing.assert_allclose(layer(x[None]), expected[None], rtol=1e-6, atol=1e-6)  # (1, M, d)
+  kernel = dequantize_kernel(layer.arrays(), mode)
+  for rows in (1, 8):  # one layer, its dequantised kernel computed once
+    x = jax.random.normal(jax.random.key(0), (rows, 128))
+    assert quant._columnwise(x, layer.codes[...], mode), rows
+    expected = x @ kernel + layer.bias[...]
+    np.testing.assert_allclose(jax.jit(layer)(x), expected, rtol=1e-6, atol=1e-6, err_msg=rows)
+    # (1, M, d)
+    np.testing.assert_allclose(layer(x[None]), expected[None], rtol=1e-6, atol=1e-6, err_msg=rows)
 
 
 @pytest.mark.parametrize("mode", ["nf4", "int8"])

@@ -115,7 +115,8 @@ def test_ensure_task_writes_once(example, tmp_path):
 def test_peft_logits_check_on_a_tiny_chat_run(example, tmp_path):
   tok = chat_tokenizer(tmp_path / "model")
   save_tiny_llama(tmp_path / "model", len(tok))
-  train, test = example.ensure_task(str(tmp_path / "arith"), n_train=8, n_test=2)
+  # one test prompt: each prompt length is a new eager forward (a compile per operation)
+  train, test = example.ensure_task(str(tmp_path / "arith"), n_train=8, n_test=1)
   config = load_config(
       CONFIG,
       [
