@@ -19,7 +19,10 @@ from benchmarks.common import BenchConfig, interleave, paired_ratio
 from tests.helpers.bench_smoke import TINY, fast_xla  # noqa: F401 (autouse)
 from tests.helpers.tiny_llama import tiny_llama_config
 
-TINY_LORA_PARAMS = 2 * 5 * (64 + 64) * 4  # layers x (q, k, v, up, down: in + out) x rank
+# One decoder layer where a script's figures do not depend on the layer count (the stacked layout
+# of two layers is run by the train_step test and by tests/test_memory_smoke.py).
+TINY_1L = TINY[:2] + ["--layers", "1"] + TINY[4:]
+TINY_LORA_PARAMS = 1 * 5 * (64 + 64) * 4  # layers x (q, k, v, up, down: in + out) x rank
 
 
 def test_train_step_on_a_pretrained_model_runs_every_framework_and_prints_ratios(tmp_path, capsys):
@@ -105,7 +108,7 @@ def test_torch_step_autocasts_to_the_gemm_dtype_unless_turned_off():
 def test_scaling_measures_a_point_and_writes_plot_and_table(tmp_path, capsys):
   png, out_json = tmp_path / "scaling.png", tmp_path / "scaling.json"
   # Base at width 64 as width_config builds it (1 head, FFN 176): each sweep's point is the base.
-  base = TINY[:4] + ["--heads", "1", "--ffn", "176"] + TINY[8:]
+  base = TINY_1L[:4] + ["--heads", "1", "--ffn", "176"] + TINY_1L[8:]
   rows = scaling.main(
       base
       + ["--ranks", "4", "--seqs", "16", "--widths", "64", "--runs", "2", "--warmup", "1"]
@@ -118,7 +121,7 @@ def test_scaling_measures_a_point_and_writes_plot_and_table(tmp_path, capsys):
   assert r["time_ratio"] == pytest.approx(r["anlr_ms"] / r["adamw_ms"])
   assert r["overhead_share"] == pytest.approx(1 - 1 / r["paired_ratio"])
   assert r["paired_ratio"] > 0 and r["adamw_xla_mib"] > 0 and r["anlr_rss_mib"] > 0
-  assert r["lora_params"] == 2 * 4 * (3 * (64 + 64) + 2 * (64 + 176))  # q, k, v; up, down
+  assert r["lora_params"] == 1 * 4 * (3 * (64 + 64) + 2 * (64 + 176))  # q, k, v; up, down
   assert printed.count("\n| ") == 4  # header and three rows
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert len(json.loads(out_json.read_text())["rows"]) == 3
@@ -189,7 +192,7 @@ def test_gpu_train_step_flops_count_matches_the_model_parameter_count():
 
 def test_gpu_train_step_runs_on_cpu_and_reports_consistent_figures(tmp_path, capsys):
   out_json = tmp_path / "gpu.json"
-  args = TINY + ["--dtype", "float32", "--attention", "xla", "--runs", "2", "--warmup", "1"]
+  args = TINY_1L + ["--dtype", "float32", "--attention", "xla", "--runs", "2", "--warmup", "1"]
   summary = gpu_train_step.main(
       args
       + ["--frameworks", "jax,torch", "--windows", "1,2", "--json", str(out_json), "--profile"]
@@ -276,7 +279,7 @@ def test_memory_phases_reports_every_phase_for_both_optimizers(tmp_path):
   from benchmarks import memory_phases
 
   out_json = tmp_path / "mem.json"
-  out = memory_phases.main(TINY + ["--steps", "1", "--attribute", "--json", str(out_json)])
+  out = memory_phases.main(TINY_1L + ["--steps", "1", "--attribute", "--json", str(out_json)])
   for opt in memory_phases.OPTIMIZERS:
     r = out["results"][opt]
     assert set(r["phases"]) == set(memory_phases.PHASES)
@@ -332,7 +335,7 @@ def test_memory_phases_repeated_summary_gives_medians_and_ranges_against_adamw()
 def test_nonfinite_guard_times_both_steps_and_prints_the_ratio(tmp_path, capsys):
   from benchmarks import nonfinite_guard
 
-  res = nonfinite_guard.main(TINY + ["--rounds", "3", "--out", str(tmp_path / "guard.json")])
+  res = nonfinite_guard.main(TINY_1L + ["--rounds", "3", "--out", str(tmp_path / "guard.json")])
   printed = capsys.readouterr().out
   assert set(res["median_ms"]) == {"guarded", "unguarded"}
   assert res["ratio_guarded_over_unguarded"] == pytest.approx(
