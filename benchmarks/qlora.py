@@ -76,13 +76,16 @@ def _load_smollm2(mode: str, path: str = MODEL):
 
 
 def _linear_bytes(frozen) -> int:
-  """Bytes of the linear layers' weights in a frozen tree (kernels or quantised arrays)."""
+  """Bytes of the linear layers' weights in a frozen tree (kernels or quantised arrays; a
+  quantised embedding table's arrays, named like a layer's, are not counted)."""
   import jax
 
   total = 0
   for path, leaf in jax.tree_util.tree_flatten_with_path(frozen)[0]:
-    name = str(path[-1].key) if hasattr(path[-1], "key") else str(path[-1])
-    if name in ("kernel", "codes", "scales", "dq_scales", "dq_mean"):
+    keys = [str(getattr(k, "key", k)) for k in path]
+    if "embed_tokens" in keys:
+      continue
+    if keys[-1] in ("kernel", "codes", "scales", "dq_scales", "dq_mean"):
       total += leaf.size * leaf.dtype.itemsize
   return int(total)
 
@@ -284,7 +287,9 @@ def _gib(mib: float) -> str:
   return f"{mib / 1024:.2f} GiB"
 
 
-def run_train(args) -> list[str]:
+def run_train(args, results: dict | None = None) -> list[str]:
+  """The train part's lines; its figures (per mode the worker's report and the step times) go to
+  ``results["train"]``."""
   env = common.thread_env(args.threads)
   workers = {}
   try:
@@ -300,6 +305,13 @@ def run_train(args) -> list[str]:
   finally:
     for w in workers.values():
       w.kill()
+  if results is not None:
+    results["train"] = {
+        "batch": args.batch,
+        "seq": args.seq,
+        "loss_chunk": args.loss_chunk,
+        "modes": {m: {**info, "step_times": timings.times[m]} for m, info in infos.items()},
+    }
   base = infos.get("none")
   lines = [f"train step, SmolLM2-135M, LoRA r=8, batch {args.batch} x {args.seq}, remat full:"]
   for mode, info in infos.items():
@@ -365,7 +377,7 @@ def main(argv=None) -> int:
   env = common.thread_env(args.threads)
   results = {}
   if "train" in parts:
-    for line in run_train(args):
+    for line in run_train(args, results):
       print(line, flush=True)
   if "agree" in parts:
     argv = [sys.executable, __file__, "--worker", "agree", "--prompts", str(args.prompts)]
