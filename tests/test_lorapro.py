@@ -1,7 +1,6 @@
 """LoRA-Pro: the closed form against NumPy and brute-force least squares, the optimizer end to end."""
 
 import doctest
-import functools
 import sys
 
 import chex
@@ -41,12 +40,11 @@ def _consistent_grads(rng, a, b, s):
 
 def test_sylvester_solution_satisfies_its_equation():
   rng = _rng(0)
-  solve = jax.jit(solve_sylvester_psd)  # one program per shape, not op-by-op dispatch
   with jax.enable_x64(True):
     for r, k in [(1, 1), (3, 3), (4, 2)]:
       bm, am = rng.normal(size=(7, r)), rng.normal(size=(k, 9))
       p, q, c = bm.T @ bm, am @ am.T, rng.normal(size=(r, k))
-      x = np.asarray(solve(jnp.asarray(p), jnp.asarray(q), jnp.asarray(c)))
+      x = np.asarray(solve_sylvester_psd(jnp.asarray(p), jnp.asarray(q), jnp.asarray(c)))
       assert x.dtype == np.float64
       np.testing.assert_allclose(p @ x + x @ q, c, rtol=1e-9, atol=1e-10)
       np.testing.assert_allclose(x, ref.sylvester_kron(p, q, c), rtol=1e-8, atol=1e-10)
@@ -54,11 +52,11 @@ def test_sylvester_solution_satisfies_its_equation():
   bm, am = rng.normal(size=(2, 7, 3)), rng.normal(size=(2, 3, 9))
   p, q = np.swapaxes(bm, -1, -2) @ bm, am @ np.swapaxes(am, -1, -2)
   c = rng.normal(size=(2, 3, 3))
-  x = np.asarray(solve(*(jnp.asarray(v, jnp.float32) for v in (p, q, c))))
+  x = np.asarray(solve_sylvester_psd(*(jnp.asarray(v, jnp.float32) for v in (p, q, c))))
   assert x.dtype == np.float32
   np.testing.assert_allclose(p @ x + x @ q, c, rtol=1e-3, atol=1e-3)
   # singular (both zero): the minimum-norm solution, 0, not NaN
-  x0 = solve(jnp.zeros((2, 2)), jnp.zeros((3, 3)), jnp.zeros((2, 3)))
+  x0 = solve_sylvester_psd(jnp.zeros((2, 2)), jnp.zeros((3, 3)), jnp.zeros((2, 3)))
   np.testing.assert_array_equal(np.asarray(x0), 0.0)
 
 
@@ -71,14 +69,11 @@ def test_adjusted_gradients_match_numpy(shape, sylvester):
   ga, gb = rng.normal(size=(n, r)), rng.normal(
       size=(r, m)
   )  # any gradients, not only consistent ones
-  # each under jit: one program per case, not op-by-op dispatch
-  adjusted = jax.jit(
-      functools.partial(lorapro_gradients, scale=SCALE, ridge=1e-8, sylvester=sylvester)
-  )
-  equivalent = jax.jit(functools.partial(equivalent_gradient, scale=SCALE, ridge=1e-8))
   with jax.enable_x64(True):
-    g_a, g_b, x = adjusted(*(jnp.asarray(v) for v in (a, b, ga, gb)))
-    geq = equivalent(*(jnp.asarray(v) for v in (a, b, ga, gb)))
+    g_a, g_b, x = lorapro_gradients(
+        *(jnp.asarray(v) for v in (a, b, ga, gb)), scale=SCALE, ridge=1e-8, sylvester=sylvester
+    )
+    geq = equivalent_gradient(*(jnp.asarray(v) for v in (a, b, ga, gb)), scale=SCALE, ridge=1e-8)
   e_a, e_b, e_x = ref.adjusted(a.T, b.T, ga.T, gb.T, SCALE, 1e-8, sylvester)
   np.testing.assert_allclose(np.asarray(g_a), e_a.T, rtol=1e-6, atol=1e-9)
   np.testing.assert_allclose(np.asarray(g_b), e_b.T, rtol=1e-6, atol=1e-9)
@@ -136,16 +131,11 @@ def test_equivalent_step_is_the_least_squares_projection(shape):
   a, b = rng.normal(size=(n, r)), rng.normal(size=(r, m))
   g, ga, gb = _consistent_grads(rng, a, b, SCALE)
   A, B = a.T, b.T
-  adjusted = jax.jit(lorapro_gradients, static_argnames=("scale", "ridge", "sylvester"))
   with jax.enable_x64(True):
     args = [jnp.asarray(v) for v in (a, b, ga, gb)]
-    g_a, g_b, _ = adjusted(*args, scale=SCALE, ridge=0.0)
-    z_a, z_b, _ = adjusted(*args, scale=SCALE, ridge=0.0, sylvester=False)
-    geq = np.asarray(
-        jax.jit(equivalent_gradient, static_argnames=("scale", "ridge"))(
-            *args, scale=SCALE, ridge=0.0
-        )
-    )
+    g_a, g_b, _ = lorapro_gradients(*args, scale=SCALE, ridge=0.0)
+    z_a, z_b, _ = lorapro_gradients(*args, scale=SCALE, ridge=0.0, sylvester=False)
+    geq = np.asarray(equivalent_gradient(*args, scale=SCALE, ridge=0.0))
   GA, GB = np.asarray(g_a).T, np.asarray(g_b).T
   ZA, ZB = np.asarray(z_a).T, np.asarray(z_b).T
 
