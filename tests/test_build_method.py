@@ -86,9 +86,9 @@ def test_build_method_takes_every_constant_from_the_config():
   )
   updates = {}
   for name, tx in (("built", built.tx), ("reference", reference)):
-    state = tx.init(params)
+    state, update = tx.init(params), jax.jit(tx.update)  # one program, not op-by-op dispatch
     for _ in range(3):
-      updates[name], state = tx.update(grads, state, params)
+      updates[name], state = update(grads, state, params)
   jax.tree.map(
       lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
       updates["built"],
@@ -131,7 +131,9 @@ def _example(monkeypatch):
   return module
 
 
-def _run_example(args, devices):
+def _run_examples(runs, devices):
+  """The example's ``main`` on each argument list of ``runs``, one after the other in one fresh
+  process (tests/helpers/run_scripts.py) on ``devices`` fake CPU devices."""
   env = dict(
       os.environ,
       PYTHONPATH=REPO,
@@ -140,8 +142,9 @@ def _run_example(args, devices):
   )
   for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     env.pop(var, None)
+  scripts = json.dumps([[EXAMPLE, args] for args in runs])
   return subprocess.run(
-      [sys.executable, EXAMPLE, *args],
+      [sys.executable, "-m", "tests.helpers.run_scripts", scripts],
       cwd=REPO,
       env=env,
       capture_output=True,
@@ -161,16 +164,21 @@ def _example_args(out, method):
 @pytest.mark.slow
 def test_gpu_mesh_example_trains_the_baselines_with_their_own_layers_and_optimizers(tmp_path):
   """LoRA-Dash launches and trains its directions; AdaLoRA trains SVD-form adapters and exports a
-  PEFT AdaLoRA adapter: each in one process on a 2-device data-parallel mesh (LoRA-Pro and the
-  rest get their optimizers from the same build_method, tested above). Two devices, not more: on
-  a 2-core machine XLA's CPU client runs the fake devices on a pool of 2 threads, and collectives
-  over sub-groups of 4 devices can starve there until XLA's 40 s rendezvous limit aborts them
-  (and the pytest process's 8 devices train the same steps at twice this CPU time)."""
+  PEFT AdaLoRA adapter: one run after the other in one process on a 2-device data-parallel mesh
+  (LoRA-Pro and the rest get their optimizers from the same build_method, tested above). Two
+  devices, not more: on a 2-core machine XLA's CPU client runs the fake devices on a pool of 2
+  threads, and collectives over sub-groups of 4 devices can starve there until XLA's 40 s
+  rendezvous limit aborts them (and the pytest process's 8 devices train the same steps at twice
+  this CPU time)."""
   args = ["--set", "loradash.launch_step=1", "--set", "adalora.target_r=2"]
-  for method in ("loradash", "adalora"):
+  methods = ("loradash", "adalora")
+  # both runs in one process: one interpreter start, the small programs they share compiled once
+  proc = _run_examples([_example_args(tmp_path / m, m) + args for m in methods], devices=2)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  printed = proc.stdout.split(" processes, 2 devices, mesh ")[1:]  # each run's output
+  assert len(printed) == len(methods), proc.stdout
+  for method, stdout in zip(methods, printed):
     out = tmp_path / method
-    proc = _run_example(_example_args(out, method) + args, devices=2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     with safe_open(str(out / "lora_final.safetensors"), framework="numpy") as f:
       keys = list(f.keys())
       tensors = {k: f.get_tensor(k) for k in keys}
@@ -179,7 +187,7 @@ def test_gpu_mesh_example_trains_the_baselines_with_their_own_layers_and_optimiz
       directions = [v for k, v in tensors.items() if k.endswith("dash_u")]
       assert scales and directions and all(np.any(d != 0) for d in directions)
       assert any(np.any(s != 0) for s in scales)  # trained after the launch at update 1
-      assert "anlr export" in proc.stdout
+      assert "anlr export" in stdout
     elif method == "adalora":
       assert any(k.endswith("lora_e") for k in keys)
       config = json.loads((out / "adapter" / "adapter_config.json").read_text())
@@ -240,6 +248,7 @@ def test_anlr_train_assembles_each_method_once_through_build_method(tmp_path, mo
   counted(app_train, "build_method")
   counted(app_methods, "inject_method")  # the layers: build_method's, called by it alone
   monkeypatch.setattr(app_train, "Trainer", Untrained)
+  monkeypatch.setattr(app_train, "plot_losses", lambda *args: None)  # nothing trained to draw
   overrides = ["compare=[lora,anlr]", "trainer.steps=2", "eval.tasks={}"]
   config = load_config(str(tiny_run_setup(tmp_path, n_test=0)), overrides)
   app_train.train_run(config, log=lambda _: None, timestamp="t")

@@ -221,6 +221,20 @@ def test_the_compile_cache_setting(monkeypatch, tmp_path):
   assert RunConfig().compile_cache is None
 
 
+# What `anlr configs` and `anlr train --help` imported, in a fresh process before anything else.
+COMMAND_LINE_IMPORTS = """
+import contextlib, io, json, sys
+from anlr_jax.app import cli
+with contextlib.redirect_stdout(io.StringIO()):
+  assert cli.main(['configs']) == 0
+  try:
+    cli.main(['train', '--help'])
+  except SystemExit as done:
+    assert done.code == 0
+heavy = ('matplotlib', 'torch', 'transformers', 'orbax', 'grain', 'tensorboardX')
+print(json.dumps([m for m in heavy if m in sys.modules]))
+"""
+
 QUICK_PROGRAMS = """
 import json, sys
 import jax, jax.numpy as jnp
@@ -234,19 +248,31 @@ print(json.dumps([log.compiled, log.cache_hits]))
 """
 
 
-def test_a_second_process_compiles_nothing_however_quick_the_programs(tmp_path):
+@pytest.fixture(scope="module")
+def fresh_processes(tmp_path_factory):
+  """stdout and stderr of two fresh processes, one after the other, each running
+  COMMAND_LINE_IMPORTS first (the imports it checks are those of a fresh interpreter; it compiles
+  nothing) and then QUICK_PROGRAMS on the one compile cache both share."""
+  cache = tmp_path_factory.mktemp("quick") / "xla"
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-  counts = []
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  printed = []
   for _ in range(2):
     done = subprocess.run(
-        [sys.executable, "-c", QUICK_PROGRAMS, str(tmp_path / "xla")],
+        [sys.executable, "-c", COMMAND_LINE_IMPORTS + QUICK_PROGRAMS, str(cache)],
         env=env,
         capture_output=True,
         text=True,
+        cwd=repo,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    counts.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    printed.append((done.stdout, done.stderr))
+  return printed
+
+
+def test_a_second_process_compiles_nothing_however_quick_the_programs(fresh_processes):
+  counts = [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in fresh_processes]
   (compiled, _), (again, loaded) = counts
   assert compiled >= 2  # each program took far less than a second to compile
   assert again == 0 and loaded == compiled
@@ -286,25 +312,11 @@ def test_a_second_process_loads_the_compiled_step_from_the_cache(trained, tmp_pa
   assert losses[0] == losses[1]
 
 
-def test_the_command_line_starts_without_the_libraries_it_does_not_need():
+def test_the_command_line_starts_without_the_libraries_it_does_not_need(fresh_processes):
   """``anlr``'s modules import matplotlib only to draw, never torch (tensorboardX and transformers'
   auto classes would), transformers only to load a tokenizer, orbax only to checkpoint and grain
   only to shuffle a run's data: each is most of a second at every start. ``anlr configs`` and
   ``anlr train --help`` need none of them."""
-  code = (
-      "import contextlib, io, sys\n"
-      "from anlr_jax.app import cli\n"
-      "with contextlib.redirect_stdout(io.StringIO()):\n"
-      "  assert cli.main(['configs']) == 0\n"
-      "  try:\n"
-      "    cli.main(['train', '--help'])\n"
-      "  except SystemExit as done:\n"
-      "    assert done.code == 0\n"
-      "heavy = ('matplotlib', 'torch', 'transformers', 'orbax', 'grain', 'tensorboardX')\n"
-      "print([m for m in heavy if m in sys.modules])"
-  )
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  out = subprocess.run(
-      [sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=120
-  )
-  assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])
+  for stdout, stderr in fresh_processes:
+    out = stdout.strip().splitlines()[0]
+    assert out == "[]", (stdout, stderr[-2000:])
