@@ -198,3 +198,21 @@ def test_cli_dry_run_errors_are_one_line(capsys):
   assert len(err) == 1 and "model.path" in err[0] and "--preset" in err[0]
   assert cli.main(["train", "--config", "quickstart", "--devices", "8"]) == 2
   assert "--dry_run" in capsys.readouterr().err
+
+
+def test_the_abstract_build_names_no_tracer_origins(monkeypatch):
+  """Building the abstract model does not walk the trace for the origin of every traced value whose
+  ``sharding`` flax reads (quadratic in the model's size); the hook is restored after."""
+  from jax._src.interpreters import partial_eval
+
+  calls = []
+  original = partial_eval.DynamicJaxprTracer._origin_msg
+
+  def counted(self):
+    calls.append(1)
+    return original(self)
+
+  monkeypatch.setattr(partial_eval.DynamicJaxprTracer, "_origin_msg", counted)
+  first = estimate(_config(), devices=1)
+  assert calls == [] and partial_eval.DynamicJaxprTracer._origin_msg is counted
+  assert first["lora_params"] > 0
