@@ -163,8 +163,8 @@ def _unnamed_tracer_origins():
   Building the abstract model, every RNG draw makes flax's ``Variable.set_value`` read
   ``.sharding`` of a traced value; JAX raises an AttributeError for it (caught by ``getattr``) whose
   message names the value's origin by walking every operation traced so far. Over a model's
-  thousands of draws that walk is quadratic: most of a 7B dry run's time (4.3 against 1.3 CPU
-  seconds). The messages are discarded either way; other errors are untouched."""
+  thousands of draws that walk is quadratic, and most of a large model's dry-run time. The messages
+  are discarded either way; other errors are untouched."""
   from jax._src.interpreters import partial_eval  # private: the hook has no public name
 
   tracer = getattr(partial_eval, "DynamicJaxprTracer", None)
