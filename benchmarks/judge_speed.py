@@ -18,6 +18,9 @@ extra forward pass is left out (the same for every setting).
 
     python benchmarks/judge_speed.py --json out.json
     python benchmarks/judge_speed.py --settings float32:none,float32:int8 --tokens 4
+    python benchmarks/judge_speed.py --settings float32:none:1,float32:nf4:8 --prompts 8
+
+A setting's third field is its batch (the rate is per judgment, so batches compare directly).
 """
 
 from __future__ import annotations
@@ -46,6 +49,14 @@ def peak_rss_gib() -> float:
   return float("nan")
 
 
+def parse_setting(setting: str, batch: int) -> tuple[str, str, int]:
+  """``(dtype, quantize, batch)`` of a ``dtype:quantize[:batch]`` setting (``batch``: the default)."""
+  parts = setting.split(":")
+  if len(parts) not in (2, 3) or (len(parts) == 3 and not parts[2].isdigit()):
+    raise ValueError(f"--settings: {setting!r} is not dtype:quantize or dtype:quantize:batch")
+  return parts[0], parts[1], int(parts[2]) if len(parts) == 3 else batch
+
+
 def worker(args) -> dict:
   import dataclasses
 
@@ -61,7 +72,7 @@ def worker(args) -> dict:
   from anlr_jax.models import generation
   from anlr_jax.models.llama import init_cache
 
-  dtype, quantize = args.setting.split(":")
+  dtype, quantize, args.batch = parse_setting(args.setting, args.batch)
   config = dataclasses.replace(
       RunConfig(), model=ModelSection(path=args.model, dtype=dtype, quantize=quantize)
   )
@@ -152,7 +163,10 @@ def main() -> None:
   ap.add_argument(
       "--settings",
       default="float32:none,float32:int8,float32:nf4",
-      help="comma-separated dtype:quantize; the first is the reference of the ratios",
+      help=(
+          "comma-separated dtype:quantize[:batch] (batch: judge prompts per batch, default"
+          " --batch); the first is the reference of the ratios"
+      ),
   )
   ap.add_argument("--prompts", type=int, default=1, help="MT-Bench questions (first ones)")
   ap.add_argument("--batch", type=int, default=1, help="judge prompts per batch")
@@ -169,6 +183,11 @@ def main() -> None:
     return
   if not os.path.isfile(args.model):
     sys.exit(f"--model: {args.model} does not exist (anlr judge-model joins it)")
+  for setting in args.settings.split(","):
+    try:
+      parse_setting(setting, args.batch)
+    except ValueError as err:
+      sys.exit(str(err))
   results = []
   for setting in args.settings.split(","):
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--setting", setting]
