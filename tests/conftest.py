@@ -23,7 +23,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite is bound by XLA compile time (tiny models, many programs): LLVM's optimisation level 0
 # halves the CPU backend's compile time of a train step and leaves what the programs compute as it
 # is (no fast-math either way); XLA:CPU's older loop emitters instead of its MLIR fusion emitters
-# take about a quarter less CPU again over the suite's files (same programs, same results). Set
+# take about a quarter less CPU again over the suite's files (every test passes either way). Set
 # before JAX starts; subprocesses inherit it (the tests that give a subprocess a device count
 # append to it).
 FAST_COMPILE_FLAGS = (
