@@ -80,6 +80,11 @@ def worker(args) -> dict:
   model, _, tokenizer = load_base(config)
   model.eval()
   load_s = time.perf_counter() - t0
+  from benchmarks import common
+
+  peak_load = peak_rss_gib()
+  rss_loaded = common.current_rss_mib() / 1024
+  common.reset_peak_rss()  # from here on VmHWM is the peak while judging
   template = mtbench.load_judge_prompts()["single-v1"]
   questions = mtbench.load_questions()[: args.prompts]
   rows = []
@@ -153,7 +158,10 @@ def worker(args) -> dict:
       "decode_step_s": round(decode_s, 4),
       "decode_steps_s": [round(t, 4) for t in steps],
       "judgments_per_hour": {str(n): round(rate(n), 2) for n in [args.tokens, *args.lengths]},
-      "peak_rss_gib": round(peak_rss_gib(), 3),
+      "peak_rss_gib": round(max(peak_load, peak_rss_gib()), 3),
+      "peak_loading_gib": round(peak_load, 3),
+      "rss_loaded_gib": round(rss_loaded, 3),
+      "peak_judging_gib": round(peak_rss_gib(), 3),
   }
 
 
@@ -217,6 +225,8 @@ def main() -> None:
         f"{r['setting']:>16}: prefill {r['prefill_s']:.1f} s (width {r['width']}), decode"
         f" {r['decode_step_s']:.3f} s/step, judgments/h {r['judgments_per_hour']}"
         f" (x{r['ratio_vs_first']} of {base['setting']}), peak {r['peak_rss_gib']:.2f} GiB"
+        f" (loading {r['peak_loading_gib']:.2f}, loaded {r['rss_loaded_gib']:.2f}, judging"
+        f" {r['peak_judging_gib']:.2f})"
     )
   out = {
       "machine": f"{platform.node()} {os.cpu_count()} CPUs, load average {os.getloadavg()}",

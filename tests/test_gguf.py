@@ -619,3 +619,26 @@ def test_anlr_convert_writes_the_checkpoint_and_names_a_missing_file(tiny, tmp_p
   assert cli.main(["convert", "--gguf", str(missing), "--out", str(tmp_path / "x")]) == 2
   err = capsys.readouterr().err
   assert f"--gguf {missing}: no such file" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_quantised_tensors_are_dequantised_a_block_of_rows_at_a_time(tiny, kind, monkeypatch):
+  """A large quantised tensor is read a few rows per call (the gguf package's dequantisation
+  holds several temporaries the size of its output), with the values of one whole call."""
+  from anlr_jax.models import gguf as ours
+
+  rows_per_call = []
+  whole = gguf.quants.dequantize
+
+  def counted(data, kind):
+    rows_per_call.append(data.shape[0] if data.ndim == 2 else -1)
+    return whole(data, kind)
+
+  monkeypatch.setattr(ours, "DEQUANTIZE_CHUNK_BYTES", 4 * 256 * 3)  # 3 rows of 256 values
+  monkeypatch.setattr(gguf.quants, "dequantize", counted)
+  _, tensors = read_gguf(tiny["files"]["llama", kind])
+  expected = tiny["expected"]["llama", kind]
+  for name, value in tensors.items():
+    np.testing.assert_array_equal(value, expected[name], err_msg=name)
+  if kind != "F32":
+    assert rows_per_call and max(rows_per_call) <= 3, rows_per_call

@@ -241,6 +241,25 @@ def _llama3_rope_scaling(
   )
 
 
+DEQUANTIZE_CHUNK_BYTES = 64 << 20
+"""Float32 bytes dequantised per call when a quantised tensor is read (a block of its rows): the
+``gguf`` package's NumPy dequantisation holds several temporaries of its output's size, which for
+a whole 151,936 x 1536 output matrix are gigabytes."""
+
+
+def _dequantize_rows(data: np.ndarray, kind) -> np.ndarray:
+  """The float32 values of a quantised tensor's ``(rows, bytes per row)`` data, a block of rows
+  (:data:`DEQUANTIZE_CHUNK_BYTES` of output) at a time; equal to one call on the whole."""
+  if data.ndim != 2:
+    return gguf.quants.dequantize(data, kind).astype(np.float32, copy=False)
+  first = gguf.quants.dequantize(data[:1], kind)
+  out = np.empty((data.shape[0], first.shape[-1]), np.float32)
+  step = max(1, DEQUANTIZE_CHUNK_BYTES // (4 * first.shape[-1]))
+  for start in range(0, data.shape[0], step):
+    out[start : start + step] = gguf.quants.dequantize(data[start : start + step], kind)
+  return out
+
+
 class GGUFTensors(Mapping):
   """The tensors of a GGUF file by Hugging Face name, dequantised (float32) when looked up.
 
@@ -259,7 +278,7 @@ class GGUFTensors(Mapping):
     if kind == gguf.GGMLQuantizationType.F32:
       array = np.array(tensor.data, dtype=np.float32)  # a copy: not a view of the memory map
     else:
-      array = gguf.quants.dequantize(tensor.data, kind).astype(np.float32, copy=False)
+      array = _dequantize_rows(tensor.data, kind)
     array = array.reshape(self.shape(name))
     if name in self._heads:
       array = _unpermute_rows(array, self._heads[name])
