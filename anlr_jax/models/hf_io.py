@@ -198,14 +198,15 @@ def set_tensor(
     array = array.T
   module = tensor_submodule(model, entry.module_path)
   if quantize != "none" and entry.attr == "kernel":
-    sharding = getattr(module.kernel.get_value(), "sharding", None)
-    value = _place(jnp.asarray(array).astype(jnp.float32), sharding)
+    # NumPy float32, quantised a chunk of columns at a time (no whole float copy on the device);
+    # the packed arrays are placed like the abstract kernel
+    value = np.asarray(array, np.float32)
     name = ".".join(map(str, entry.module_path))
     layer = QuantLinear(module, quantize, value, name=name)
     setattr(tensor_submodule(model, entry.module_path[:-1]), entry.module_path[-1], layer)
     return
   if quantize != "none" and entry.attr == "embedding":
-    table = QuantEmbed(module, quantize, jnp.asarray(array).astype(jnp.float32))
+    table = QuantEmbed(module, quantize, np.asarray(array, np.float32))
     setattr(tensor_submodule(model, entry.module_path[:-1]), entry.module_path[-1], table)
     return
   variable = getattr(module, entry.attr)

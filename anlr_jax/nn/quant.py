@@ -200,16 +200,22 @@ def quantize_concrete(w, mode: str) -> dict[str, jax.Array]:
   in one call) stay those of a chunk."""
   if mode not in ("int8", "nf4"):
     raise ValueError(f"quantize_kernel: mode {mode!r} is not one of int8, nf4")
-  w = jnp.asarray(w)
   d_in, d_out = w.shape
-  s = _absmax_jit(w)
   width = max(1, QUANTIZE_CHUNK_BYTES // (4 * d_in))
   if width >= d_out:
+    w = jnp.asarray(w)
+    s = _absmax_jit(w)
     codes = _codes_jit(w, s, mode)
   else:
-    parts = [
-        _codes_jit(w[:, j : j + width], s[:, j : j + width], mode) for j in range(0, d_out, width)
-    ]
+    # a NumPy kernel (a checkpoint's tensor) is copied to the device a chunk at a time: no whole
+    # float copy of it exists beside the caller's
+    scales, parts = [], []
+    for j in range(0, d_out, width):
+      chunk = jnp.asarray(w[:, j : j + width])
+      scales.append(_absmax_jit(chunk))
+      parts.append(_codes_jit(chunk, scales[-1], mode))
+      del chunk
+    s = jnp.concatenate(scales, axis=1)
     codes = jnp.concatenate(parts, axis=1)
   # waiting here releases the float kernel's buffer now: otherwise the runtime held the last
   # call's input until the next computation ran (0.87 GiB after loading a 1.5B model's output
@@ -504,8 +510,12 @@ class QuantLinear(nnx.Linear):
       )
     like = like if like is not None else getattr(self, "codes", None)
     like = like.get_value() if isinstance(like, nnx.Variable) else like
-    fn = quantize_kernel if isinstance(value, jax.core.Tracer) else quantize_concrete
-    arrays = fn(jnp.asarray(value), self.quantize)
+    if isinstance(value, jax.core.Tracer):
+      arrays = quantize_kernel(value, self.quantize)
+    else:  # a NumPy value is copied to the device a chunk at a time
+      arrays = quantize_concrete(
+          value if isinstance(value, np.ndarray) else jnp.asarray(value), self.quantize
+      )
     for name, array in arrays.items():
       sharded = name in ("codes", "scales")
       array = _place(array, like, sharded)
@@ -600,9 +610,11 @@ class QuantEmbed(nnx.Embed):
       raise ValueError(
           f"QuantEmbed: table shape {value.shape} != {(self.num_embeddings, self.features)}"
       )
-    value = jnp.asarray(value)
-    concrete = not isinstance(value, jax.core.Tracer)
-    arrays = (quantize_concrete if concrete else quantize_kernel)(value.T, self.quantize)
+    if isinstance(value, jax.core.Tracer):
+      arrays = quantize_kernel(value.T, self.quantize)
+    else:  # a NumPy table is copied to the device a chunk at a time
+      value = value if isinstance(value, np.ndarray) else jnp.asarray(value)
+      arrays = quantize_concrete(value.T, self.quantize)
     if like is not None:
       like = like.get_value() if isinstance(like, nnx.Variable) else like
       like = _transposed_sharding(like)
