@@ -240,6 +240,16 @@ def test_quantising_in_column_chunks_gives_the_same_arrays(monkeypatch, mode):
   assert chunked.keys() == whole.keys()
   for name in whole:
     np.testing.assert_array_equal(chunked[name], whole[name], err_msg=name)
+  # a NumPy kernel (a checkpoint's tensor): the same arrays, and no whole copy on the device
+  copied = []
+  asarray = jnp.asarray
+  monkeypatch.setattr(
+      quant.jnp, "asarray", lambda x, *a, **k: copied.append(np.shape(x)) or asarray(x, *a, **k)
+  )
+  from_numpy = quant.quantize_concrete(np.asarray(w), mode)
+  for name in whole:
+    np.testing.assert_array_equal(from_numpy[name], whole[name], err_msg=name)
+  assert copied and (128, 300) not in copied and max(c[-1] for c in copied) <= 64, copied
 
 
 @pytest.mark.parametrize("mode", ["nf4", "int8"])
