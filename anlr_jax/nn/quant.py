@@ -407,9 +407,9 @@ class _KernelView:
     return self._layer.codes.get_metadata()
 
 
-def _place(value: jax.Array, like: jax.Array | None, spec_axes: bool) -> jax.Array:
-  """``value`` with ``like``'s sharding spec (its logical axes when ``spec_axes``), else as is."""
-  sharding = getattr(like, "sharding", None)
+def _place(value: jax.Array, sharding: Any, spec_axes: bool) -> jax.Array:
+  """``value`` with ``sharding``'s spec (when ``spec_axes``; replicated on its mesh otherwise), or
+  as is when ``sharding`` is not a named sharding."""
   if not isinstance(sharding, jax.sharding.NamedSharding) or isinstance(value, jax.core.Tracer):
     return value
   spec = sharding.spec if spec_axes else jax.sharding.PartitionSpec()
@@ -421,23 +421,47 @@ def _place(value: jax.Array, like: jax.Array | None, spec_axes: bool) -> jax.Arr
   return jax.device_put(value, jax.sharding.NamedSharding(mesh, spec))
 
 
-class _ShardingOf:
-  """Stands for an array in :func:`_place`: only its ``sharding`` is read."""
-
-  def __init__(self, sharding):
-    self.sharding = sharding
-
-
-def _transposed_sharding(table: jax.Array) -> Any:
-  """A stand-in for ``table.T`` in :func:`_place`: the table's named sharding with its two axes
-  swapped (None when the table has no named sharding)."""
-  sharding = getattr(table, "sharding", None)
-  if not isinstance(sharding, jax.sharding.NamedSharding):
-    return None
+def _sharding_of(array: Any, transpose: bool = False) -> Any:
+  """The sharding of ``array`` (an ``nnx.Variable``'s value or an array; None when it has none),
+  with its two axes swapped when ``transpose``."""
+  array = array.get_value() if isinstance(array, nnx.Variable) else array
+  sharding = getattr(array, "sharding", None)
+  if not transpose or not isinstance(sharding, jax.sharding.NamedSharding):
+    return sharding
   spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
-  return _ShardingOf(
-      jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*reversed(spec)))
-  )
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*reversed(spec)))
+
+
+def _axis_metadata(variable: nnx.Variable, transpose: bool = False) -> tuple:
+  """The sharding metadata of ``variable`` (its logical axis names reversed when ``transpose``),
+  as a hashable tuple of items."""
+  meta = {
+      k: v for k, v in variable.get_metadata().items() if k in ("out_sharding", "eager_sharding")
+  }
+  if transpose and meta.get("out_sharding") is not None:
+    meta["out_sharding"] = tuple(reversed(tuple(meta["out_sharding"])))
+  return tuple(sorted(meta.items()))
+
+
+def _quantize_value(value: Any, mode: str) -> dict[str, jax.Array]:
+  """The quantised arrays of a kernel: traced, or concrete (a NumPy value is copied to the device
+  a chunk at a time, :func:`quantize_concrete`)."""
+  if isinstance(value, jax.core.Tracer):
+    return quantize_kernel(value, mode)
+  return quantize_concrete(value if isinstance(value, np.ndarray) else jnp.asarray(value), mode)
+
+
+def _store(module: nnx.Module, arrays: dict[str, jax.Array], sharding: Any) -> None:
+  """Sets ``module``'s quantised arrays: the codes and scales placed by ``sharding`` and carrying
+  ``module.kernel_metadata``, the double quantisation's small arrays replicated."""
+  for name, array in arrays.items():
+    sharded = name in ("codes", "scales")
+    array = _place(array, sharding, sharded)
+    if isinstance(getattr(module, name, None), QuantizedParam):
+      getattr(module, name).set_value(array)
+    else:
+      meta = dict(module.kernel_metadata) if sharded else {}
+      setattr(module, name, QuantizedParam(array, **meta))
 
 
 class QuantLinear(nnx.Linear):
@@ -480,12 +504,7 @@ class QuantLinear(nnx.Linear):
     self.matmul_dtype = lowp_dtype
     self.quantize = mode
     self.bias = linear.bias
-    meta = {
-        k: v
-        for k, v in linear.kernel.get_metadata().items()
-        if k in ("out_sharding", "eager_sharding")
-    }
-    self.kernel_metadata = tuple(sorted(meta.items()))  # static: hashable
+    self.kernel_metadata = _axis_metadata(linear.kernel)  # static: hashable
     like = linear.kernel.get_value()
     self.set_kernel(like if kernel is None else kernel, like=like)
 
@@ -509,22 +528,7 @@ class QuantLinear(nnx.Linear):
           f"QuantLinear: kernel shape {value.shape} != {(self.in_features, self.out_features)}"
       )
     like = like if like is not None else getattr(self, "codes", None)
-    like = like.get_value() if isinstance(like, nnx.Variable) else like
-    if isinstance(value, jax.core.Tracer):
-      arrays = quantize_kernel(value, self.quantize)
-    else:  # a NumPy value is copied to the device a chunk at a time
-      arrays = quantize_concrete(
-          value if isinstance(value, np.ndarray) else jnp.asarray(value), self.quantize
-      )
-    for name, array in arrays.items():
-      sharded = name in ("codes", "scales")
-      array = _place(array, like, sharded)
-      if hasattr(self, name) and isinstance(getattr(self, name), QuantizedParam):
-        getattr(self, name).set_value(array)
-      else:
-        setattr(
-            self, name, QuantizedParam(array, **(dict(self.kernel_metadata) if sharded else {}))
-        )
+    _store(self, _quantize_value(value, self.quantize), _sharding_of(like))
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
     bias = self.bias[...] if self.bias is not None else None
@@ -586,14 +590,8 @@ class QuantEmbed(nnx.Embed):
     self.dtype, self.param_dtype = embed.dtype, embed.param_dtype
     self.promote_dtype = embed.promote_dtype
     self.quantize = mode
-    meta = {
-        k: v
-        for k, v in embed.embedding.get_metadata().items()
-        if k in ("out_sharding", "eager_sharding")
-    }
-    if meta.get("out_sharding") is not None:  # the table's (vocab, embed): the kernel's reversed
-      meta["out_sharding"] = tuple(reversed(tuple(meta["out_sharding"])))
-    self.kernel_metadata = tuple(sorted(meta.items()))  # static: hashable
+    # the table's (vocab, embed) reversed: the axes of the kernel E^T the arrays hold
+    self.kernel_metadata = _axis_metadata(embed.embedding, transpose=True)  # static: hashable
     like = embed.embedding.get_value()
     self.set_table(like if table is None else table, like=like)
 
@@ -610,25 +608,10 @@ class QuantEmbed(nnx.Embed):
       raise ValueError(
           f"QuantEmbed: table shape {value.shape} != {(self.num_embeddings, self.features)}"
       )
-    if isinstance(value, jax.core.Tracer):
-      arrays = quantize_kernel(value.T, self.quantize)
-    else:  # a NumPy table is copied to the device a chunk at a time
-      value = value if isinstance(value, np.ndarray) else jnp.asarray(value)
-      arrays = quantize_concrete(value.T, self.quantize)
-    if like is not None:
-      like = like.get_value() if isinstance(like, nnx.Variable) else like
-      like = _transposed_sharding(like)
-    else:
-      like = getattr(self, "codes", None)
-      like = like.get_value() if isinstance(like, nnx.Variable) else like
-    for name, array in arrays.items():
-      sharded = name in ("codes", "scales")
-      array = _place(array, like, sharded)
-      if isinstance(getattr(self, name, None), QuantizedParam):
-        getattr(self, name).set_value(array)
-      else:
-        meta = dict(getattr(self, "kernel_metadata", ())) if sharded else {}
-        setattr(self, name, QuantizedParam(array, **meta))
+    if not isinstance(value, (np.ndarray, jax.core.Tracer)):
+      value = jnp.asarray(value)
+    sharding = _sharding_of(like, transpose=True) if like is not None else _sharding_of(self.codes)
+    _store(self, _quantize_value(value.T, self.quantize), sharding)
 
   def _dtype(self) -> Any:
     return self.dtype if self.dtype is not None else self.param_dtype
