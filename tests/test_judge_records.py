@@ -120,8 +120,9 @@ def test_pair_records_map_probability_verdicts_to_models_by_game(tmp_path):
   assert by_turn[1]["g1_prob_verdict"]["A"] == pytest.approx(0.5)
 
 
-def single(score, prob, turn, category, judgment="Rating.", finish="stop"):
+def single(score, prob, turn, category, judgment="Rating.", finish="stop", question=None):
   return dict(
+      question_id=question,
       score=score,
       prob_rating=prob,
       turn=turn,
@@ -158,6 +159,34 @@ def test_single_summary_parse_rate_failures_probability_and_correlation():
   endpoint = judging.single_summary([single(5, None, 1, "math"), single(-1, None, 1, "math")])
   assert endpoint["prob_rating"] is None and endpoint["rating_correlation"] is None
   assert judging.NO_PROBABILITIES in judging.format_single_extras(endpoint)
+
+
+def test_bootstrap_interval_resamples_questions_like_a_numpy_reference():
+  # Both turns of a question score the same: resampling questions gives an interval sqrt(2)
+  # wider than resampling the 12 judgments one by one would.
+  means = np.array([2.0, 3.0, 5.0, 6.0, 8.0, 9.0])
+  scores = [(q, m) for q, m in enumerate(means) for _ in range(2)]
+  low, high = judging.bootstrap_interval(scores)
+  rng = np.random.default_rng(1)
+  ref = means[rng.integers(0, 6, (40000, 6))].mean(axis=1)
+  ref_low, ref_high = np.percentile(ref, [2.5, 97.5])
+  assert low == pytest.approx(ref_low, abs=0.1) and high == pytest.approx(ref_high, abs=0.1)
+  flat = np.repeat(means, 2)[rng.integers(0, 12, (40000, 12))].mean(axis=1)
+  assert high - low > 1.25 * np.subtract(*np.percentile(flat, [97.5, 2.5]))
+  assert judging.bootstrap_interval([(0, 5.0), (0, 7.0)]) is None  # one question
+
+  records = [
+      single(s, s - 1, t, c, question=q)
+      for q, c, s in [(1, "math", 4), (2, "math", 8)]
+      for t in (1, 2)
+  ] + [single(-1, 3.0, 1, "math", LOOP, "length", question=3)]
+  s = judging.single_summary(records)
+  assert s["ci95"]["overall"] == judging.bootstrap_interval([(1, 4), (2, 8)])
+  assert s["ci95"]["overall"][0] >= 4 and s["ci95"]["overall"][1] <= 8
+  assert s["ci95"]["turns"][1] is not None and s["ci95"]["categories"]["math"] is not None
+  prob = s["prob_rating"]["ci95"]["overall"]  # the unparsed judgment has a probability rating
+  assert prob == judging.bootstrap_interval([(1, 3), (1, 3), (2, 7), (2, 7), (3, 3.0)])
+  assert "[95% CI " in app_judge.format_scores("lora", s)
 
 
 def pair(w1, w2, p1, p2, j1="[[A]]", j2="[[A]]", f1="stop", f2="stop"):

@@ -264,8 +264,10 @@ def format_scores(model: str, summary: dict[str, Any]) -> str:
   """One line of a single-grading summary: overall, per turn, per category, unparsed judgments."""
   num = lambda v: "n/a" if v is None else f"{v:.2f}"
   cats = ", ".join(f"{c} {num(v)}" for c, v in summary["categories"].items())
+  ci = summary["ci95"]["overall"]
+  ci = "" if ci is None else f" [95% CI {ci[0]:.2f}-{ci[1]:.2f}]"
   return (
-      f"mt_bench {model}: score {num(summary['overall'])}/10 (turn 1 {num(summary['turns'][1])},"
+      f"mt_bench {model}: score {num(summary['overall'])}/10{ci} (turn 1 {num(summary['turns'][1])},"
       f" turn 2 {num(summary['turns'][2])}; {cats}); {summary['unparsed']} of"
       f" {summary['judgments']} judgments without a rating"
   )

@@ -234,13 +234,15 @@ def _mean(values: Sequence[float]) -> float | None:
 
 def single_summary(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
   """Scores of single-answer judgments: ``overall`` (mean of every parsed turn score), ``turns``
-  ``{1: mean, 2: mean}``, ``categories`` ``{category: mean}`` (None where nothing parsed), and the
-  counts ``judgments``, ``unparsed`` and ``unparsed_rate``."""
+  ``{1: mean, 2: mean}``, ``categories`` ``{category: mean}`` (None where nothing parsed), their
+  bootstrap intervals ``ci95`` (:func:`bootstrap_interval`), and the counts ``judgments``,
+  ``unparsed`` and ``unparsed_rate``."""
   records = list(records)
   scored = [r for r in records if r["score"] != UNPARSED]
   categories = sorted({r.get("category") for r in records}, key=str)
   return {
       "overall": _mean([r["score"] for r in scored]),
+      "ci95": _intervals(scored, "score"),
       "turns": {t: _mean([r["score"] for r in scored if r["turn"] == t]) for t in TURNS},
       "categories": {
           c: _mean([r["score"] for r in scored if r.get("category") == c]) for c in categories
@@ -278,11 +280,50 @@ def _prob_rating_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]
   categories = sorted({r.get("category") for r in rated}, key=str)
   return {
       "overall": _mean([r["prob_rating"] for r in rated]),
+      "ci95": _intervals(rated, "prob_rating"),
       "turns": {t: _mean([r["prob_rating"] for r in rated if r["turn"] == t]) for t in TURNS},
       "categories": {
           c: _mean([r["prob_rating"] for r in rated if r.get("category") == c]) for c in categories
       },
       "judgments": len(rated),
+  }
+
+
+def bootstrap_interval(
+    scores: Iterable[tuple[Any, float]], *, level: float = 0.95, resamples: int = 9999
+) -> list[float] | None:
+  """Percentile bootstrap interval of a mean score over questions: ``scores`` are ``(question,
+  score)``; each resample draws questions with replacement and takes the mean of all their scores
+  (both turns of a question move together). ``[low, high]``; None below two questions. The seed
+  is fixed, so a summary is reproducible."""
+  by_question: dict[Any, list[float]] = {}
+  for question, score in scores:
+    by_question.setdefault(question, []).append(float(score))
+  if len(by_question) < 2:
+    return None
+  sums = np.array([sum(v) for v in by_question.values()])
+  counts = np.array([len(v) for v in by_question.values()], np.float64)
+  result = scipy.stats.bootstrap(
+      (sums, counts),
+      lambda s, c, axis: s.sum(axis=axis) / c.sum(axis=axis),
+      paired=True,
+      vectorized=True,
+      n_resamples=resamples,
+      confidence_level=level,
+      method="percentile",
+      rng=np.random.default_rng(0),
+  )
+  return [float(result.confidence_interval.low), float(result.confidence_interval.high)]
+
+
+def _intervals(records: Sequence[Mapping[str, Any]], field: str) -> dict[str, Any]:
+  """Bootstrap intervals over questions of the mean ``field``: overall, per turn, per category."""
+  ci = lambda rs: bootstrap_interval((r["question_id"], r[field]) for r in rs)
+  categories = sorted({r.get("category") for r in records}, key=str)
+  return {
+      "overall": ci(records),
+      "turns": {t: ci([r for r in records if r["turn"] == t]) for t in TURNS},
+      "categories": {c: ci([r for r in records if r.get("category") == c]) for c in categories},
   }
 
 
