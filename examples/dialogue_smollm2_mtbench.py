@@ -100,14 +100,21 @@ def main(argv=None) -> int:
   print(f"\nMT-Bench, {n} questions x 2 turns, judge {', '.join(sorted(judges))}:", flush=True)
   print(f"{'model':6s} {'score':>6s} {'turn 1':>7s} {'turn 2':>7s}  unparsed judgments", flush=True)
   num = lambda v: "n/a" if v is None else f"{v:.2f}"
+  summaries = []
   for name, out in outs.items():
-    label = "base" if name == "base" else name
-    s = json.load(open(os.path.join(out, scores_file(label))))
+    s = json.load(open(os.path.join(out, scores_file(name))))
+    summaries.append((name, s))
     print(
         f"{name:6s} {num(s['overall']):>6s} {num(s['turns']['1']):>7s} {num(s['turns']['2']):>7s}"
         f"  {s['unparsed']}/{s['judgments']}",
         flush=True,
     )
+  from anlr_jax.analysis.figures import mtbench_scores_figure
+
+  figure = mtbench_scores_figure(
+      summaries, os.path.join(run_dir, "mt_bench", "mt_bench_scores.png")
+  )
+  print(f"scores per category with 95% bootstrap intervals over questions: {figure}", flush=True)
   print(
       f"lora vs anlr: {pair['win']} win / {pair['tie']} tie / {pair['loss']} loss for lora"
       f" ({pair['inconsistent']} ties from disagreeing orders, {pair['errors']} of {pair['pairs']}"

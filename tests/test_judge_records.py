@@ -3,6 +3,7 @@ parse rate, failure kinds, probability means, correlation, agreement and positio
 hand-made records, and the local / endpoint judge through ``anlr judge``."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -187,6 +188,28 @@ def test_bootstrap_interval_resamples_questions_like_a_numpy_reference():
   prob = s["prob_rating"]["ci95"]["overall"]  # the unparsed judgment has a probability rating
   assert prob == judging.bootstrap_interval([(1, 3), (1, 3), (2, 7), (2, 7), (3, 3.0)])
   assert "[95% CI " in app_judge.format_scores("lora", s)
+
+
+def test_mtbench_figure_draws_each_mean_with_its_interval(tmp_path):
+  from anlr_jax.analysis import figures
+
+  records = [
+      single(s, s + 0.5, t, c, question=q)
+      for q, c, s in [(1, "math", 4), (2, "math", 8), (3, "writing", 6), (4, "writing", 7)]
+      for t in (1, 2)
+  ]
+  s = judging.single_summary(records)
+  labels, means, errors = figures.mtbench_bars(s, "score", ["coding", "math", "writing"])
+  assert labels == ["overall", "coding", "math", "writing"]
+  np.testing.assert_allclose(means[[0, 2, 3]], [6.25, 6, 6.5])
+  assert np.isnan(means[1])
+  low, high = s["ci95"]["categories"]["math"]
+  np.testing.assert_allclose(errors[:, 2], [6 - low, high - 6])
+  assert (errors[:, 1] == 0).all()  # no coding questions: no interval
+  _, prob, _ = figures.mtbench_bars(s, "prob_rating")
+  np.testing.assert_allclose(prob, [6.75, 6.5, 7.0])
+  path = figures.mtbench_scores_figure([("lora", s), ("anlr", s)], str(tmp_path / "s.png"))
+  assert os.path.getsize(path) > 0
 
 
 def pair(w1, w2, p1, p2, j1="[[A]]", j2="[[A]]", f1="stop", f2="stop"):

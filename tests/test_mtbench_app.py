@@ -283,6 +283,7 @@ def test_the_dialogue_config_and_example_run_end_to_end(tiny, tmp_path, capsys):
     assert any(line.startswith(f"{name} ") and line.endswith("/16") for line in out.splitlines())
   pair = json.load(open(tmp_path / "run" / "mt_bench" / "mt_bench_pair_lora_vs_anlr.json"))
   assert pair["pairs"] == 16
+  assert os.path.getsize(tmp_path / "run" / "mt_bench" / "mt_bench_scores.png") > 0
   assert "lora vs anlr: " in out and "a 135M judge says next to nothing" in out
   assert f"judge {path}:" in out and f"judging with {path} instead" in out
 

@@ -4,7 +4,7 @@ r"""Matplotlib (Agg) drawings of the paper's analysis figures; each takes the nu
 Fig. 1 per-rank velocity / module mean, Fig. 2a velocity over steps + ordering stability, Fig. 2b
 magnitude by velocity quartile, Fig. 2c module velocity vs spectral concentration, Fig. 3a
 :math:`\log s_k` heatmap, Fig. 3b cumulative singular energy, Fig. 3c per-index energy shift, Fig. 5
-accuracy vs learning rate (sweeps).
+accuracy vs learning rate (sweeps); and MT-Bench scores per category with their bootstrap intervals.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ __all__ = [
     'cumulative_energy_figure',
     'energy_shift_figure',
     'accuracy_vs_lr_figure',
+    'mtbench_scores_figure',
 ]
 
 
@@ -209,4 +210,48 @@ def accuracy_vs_lr_figure(
   ax.xaxis.set_major_formatter(matplotlib.ticker.FixedFormatter([f'{lr:g}' for lr in lrs]))
   ax.set(xlabel='learning rate', ylabel=f'accuracy ({metric})')
   ax.legend(fontsize=8)
+  return _save(fig, path)
+
+
+def mtbench_bars(
+    summary: dict, field: str = 'score', categories: Sequence[str] | None = None
+) -> tuple[list[str], np.ndarray, np.ndarray]:
+  """``(labels, means, errors)`` of one model's single-grading summary (``field``: ``score``, the
+  protocol's rating, or ``prob_rating``, the probability rating): overall first, then each of
+  ``categories`` (None: the summary's own); ``errors`` is ``(2, n)``, the distances down and up to
+  the 95 % bootstrap interval (0 where there is none); a mean that does not exist is NaN."""
+  part = summary if field == 'score' else summary[field]
+  categories = list(part['categories'] if categories is None else categories)
+  labels = ['overall', *categories]
+  means = [part['overall'], *(part['categories'].get(c) for c in categories)]
+  cis = [part['ci95']['overall'], *(part['ci95']['categories'].get(c) for c in categories)]
+  means = np.array([np.nan if m is None else m for m in means], np.float64)
+  errors = np.zeros((2, len(labels)))
+  for i, (mean, ci) in enumerate(zip(means, cis)):
+    if ci is not None:
+      errors[:, i] = (mean - ci[0], ci[1] - mean)
+  return labels, means, errors
+
+
+def mtbench_scores_figure(summaries: Sequence[tuple[str, dict]], path: str) -> str:
+  """MT-Bench single grading, one bar per model ``(label, summary)`` for the overall score and each
+  category, with 95 % bootstrap intervals over questions; a second panel for the probability
+  rating where the summaries have one (a local judge)."""
+  fields = ['score'] + (['prob_rating'] if all(s.get('prob_rating') for _, s in summaries) else [])
+  categories = sorted({c for _, s in summaries for c in s['categories']}, key=str)
+  fig, axes = _columns(1, rows=len(fields), width=9.0, height=3.2)
+  width = 0.8 / len(summaries)
+  titles = {
+      'score': "protocol rating ([[N]] in the judge's reply)",
+      'prob_rating': "probability rating (expected value after 'Rating: [[')",
+  }
+  for ax, field in zip(axes[:, 0], fields):
+    for i, (label, summary) in enumerate(summaries):
+      names, means, errors = mtbench_bars(summary, field, categories)
+      x = np.arange(len(names)) + (i - (len(summaries) - 1) / 2) * width
+      ax.bar(x, means, width, yerr=errors, capsize=2, label=label)
+    ax.set_xticks(np.arange(len(names)), names, fontsize=8)
+    ax.set(ylim=(0, 10), ylabel='score (1-10)')
+    ax.set_title(titles[field], fontsize=9)
+  axes[0, 0].legend(fontsize=8, ncol=len(summaries))
   return _save(fig, path)
