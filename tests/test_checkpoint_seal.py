@@ -335,6 +335,29 @@ def test_a_failed_restore_leaves_no_traceback_of_its_dropped_reads_and_hides_not
   assert "another unraisable error" in done.stderr and "another task error" in done.stderr
 
 
+def test_a_dropped_tensorstore_read_reported_as_a_bare_future_is_dropped_too():
+  """On a loaded machine a dropped read can surface as an unretrieved tensorstore future rather than
+  an orbax task; that report is dropped, an unretrieved future about anything else is not."""
+  import logging
+
+  from anlr_jax.train.checkpoint import _DropAbandonedReads
+
+  def record(message):
+    return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, None, None)
+
+  read = (
+      "Future exception was never retrieved\nfuture: <Future finished exception=ValueError("
+      "'OUT_OF_RANGE: Error opening \"zarr\" driver [tensorstore_spec='{}']')>"
+  )
+  other = (
+      "Future exception was never retrieved\nfuture: <Future finished exception=ValueError('x')>"
+  )
+  drop = _DropAbandonedReads()
+  assert not drop.filter(record(read))
+  assert drop.filter(record(other))
+  assert drop.filter(record("Task exception was never retrieved\ntask: <Task coro=<other()>>"))
+
+
 def test_anlr_train_past_a_checkpoint_unreadable_as_sealed_has_a_clean_stderr(
     trained_run, tmp_path
 ):

@@ -60,11 +60,15 @@ logger = logging.getLogger('anlr_jax.train')
 
 
 def _is_unretrieved_read_of_abandoned_restore(record: logging.LogRecord) -> bool:
-  """True for asyncio's 'Task exception was never retrieved' about one of orbax's array reads: the
-  restore failed on its first bad read and dropped the others, which fail alike."""
+  """True for asyncio's 'Task exception was never retrieved' about one of orbax's array reads, or
+  'Future exception was never retrieved' about one of tensorstore's (its error names the
+  ``tensorstore_spec``): the restore failed on its first bad read and dropped the others, which
+  fail alike."""
   message = record.getMessage()
-  return message.startswith('Task exception was never retrieved') and (
-      'coro=<async_deserialize()' in message
+  if message.startswith('Task exception was never retrieved'):
+    return 'coro=<async_deserialize()' in message
+  return (
+      message.startswith('Future exception was never retrieved') and 'tensorstore_spec' in message
   )
 
 
