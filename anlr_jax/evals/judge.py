@@ -239,14 +239,8 @@ def single_summary(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
   ``unparsed`` and ``unparsed_rate``."""
   records = list(records)
   scored = [r for r in records if r["score"] != UNPARSED]
-  categories = sorted({r.get("category") for r in records}, key=str)
   return {
-      "overall": _mean([r["score"] for r in scored]),
-      "ci95": _intervals(scored, "score"),
-      "turns": {t: _mean([r["score"] for r in scored if r["turn"] == t]) for t in TURNS},
-      "categories": {
-          c: _mean([r["score"] for r in scored if r.get("category") == c]) for c in categories
-      },
+      **_means(scored, "score", _categories(records)),
       "judgments": len(records),
       "unparsed": len(records) - len(scored),
       "unparsed_rate": (len(records) - len(scored)) / len(records) if records else None,
@@ -277,16 +271,27 @@ def _prob_rating_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]
   rated = [r for r in records if r.get("prob_rating") is not None]
   if not rated:
     return None
-  categories = sorted({r.get("category") for r in rated}, key=str)
-  return {
-      "overall": _mean([r["prob_rating"] for r in rated]),
-      "ci95": _intervals(rated, "prob_rating"),
-      "turns": {t: _mean([r["prob_rating"] for r in rated if r["turn"] == t]) for t in TURNS},
-      "categories": {
-          c: _mean([r["prob_rating"] for r in rated if r.get("category") == c]) for c in categories
-      },
-      "judgments": len(rated),
-  }
+  return {**_means(rated, "prob_rating", _categories(rated)), "judgments": len(rated)}
+
+
+def _categories(records: Sequence[Mapping[str, Any]]) -> list:
+  return sorted({r.get("category") for r in records}, key=str)
+
+
+def _means(records: Sequence[Mapping[str, Any]], field: str, categories: Sequence) -> dict:
+  """The mean ``field`` of ``records`` overall, per turn and per category (None where there is
+  none), and ``ci95``, the same means' bootstrap intervals over questions."""
+  mean = lambda rs: _mean([r[field] for r in rs])
+  ci = lambda rs: bootstrap_interval((r["question_id"], r[field]) for r in rs)
+
+  def each(f):
+    return {
+        "overall": f(records),
+        "turns": {t: f([r for r in records if r["turn"] == t]) for t in TURNS},
+        "categories": {c: f([r for r in records if r.get("category") == c]) for c in categories},
+    }
+
+  return {**each(mean), "ci95": each(ci)}
 
 
 def bootstrap_interval(
@@ -314,17 +319,6 @@ def bootstrap_interval(
       rng=np.random.default_rng(0),
   )
   return [float(result.confidence_interval.low), float(result.confidence_interval.high)]
-
-
-def _intervals(records: Sequence[Mapping[str, Any]], field: str) -> dict[str, Any]:
-  """Bootstrap intervals over questions of the mean ``field``: overall, per turn, per category."""
-  ci = lambda rs: bootstrap_interval((r["question_id"], r[field]) for r in rs)
-  categories = sorted({r.get("category") for r in records}, key=str)
-  return {
-      "overall": ci(records),
-      "turns": {t: ci([r for r in records if r["turn"] == t]) for t in TURNS},
-      "categories": {c: ci([r for r in records if r.get("category") == c]) for c in categories},
-  }
 
 
 def _correlation(pairs: Sequence[tuple[float, float]]) -> dict[str, Any] | None:
