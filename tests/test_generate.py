@@ -63,6 +63,34 @@ def test_eos_then_pad_matches_transformers(hf_and_flax):
   np.testing.assert_array_equal(got, expected)
 
 
+@pytest.mark.parametrize("chunk, first, slots", [(4, 6, 24), (7, 0, 35)])
+def test_chunked_prefill_matches_transformers_generate(hf_and_flax, chunk, first, slots):
+  """Prefilled ``chunk`` columns at a time, greedy tokens equal transformers'. The 30 columns
+  start at column ``first`` in some row: with 4, the six columns of padding in every row are
+  skipped (6 chunks); with 7, five pad columns are added on the left (5 chunks)."""
+  hf, model, _, _ = hf_and_flax
+  ids, mask = left_padded_batch(hf.config.vocab_size, seed=5, length=30)
+  mask[:, :first] = 0
+  ids[mask == 0] = 0
+  expected = hf_greedy(hf, ids, mask, 12)
+  got, cache, prompt_slots = generate(
+      model, ids, mask, max_new_tokens=12, prefill_chunk=chunk, cache_reserve=3, return_cache=True
+  )
+  np.testing.assert_array_equal(np.asarray(got), expected)
+  assert prompt_slots == slots
+  assert cache.max_length == max(30, slots) + 12 + 3
+  assert int(cache.index) == slots + 11  # the 11 tokens fed back after the first
+  written = np.asarray(cache.mask)[:, :slots]
+  np.testing.assert_array_equal(written[:, -(30 - first) :], np.asarray(mask)[:, first:])
+  assert not written[:, : slots - (30 - first)].any()
+
+
+def test_prefill_chunk_is_checked(hf_and_flax):
+  _, model, ids, mask = hf_and_flax
+  with pytest.raises(ValueError, match="prefill_chunk"):
+    generate(model, ids, mask, max_new_tokens=2, prefill_chunk=0)
+
+
 def test_decode_step_compiles_once(hf_and_flax):
   _, model, ids, mask = hf_and_flax
   n = 20  # the length the other tests use, so the compiled functions are shared

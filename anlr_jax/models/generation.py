@@ -2,7 +2,8 @@ r"""Autoregressive generation for :class:`~anlr_jax.models.llama.LlamaForCausalL
 
 For a left-padded prompt batch ``x`` (``B, P``) with mask ``m``, one prefill pass writes the prompt
 keys/values into a :class:`~anlr_jax.models.llama.KVCache` of fixed length ``P + N`` and yields the
-first token; then a jitted single-token step is called ``N - 1`` times. Token ``y_{n+1}`` is drawn from
+first token (with ``prefill_chunk``, the prompt goes in chunks of that many columns, those that are
+padding in every row skipped, so a long prompt's activations are one chunk's); then a jitted single-token step is called ``N - 1`` times. Token ``y_{n+1}`` is drawn from
 
     greedy (temperature == 0):  argmax_v logits_v
     sampling:                   softmax(logits / temperature) restricted to the top_k largest
@@ -33,7 +34,7 @@ from flax import nnx
 from anlr_jax.models.llama import KVCache, LlamaForCausalLM, init_cache
 
 # Python-side trace counters (incremented only while tracing), for compile-once checks.
-TRACE_COUNTS = {"prefill": 0, "decode_step": 0}
+TRACE_COUNTS = {"prefill": 0, "prefill_chunk": 0, "decode_step": 0}
 
 
 class SamplingParams(NamedTuple):
@@ -101,8 +102,54 @@ def _prefill(
   )
   done = jnp.zeros(prompt_ids.shape[:1], bool)
   token, done = _next_token(logits[:, -1], done, rng, 0, params, greedy=greedy)
-  last_position = jnp.sum(prompt_mask, axis=-1) - 1
+  last_position = jnp.sum(cache.mask, axis=-1) - 1  # the prompt's real tokens, all chunks
   return token, cache, done, last_position
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def _prefill_chunk(graphdef, state, ids, mask, cache):
+  """Writes one chunk of a prompt batch into ``cache`` (no logits are computed)."""
+  TRACE_COUNTS["prefill_chunk"] += 1
+  model = nnx.merge(graphdef, state)
+  _, cache = model(ids, attention_mask=mask, cache=cache, logits_to_keep=1)
+  return cache
+
+
+def chunk_layout(prompt_mask, chunk: int | None) -> tuple[int, int]:
+  """``(start, n)``: a left-padded prompt batch of width ``P`` with mask ``prompt_mask`` is
+  prefilled as its columns ``[start, P)`` in ``n`` chunks of ``chunk`` columns (``start < 0``:
+  ``-start`` pad columns added on the left). Leading columns that are padding in every row are
+  skipped. ``chunk`` None or ``>= P``: one pass over all ``P`` columns, ``(0, 1)``."""
+  width = prompt_mask.shape[1]
+  if not chunk or chunk >= width:
+    return 0, 1
+  real = np.flatnonzero(np.asarray(prompt_mask).any(axis=0))
+  span = width - (int(real[0]) if real.size else width - 1)
+  n = max(1, math.ceil(span / chunk))
+  return width - n * chunk, n
+
+
+def chunked_columns(array, start: int, pad_value: int) -> np.ndarray:
+  """``array[:, start:]``, or ``array`` with ``-start`` columns of ``pad_value`` on the left."""
+  array = np.asarray(array)
+  if start >= 0:
+    return array[:, start:]
+  return np.pad(array, ((0, 0), (-start, 0)), constant_values=pad_value)
+
+
+def prefill_cache(model, ids, mask, cache: KVCache, *, chunk: int | None) -> KVCache:
+  """``cache`` (donated) with the left-padded batch ``ids`` / ``mask`` written into it, ``chunk``
+  columns at a time (:func:`chunk_layout`; None: one pass). The cache needs room for the
+  ``n * chunk`` columns of the layout after its index."""
+  start, n = chunk_layout(mask, chunk)
+  width = np.asarray(ids).shape[1] - start
+  ids, mask = chunked_columns(ids, start, 0), chunked_columns(mask, start, 0)
+  graphdef, state = nnx.split(model)
+  step = width // n
+  for i in range(n):
+    cols = slice(i * step, (i + 1) * step)
+    cache = _prefill_chunk(graphdef, state, ids[:, cols], mask[:, cols], cache)
+  return cache
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
@@ -136,7 +183,10 @@ def generate(
     pad_token_id: int = 0,
     rng: jax.Array | None = None,
     pixel_values: jax.Array | None = None,
-) -> jax.Array:
+    prefill_chunk: int | None = None,
+    cache_reserve: int = 0,
+    return_cache: bool = False,
+) -> jax.Array | tuple[jax.Array, KVCache, int]:
   """Generates ``max_new_tokens`` tokens after a left-padded prompt batch.
 
   Args:
@@ -152,9 +202,16 @@ def generate(
     rng: PRNG key for sampling (required when ``temperature > 0``).
     pixel_values: ``(num_images, 3, S, S)`` images of the prompts, in order of their image
       tokens, for a model that takes images (:class:`~anlr_jax.models.llava.LlavaForConditionalGeneration`).
+    prefill_chunk: prefill the prompt ``prefill_chunk`` columns at a time (:func:`chunk_layout`:
+      columns that are padding in every row are skipped), so a long prompt batch needs the
+      activations of one chunk, not of the whole prompt; None: one pass. Not with images.
+    cache_reserve: free cache slots kept after the last token (for a caller that goes on).
+    return_cache: also return the cache and the number of slots the prompt takes in it.
 
   Returns:
-    ``(B, N)`` int32 new token ids.
+    ``(B, N)`` int32 new token ids; with ``return_cache``, ``(tokens, cache, prompt_slots)``:
+    new token ``j`` of a row sits in slot ``prompt_slots + j`` for ``j < cache.index -
+    prompt_slots`` (the last token chosen is not written).
   """
   prompt_ids = jnp.asarray(prompt_ids, jnp.int32)
   prompt_mask = jnp.asarray(prompt_mask, jnp.int32)
@@ -180,8 +237,14 @@ def generate(
     pixel_values = jnp.asarray(pixel_values, jnp.float32)
     model.check_image_tokens(prompt_ids, pixel_values)
 
+  if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk <= 0):
+    raise ValueError(f"prefill_chunk must be a positive int or None, got {prefill_chunk!r}.")
+  if prefill_chunk is not None and pixel_values is not None:
+    raise ValueError("prefill_chunk does not go with pixel_values: images are prefilled whole.")
+
   batch, prompt_len = prompt_ids.shape
-  graphdef, state = nnx.split(model)
+  start, n_chunks = chunk_layout(prompt_mask, prefill_chunk)
+  slots = prompt_len - start  # cache slots of the prompt (the skipped or added pad columns)
   static = dict(greedy=temperature == 0)
   params = SamplingParams(
       temperature=jnp.asarray(temperature if temperature > 0 else 1.0, jnp.float32),
@@ -190,12 +253,21 @@ def generate(
       eos_token_id=jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32),
       pad_token_id=jnp.asarray(pad_token_id, jnp.int32),
   )
-  cache = init_cache(model.config, batch, prompt_len + max_new_tokens)
+  cache = init_cache(model.config, batch, max(prompt_len, slots) + max_new_tokens + cache_reserve)
+  if n_chunks > 1:
+    chunk = slots // n_chunks
+    head = (chunked_columns(a, start, 0) for a in (prompt_ids, prompt_mask))
+    ids, mask = (a[:, : slots - chunk] for a in head)
+    cache = prefill_cache(model, ids, mask, cache, chunk=chunk)
+    prompt_ids, prompt_mask = (
+        chunked_columns(a, start, 0)[:, -chunk:] for a in (prompt_ids, prompt_mask)
+    )
+  graphdef, state = nnx.split(model)
   token, cache, done, position = _prefill(
       graphdef=graphdef,
       state=state,
-      prompt_ids=prompt_ids,
-      prompt_mask=prompt_mask,
+      prompt_ids=jnp.asarray(prompt_ids),
+      prompt_mask=jnp.asarray(prompt_mask),
       cache=cache,
       rng=rng,
       params=params,
@@ -221,7 +293,8 @@ def generate(
         **static,
     )
     tokens.append(token)
-  return jnp.concatenate([t if t.ndim == 2 else t[:, None] for t in tokens], axis=1)
+  tokens = jnp.concatenate([t if t.ndim == 2 else t[:, None] for t in tokens], axis=1)
+  return (tokens, cache, slots) if return_cache else tokens
 
 
 def prompt_width(length: int, multiple: int = 16) -> int:
