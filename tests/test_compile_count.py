@@ -80,10 +80,11 @@ def test_the_probability_pass_compiles_once_per_context_width(tiny):
   with compile_log() as first:
     for judgment in judgments:
       probes.choice_logprobs([judgment], RATING_CUE, RATINGS)
-  assert named(first, "_chain_logprobs") == len(widths) < len(set(ctx))
+  assert named(first, "_prefill_chunk") == named(first, "_tail_logprobs") == len(widths)
+  assert len(widths) < len(set(ctx))
   with compile_log() as again:
     probes.choice_logprobs(judgments[::-1], RATING_CUE, RATINGS)  # batched differently
-  assert named(again, "_chain_logprobs") <= 1 and len(again.programs) <= 2
+  assert named(again, "_tail_logprobs") <= 1 and len(again.programs) <= 3
 
 
 PROGRAM = """

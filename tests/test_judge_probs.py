@@ -161,3 +161,58 @@ def test_finish_reason_counts_the_reply_in_tokens(tiny):
   assert len(tok(long, add_special_tokens=False).input_ids) >= 100
   assert probes.finish_reason(long) == "length"
   assert probes.finish_reason("A short reply. Rating: [[4]]") == "stop"
+
+
+def test_the_probe_goes_on_from_the_replies_kv_cache(tiny, monkeypatch):
+  """The judge's replies are generated with their cache held; the probe continues from it (no new
+  prefill: ``chain_logprobs`` is not called) and gives the whole-sequence reference's values."""
+  from anlr_jax.app.text_generation import make_generate_fn
+
+  model, reference, toks = tiny
+  tok = toks["split"]
+  fmt = prompt_of(tok)
+  holder = judge_probs.ReplyHolder()
+  generate = make_generate_fn(
+      model,
+      tok,
+      max_new_tokens=6,
+      batch_size=4,
+      template="chat",
+      prefill_chunk=16,
+      hold=holder.hold,
+  )
+  prompts = [(s, u) for s, u, _ in JUDGMENTS]
+  replies = generate([fmt(s, u) for s, u in prompts])
+  judgments = [(s, u, r) for (s, u), r in zip(prompts, replies)][::-1]  # any order
+  probes = local_probes(model, tok, fmt, batch_size=4, max_new_tokens=6, held=holder)
+  fail = lambda *a, **k: pytest.fail("prefilled again")
+  monkeypatch.setattr(judge_probs, "chain_logprobs", fail)
+  got = probes.choice_logprobs(judgments, judge_probs.RATING_CUE, RATINGS)
+  assert holder.take() is None  # taken, its memory let go
+  for (system, user, reply), row in zip(judgments, got):
+    context = fmt(system, user) + reply.rstrip() + judge_probs.RATING_CUE
+    ctx, choices = choice_tokens(tok, context, RATINGS)
+    np.testing.assert_allclose(row, numpy_choice_logprobs(reference, ctx, choices), atol=1e-4)
+
+
+def test_a_held_batch_that_does_not_hold_the_prompts_is_prefilled_anew(tiny):
+  """Prompts the held batch lacks (here: its replies were made for other prompts) go the
+  prefill way, ``prefill_chunk`` columns at a time, with the same values."""
+  from anlr_jax.app.text_generation import make_generate_fn
+
+  model, reference, toks = tiny
+  tok = toks["split"]
+  fmt = prompt_of(tok)
+  holder = judge_probs.ReplyHolder()
+  generate = make_generate_fn(
+      model, tok, max_new_tokens=4, batch_size=2, template="chat", hold=holder.hold
+  )
+  generate([fmt("Other.", "Another prompt.")])
+  probes = local_probes(
+      model, tok, fmt, batch_size=2, max_new_tokens=4, prefill_chunk=8, held=holder
+  )
+  got = probes.choice_logprobs(JUDGMENTS, judge_probs.VERDICT_CUE, VERDICTS)
+  for (system, user, reply), row in zip(JUDGMENTS, got):
+    context = fmt(system, user) + reply.rstrip() + judge_probs.VERDICT_CUE
+    ctx, choices = choice_tokens(tok, context, VERDICTS)
+    np.testing.assert_allclose(row, numpy_choice_logprobs(reference, ctx, choices), atol=1e-4)

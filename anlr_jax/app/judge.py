@@ -33,7 +33,7 @@ from anlr_jax.data import chat_prompt, mtbench
 from anlr_jax.data.chat import require_chat_template
 from anlr_jax.data.formats import DataFormatError
 from anlr_jax.evals import judge as judging
-from anlr_jax.evals.judge_probs import JudgeProbes, local_probes
+from anlr_jax.evals.judge_probs import JudgeProbes, ReplyHolder, local_probes
 from anlr_jax.evals.mtbench import ANSWERS_FILE, answers_by_question, generate_answers, read_records
 from anlr_jax.fileio import write_json_atomic
 from anlr_jax.train.lock import DirectoryLock
@@ -143,12 +143,15 @@ def load_judge(config: RunConfig) -> Judge:
   require_chat_template(tokenizer, f"eval.judge.model: {section.model}")
   model.eval()
   batch_size = section.batch_size or config.eval.batch_size
+  replies = ReplyHolder()  # the probability rating goes on from the replies' KV cache
   generate_fn = make_generate_fn(
       model,
       tokenizer,
       max_new_tokens=section.max_new_tokens,
       batch_size=batch_size,
       template="chat",
+      prefill_chunk=section.prefill_chunk,
+      hold=replies.hold,
   )
 
   def judge_fn(prompts: list[tuple[str, str]]) -> list[str]:
@@ -160,6 +163,8 @@ def load_judge(config: RunConfig) -> Judge:
       lambda system, user: judge_prompt(tokenizer, system, user),
       batch_size=batch_size,
       max_new_tokens=section.max_new_tokens,
+      prefill_chunk=section.prefill_chunk,
+      held=replies,
   )
   return Judge(name, judge_fn, batch_size, probes)
 

@@ -358,6 +358,12 @@ class JudgeSection:
       " eval.batch_size",
       Range(1),
   )
+  prefill_chunk: int | None = setting(
+      256,
+      "a local judge prefills its prompts this many tokens at a time (memory follows the chunk,"
+      " not the prompt); None: each prompt batch in one pass",
+      Range(1),
+  )
   url: str = setting(
       "",
       "an OpenAI-compatible chat endpoint judging instead of eval.judge.model, e.g."

@@ -11,6 +11,9 @@ from anlr_jax.data import end_of_turn_id
 from anlr_jax.models import generate
 from anlr_jax.models.generation import left_padded_batch, prompt_width
 
+HOLD_RESERVE = 32
+"""Free KV-cache slots kept after a batch's last token for ``make_generate_fn(hold=...)``."""
+
 
 def make_generate_fn(
     model,
@@ -22,6 +25,8 @@ def make_generate_fn(
     template: str = "alpaca",
     exact_continuation: bool = False,
     seed: int = 0,
+    prefill_chunk: int | None = None,
+    hold=None,
 ):
   """``prompts -> continuations`` by greedy decoding, with the training tokenisation of a prompt.
 
@@ -33,6 +38,10 @@ def make_generate_fn(
   the continuation is ``decode(prompt + new)`` minus ``decode(prompt)``, which keeps the leading
   spaces that decoding the new tokens alone can drop (code indentation). The returned function
   takes an optional ``temperature`` (> 0: sampling, seeded by ``seed`` and the call's number).
+  ``prefill_chunk``: prompts are prefilled that many columns at a time
+  (:func:`anlr_jax.models.generate`). ``hold(rows, new_ids, cache, prompt_slots)``, when given, is
+  called after each batch with the prompts' token ids, the ``(B, N)`` new ids and the KV cache
+  (``HOLD_RESERVE`` free slots kept after the last token) for a caller that goes on from there.
   """
   chat = template == "chat"
   bos = None if chat else tokenizer.bos_token_id
@@ -70,12 +79,17 @@ def make_generate_fn(
         max_new_tokens=max_new_tokens,
         eos_token_id=stop,
         pad_token_id=int(pad),
+        prefill_chunk=prefill_chunk,
         **sampling(temperature),
+        **({} if hold is None else dict(cache_reserve=HOLD_RESERVE, return_cache=True)),
     )
+    if hold is not None:
+      out, cache, slots = out
+      hold(rows, np.asarray(out), cache, slots)
     calls[0] += 1
     return decode(rows, np.asarray(out)[: len(rows)].tolist())
 
   return generate_fn
 
 
-__all__ = ["make_generate_fn", "prompt_width"]
+__all__ = ["HOLD_RESERVE", "make_generate_fn", "prompt_width"]

@@ -13,10 +13,13 @@ A choice whose tokens begin another choice's (``1`` before ``10`` when ``10`` is
 every next token that leads on to a longer choice taken out, so the ten events are disjoint. The
 probabilities are normalised over the choices, ``q_k = P(s_k) / \sum_j P(s_j)``; the rating is
 ``\sum_k k q_k`` and the verdict ``argmax_k q_k``. It needs one forward pass per judgment (more
-only for a tokenizer whose choices branch after their first token): the prompt, reply and cue are
-prefilled into a KV cache and the chain of tokens the choices share is run against it, so only a
-few positions' logits are computed. Widths are rounded to :func:`anlr_jax.evals.loglik.bucket_width`,
-so a run compiles one program per context width bucket.
+only for a tokenizer whose choices branch after their first token), over a few positions: a local
+judge's generation keeps the KV cache of the batch of replies it just wrote
+(:class:`ReplyHolder`), and the pass keeps the cached tokens ``x, r, c`` tokenised afresh begins
+with and runs only the rest of the context and the chain of tokens the choices share
+(:func:`continue_held`). Otherwise the context is prefilled into a new cache, a chunk of columns
+at a time, widths rounded to :func:`anlr_jax.evals.loglik.bucket_width` so that a run compiles one
+program per context width bucket (:func:`chain_logprobs`).
 
 **Failures.** A reply without the protocol's verdict is a *greedy loop* when it ends in at least
 three back-to-back copies of one word n-gram (:func:`greedy_loop`: decoding went round in a circle
@@ -37,6 +40,7 @@ import numpy as np
 from flax import nnx
 
 from anlr_jax.evals.loglik import bucket_width
+from anlr_jax.models.generation import chunk_layout, prefill_cache
 from anlr_jax.models.llama import init_cache
 
 RATING_CUE = "\n\nRating: [["
@@ -128,45 +132,149 @@ def choice_logprobs_from(
 
 
 # ------------------------------------------------------------------------------ the local judge
+TRACE_COUNTS = {"tail": 0}
+"""Python-side trace count of the probe's tail program (for compile checks)."""
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def _chain_logprobs(state, graphdef, ctx_ids, ctx_mask, tail_ids, tail_mask):
-  """Log-softmax ``(R, T, V)`` at each tail position, the contexts prefilled into a cache."""
+def _tail_logprobs(state, graphdef, cache, key_mask, tail_ids, tail_mask):
+  """Log-softmax ``(R, T, V)`` at each tail position: the tails are run after ``cache.index``
+  against the cached slots that ``key_mask`` marks (the cache is read, not returned)."""
+  TRACE_COUNTS["tail"] += 1
   model = nnx.merge(graphdef, state)
-  cache = init_cache(model.config, ctx_ids.shape[0], ctx_ids.shape[1] + tail_ids.shape[1])
-  _, cache = model(ctx_ids, attention_mask=ctx_mask, cache=cache)  # logits unused: not computed
-  logits, _ = model(tail_ids, attention_mask=tail_mask, cache=cache)
+  logits, _ = model(tail_ids, attention_mask=tail_mask, cache=cache._replace(mask=key_mask))
   return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
 
+def _tails(tails: Sequence[tuple[int, Sequence[int]]], rows: int, pad_id: int):
+  """``(ids, mask)`` ``(rows, W)``: each ``(row, tail)`` right-padded, ``W`` the
+  :func:`~anlr_jax.evals.loglik.bucket_width` (multiple 8) of the longest tail."""
+  width = bucket_width(max(len(t) for _, t in tails), multiple=8)
+  ids = np.full((rows, width), pad_id, np.int32)
+  mask = np.zeros((rows, width), np.int32)
+  for r, tail in tails:
+    ids[r, : len(tail)], mask[r, : len(tail)] = tail, 1
+  return ids, mask
+
+
 def chain_logprobs(
-    model, requests: Sequence[tuple[Sequence[int], Sequence[int]]], *, batch_size: int, pad_id: int
+    model,
+    requests: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    batch_size: int,
+    pad_id: int,
+    prefill_chunk: int | None = None,
 ) -> list[np.ndarray]:
   """For each ``(context ids, chain ids)``, the log-softmax ``(len(chain) + 1, V)`` of the next
   token after the context and after each chain token. Contexts are left-padded to a
-  :func:`~anlr_jax.evals.loglik.bucket_width` (all but their last token, which opens the tail),
-  tails right-padded to 8; batches of ``batch_size`` rows, longest first."""
+  :func:`~anlr_jax.evals.loglik.bucket_width` (all but their last token, which opens the tail) and
+  prefilled ``prefill_chunk`` columns at a time (None: one pass), tails right-padded to 8;
+  batches of ``batch_size`` rows, longest first."""
   graphdef, state = nnx.split(model)
   order = sorted(range(len(requests)), key=lambda i: -len(requests[i][0]))
   out: list[np.ndarray] = [np.empty(0)] * len(requests)
   for start in range(0, len(order), batch_size):
     batch = order[start : start + batch_size]
     lc = bucket_width(max(len(requests[i][0]) - 1 for i in batch))
-    lt = bucket_width(max(len(requests[i][1]) + 1 for i in batch), multiple=8)
     ctx_ids = np.full((batch_size, lc), pad_id, np.int32)
     ctx_mask = np.zeros((batch_size, lc), np.int32)
-    tail_ids = np.full((batch_size, lt), pad_id, np.int32)
-    tail_mask = np.zeros((batch_size, lt), np.int32)
+    tails = []
     for r, i in enumerate(batch):
       ctx, chain = requests[i]
       head = list(ctx[:-1])
       if head:
         ctx_ids[r, lc - len(head) :], ctx_mask[r, lc - len(head) :] = head, 1
-      tail = [ctx[-1], *chain]
-      tail_ids[r, : len(tail)], tail_mask[r, : len(tail)] = tail, 1
-    logp = np.asarray(_chain_logprobs(state, graphdef, ctx_ids, ctx_mask, tail_ids, tail_mask))
+      tails.append((r, [ctx[-1], *chain]))
+    tail_ids, tail_mask = _tails(tails, batch_size, pad_id)
+    slots = lc - chunk_layout(ctx_mask, prefill_chunk)[0]
+    cache = init_cache(model.config, batch_size, max(lc, slots) + tail_ids.shape[1])
+    cache = prefill_cache(model, ctx_ids, ctx_mask, cache, chunk=prefill_chunk)
+    logp = _tail_logprobs(state, graphdef, cache, cache.mask, tail_ids, tail_mask)
+    logp = np.asarray(logp)
     for r, i in enumerate(batch):
       out[i] = logp[r, : len(requests[i][1]) + 1]
   return out
+
+
+@dataclasses.dataclass
+class HeldReplies:
+  """The KV cache of the judge's last batch of replies (``make_generate_fn(hold=...)``), so that
+  the probe goes on from the reply instead of prefilling prompt and reply again. ``rows``: the
+  prompts' token ids; ``new``: the ``(B, N)`` generated ids; ``slots``: the cache slots of the
+  prompt region (row ``r``'s prompt ends there, its reply follows)."""
+
+  rows: list[list[int]]
+  new: np.ndarray
+  cache: object
+  slots: int
+
+  def tokens(self, r: int) -> list[int]:
+    """Row ``r``'s tokens in the cache, in order: its prompt, then the reply tokens written."""
+    written = int(self.cache.index) - self.slots
+    return list(self.rows[r]) + self.new[r, :written].tolist()
+
+
+class ReplyHolder:
+  """Keeps the last :class:`HeldReplies` (``hold``) until the probe takes it (``take``)."""
+
+  def __init__(self):
+    self._held: HeldReplies | None = None
+
+  def hold(self, rows, new, cache, slots) -> None:
+    self._held = HeldReplies([list(r) for r in rows], np.asarray(new), cache, int(slots))
+
+  def take(self) -> HeldReplies | None:
+    held, self._held = self._held, None
+    return held
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+  n = 0
+  for x, y in zip(a, b):
+    if x != y:
+      break
+    n += 1
+  return n
+
+
+def continue_held(
+    model,
+    held: HeldReplies,
+    requests: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]],
+    *,
+    pad_id: int,
+) -> list[np.ndarray] | None:
+  """:func:`chain_logprobs` of ``(prompt ids, context ids, chain ids)`` requests from the held
+  cache: row ``r`` of the prompt keeps the cached tokens its context starts with (prompt and the
+  reply's tokens, as far as the context's own tokenisation agrees with them), and the rest of the
+  context and the chain are run after them in one pass. None when the held batch cannot serve
+  them all (a prompt it does not hold, two requests for one row, or tails longer than the free
+  slots): the caller prefills instead."""
+  where = {tuple(row): r for r, row in enumerate(held.rows)}
+  cache = held.cache
+  key_mask = np.zeros(cache.mask.shape, np.int32)
+  tails, used = [], {}
+  for prompt, ctx, chain in requests:
+    r = where.get(tuple(prompt))
+    if r is None:
+      return None
+    cached = held.tokens(r)
+    keep = min(_common(cached, ctx), len(ctx) - 1)  # the context's last token opens the tail
+    tail = [*ctx[keep:], *chain]
+    if used.setdefault(r, tail) != tail:
+      return None
+    first = held.slots - len(held.rows[r])  # the slot of the row's first token
+    key_mask[r, first : first + keep] = 1
+    tails.append((r, tail))
+  tail_ids, tail_mask = _tails(tails, key_mask.shape[0], pad_id)
+  if int(cache.index) + tail_ids.shape[1] > cache.max_length:
+    return None
+  graphdef, state = nnx.split(model)
+  logp = np.asarray(_tail_logprobs(state, graphdef, cache, key_mask, tail_ids, tail_mask))
+  return [
+      logp[r, len(tail) - len(chain) - 1 : len(tail)]
+      for (r, tail), (_, _, chain) in zip(tails, requests)
+  ]
 
 
 def local_probes(
@@ -176,25 +284,40 @@ def local_probes(
     *,
     batch_size: int,
     max_new_tokens: int,
+    prefill_chunk: int | None = None,
+    held: ReplyHolder | None = None,
 ) -> JudgeProbes:
   """The :class:`JudgeProbes` of a local judge: ``format_prompt(system, user)`` is the prompt text
   it answered (its chat template, generation prompt included); ``max_new_tokens`` its reply
-  limit."""
+  limit. With ``held`` (the :class:`ReplyHolder` its generation fills), a batch of probes goes on
+  from the cache of the batch of replies just judged (:func:`continue_held`); otherwise, or when
+  that cannot serve them, prompt, reply and cue are prefilled anew (:func:`chain_logprobs`,
+  ``prefill_chunk`` columns at a time)."""
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+  encode = lambda text: list(tokenizer(text, add_special_tokens=False).input_ids)
 
   def choice_logprobs(prompts, cue, choices):
-    encoded = [
-        choice_tokens(tokenizer, format_prompt(system, user) + reply.rstrip() + cue, choices)
-        for system, user, reply in prompts
-    ]
-    requests, where = [], []
-    for ctx, tokens in encoded:
+    encoded, requests, where = [], [], []
+    for system, user, reply in prompts:
+      prompt = format_prompt(system, user)
+      ctx, tokens = choice_tokens(tokenizer, prompt + reply.rstrip() + cue, choices)
       paths = chains(tokens)
+      encoded.append((prompt, ctx, tokens, paths))
       where.append((len(requests), paths))
       requests += [(ctx, path) for path in paths]
-    tables = chain_logprobs(model, requests, batch_size=batch_size, pad_id=int(pad))
+    last = held.take() if held is not None else None
+    tables = None
+    if last is not None and all(len(paths) == 1 for *_, paths in encoded):
+      tables = continue_held(
+          model, last, [(encode(p), ctx, paths[0]) for p, ctx, _, paths in encoded], pad_id=int(pad)
+      )
+    del last  # the cache's memory goes before a prefill needs its own
+    if tables is None:
+      tables = chain_logprobs(
+          model, requests, batch_size=batch_size, pad_id=int(pad), prefill_chunk=prefill_chunk
+      )
     rows = []
-    for (at, paths), (_, tokens) in zip(where, encoded):
+    for (at, paths), (*_, tokens, _) in zip(where, encoded):
       rows.append(choice_logprobs_from(dict(zip(paths, tables[at : at + len(paths)])), tokens))
     return np.stack(rows) if rows else np.zeros((0, len(choices)))
 
@@ -236,11 +359,14 @@ __all__ = [
     "VERDICTS",
     "VERDICT_CUE",
     "ChoiceLogprobFn",
+    "HeldReplies",
     "JudgeProbes",
+    "ReplyHolder",
     "chain_logprobs",
     "chains",
     "choice_logprobs_from",
     "choice_tokens",
+    "continue_held",
     "expected_rating",
     "failure_kind",
     "greedy_loop",
