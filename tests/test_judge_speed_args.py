@@ -11,3 +11,19 @@ def test_a_setting_may_carry_its_own_batch():
   for bad in ("float32", "float32:nf4:eight", "a:b:1:2"):
     with pytest.raises(ValueError, match="--settings"):
       judge_speed.parse_setting(bad, 1)
+
+
+def test_the_real_prompt_benchmark_reads_its_settings_and_the_committed_answers():
+  from benchmarks import judge_real
+
+  assert judge_real.parse_setting("int8:256:1") == ("int8", 256, True)
+  assert judge_real.parse_setting("none:0:0") == ("none", 0, False)
+  for bad in ("int8:256", "int8:x:1", "int8:256:2"):
+    with pytest.raises(ValueError, match="--settings"):
+      judge_real.parse_setting(bad)
+  every = judge_real.real_prompts(judge_real.ANSWERS, 1000)
+  assert len(every) == 48  # 24 questions, two turns
+  lengths = [len(s) + len(u) for s, u in every]
+  assert lengths == sorted(lengths, reverse=True)
+  middle = judge_real.real_prompts(judge_real.ANSWERS, 8)
+  assert middle == every[20:28] and all("Assistant" in u for _, u in middle)

@@ -359,7 +359,7 @@ class JudgeSection:
       Range(1),
   )
   prefill_chunk: int | None = setting(
-      256,
+      128,
       "a local judge prefills its prompts this many tokens at a time (memory follows the chunk,"
       " not the prompt); None: each prompt batch in one pass",
       Range(1),

@@ -136,25 +136,35 @@ TRACE_COUNTS = {"tail": 0}
 """Python-side trace count of the probe's tail program (for compile checks)."""
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _tail_logprobs(state, graphdef, cache, key_mask, tail_ids, tail_mask):
-  """Log-softmax ``(R, T, V)`` at each tail position: the tails are run after ``cache.index``
-  against the cached slots that ``key_mask`` marks (the cache is read, not returned)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "keep"))
+def _tail_logprobs(state, graphdef, cache, key_mask, tail_ids, tail_mask, *, keep):
+  """Log-softmax ``(R, keep, V)`` at the last ``keep`` positions of each tail, the tails run
+  after ``cache.index`` against the cached slots that ``key_mask`` marks (the cache is read, not
+  returned). Only those ``R * keep`` rows meet the output matrix: for a few rows a quantised
+  head is multiplied a chunk of columns at a time, with no whole float32 copy of it."""
   TRACE_COUNTS["tail"] += 1
   model = nnx.merge(graphdef, state)
-  logits, _ = model(tail_ids, attention_mask=tail_mask, cache=cache._replace(mask=key_mask))
+  cache = cache._replace(mask=key_mask)
+  logits, _ = model(tail_ids, attention_mask=tail_mask, cache=cache, logits_to_keep=keep)
   return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
 
-def _tails(tails: Sequence[tuple[int, Sequence[int]]], rows: int, pad_id: int):
-  """``(ids, mask)`` ``(rows, W)``: each ``(row, tail)`` right-padded, ``W`` the
-  :func:`~anlr_jax.evals.loglik.bucket_width` (multiple 8) of the longest tail."""
+def _run_tails(model, cache, key_mask, tails, chains_, pad_id: int) -> list[np.ndarray]:
+  """The log-softmax ``(len(chain) + 1, V)`` after each ``(row, tail)``'s context (the tail's
+  first ``len(tail) - len(chain)`` tokens) and after each token of its ``chain``. The tails are
+  left-padded to a :func:`~anlr_jax.evals.loglik.bucket_width` (multiple 8), so each ends in the
+  last column and the logits needed are those of the last positions."""
   width = bucket_width(max(len(t) for _, t in tails), multiple=8)
-  ids = np.full((rows, width), pad_id, np.int32)
-  mask = np.zeros((rows, width), np.int32)
+  ids = np.full((key_mask.shape[0], width), pad_id, np.int32)
+  mask = np.zeros(ids.shape, np.int32)
   for r, tail in tails:
-    ids[r, : len(tail)], mask[r, : len(tail)] = tail, 1
-  return ids, mask
+    ids[r, width - len(tail) :], mask[r, width - len(tail) :] = tail, 1
+  if int(cache.index) + width > cache.max_length:
+    raise ValueError("the tails do not fit in the cache")
+  keep = max(len(c) for c in chains_) + 1
+  graphdef, state = nnx.split(model)
+  logp = np.asarray(_tail_logprobs(state, graphdef, cache, key_mask, ids, mask, keep=keep))
+  return [logp[r, keep - len(c) - 1 :] for (r, _), c in zip(tails, chains_)]
 
 
 def chain_logprobs(
@@ -185,14 +195,13 @@ def chain_logprobs(
       if head:
         ctx_ids[r, lc - len(head) :], ctx_mask[r, lc - len(head) :] = head, 1
       tails.append((r, [ctx[-1], *chain]))
-    tail_ids, tail_mask = _tails(tails, batch_size, pad_id)
     slots = lc - chunk_layout(ctx_mask, prefill_chunk)[0]
-    cache = init_cache(model.config, batch_size, max(lc, slots) + tail_ids.shape[1])
+    tail_width = bucket_width(max(len(t) for _, t in tails), multiple=8)
+    cache = init_cache(model.config, batch_size, max(lc, slots) + tail_width)
     cache = prefill_cache(model, ctx_ids, ctx_mask, cache, chunk=prefill_chunk)
-    logp = _tail_logprobs(state, graphdef, cache, cache.mask, tail_ids, tail_mask)
-    logp = np.asarray(logp)
-    for r, i in enumerate(batch):
-      out[i] = logp[r, : len(requests[i][1]) + 1]
+    chains_ = [requests[i][1] for i in batch]
+    for i, table in zip(batch, _run_tails(model, cache, cache.mask, tails, chains_, pad_id)):
+      out[i] = table
   return out
 
 
@@ -266,15 +275,10 @@ def continue_held(
     first = held.slots - len(held.rows[r])  # the slot of the row's first token
     key_mask[r, first : first + keep] = 1
     tails.append((r, tail))
-  tail_ids, tail_mask = _tails(tails, key_mask.shape[0], pad_id)
-  if int(cache.index) + tail_ids.shape[1] > cache.max_length:
+  width = bucket_width(max(len(t) for _, t in tails), multiple=8)
+  if int(cache.index) + width > cache.max_length:
     return None
-  graphdef, state = nnx.split(model)
-  logp = np.asarray(_tail_logprobs(state, graphdef, cache, key_mask, tail_ids, tail_mask))
-  return [
-      logp[r, len(tail) - len(chain) - 1 : len(tail)]
-      for (r, tail), (_, _, chain) in zip(tails, requests)
-  ]
+  return _run_tails(model, cache, key_mask, tails, [c for *_, c in requests], pad_id)
 
 
 def local_probes(
