@@ -134,6 +134,8 @@ def worker(args) -> dict:
   logprobs = timed("probe_s", probes.choice_logprobs, judgments, RATING_CUE, RATINGS)
   ratings = [expected_rating(q) for q in normalise(logprobs)]
   step = (times["reply_s"] - times["prefill_s"]) / max(1, args.tokens - 1)
+  if step <= 0:  # the difference of two timed calls: a loaded machine can make it nonsense
+    step = float("nan")
   rate = lambda n: 3600 * args.batch / (times["prefill_s"] + (n - 1) * step + times["probe_s"])
   return {
       "setting": args.setting,
