@@ -89,6 +89,8 @@ def test_prefill_chunk_is_checked(hf_and_flax):
   _, model, ids, mask = hf_and_flax
   with pytest.raises(ValueError, match="prefill_chunk"):
     generate(model, ids, mask, max_new_tokens=2, prefill_chunk=0)
+  with pytest.raises(ValueError, match="cache_reserve"):
+    generate(model, ids, mask, max_new_tokens=2, cache_reserve=-1)
 
 
 def test_decode_step_compiles_once(hf_and_flax):

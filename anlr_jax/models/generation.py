@@ -3,7 +3,8 @@ r"""Autoregressive generation for :class:`~anlr_jax.models.llama.LlamaForCausalL
 For a left-padded prompt batch ``x`` (``B, P``) with mask ``m``, one prefill pass writes the prompt
 keys/values into a :class:`~anlr_jax.models.llama.KVCache` of fixed length ``P + N`` and yields the
 first token (with ``prefill_chunk``, the prompt goes in chunks of that many columns, those that are
-padding in every row skipped, so a long prompt's activations are one chunk's); then a jitted single-token step is called ``N - 1`` times. Token ``y_{n+1}`` is drawn from
+padding in every row skipped, so a long prompt's activations are one chunk's); then a jitted
+single-token step is called ``N - 1`` times. Token ``y_{n+1}`` is drawn from
 
     greedy (temperature == 0):  argmax_v logits_v
     sampling:                   softmax(logits / temperature) restricted to the top_k largest
@@ -239,6 +240,8 @@ def generate(
 
   if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk <= 0):
     raise ValueError(f"prefill_chunk must be a positive int or None, got {prefill_chunk!r}.")
+  if not isinstance(cache_reserve, int) or cache_reserve < 0:
+    raise ValueError(f"cache_reserve must be an int >= 0, got {cache_reserve!r}.")
   if prefill_chunk is not None and pixel_values is not None:
     raise ValueError("prefill_chunk does not go with pixel_values: images are prefilled whole.")
 
@@ -254,14 +257,11 @@ def generate(
       pad_token_id=jnp.asarray(pad_token_id, jnp.int32),
   )
   cache = init_cache(model.config, batch, max(prompt_len, slots) + max_new_tokens + cache_reserve)
-  if n_chunks > 1:
+  if n_chunks > 1:  # all chunks but the last into the cache; the last picks the first token
     chunk = slots // n_chunks
-    head = (chunked_columns(a, start, 0) for a in (prompt_ids, prompt_mask))
-    ids, mask = (a[:, : slots - chunk] for a in head)
-    cache = prefill_cache(model, ids, mask, cache, chunk=chunk)
-    prompt_ids, prompt_mask = (
-        chunked_columns(a, start, 0)[:, -chunk:] for a in (prompt_ids, prompt_mask)
-    )
+    ids, mask = (chunked_columns(a, start, 0) for a in (prompt_ids, prompt_mask))
+    cache = prefill_cache(model, ids[:, :-chunk], mask[:, :-chunk], cache, chunk=chunk)
+    prompt_ids, prompt_mask = ids[:, -chunk:], mask[:, -chunk:]
   graphdef, state = nnx.split(model)
   token, cache, done, position = _prefill(
       graphdef=graphdef,
