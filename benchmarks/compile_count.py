@@ -23,6 +23,7 @@ to compile (what JAX's default threshold would have kept).
 
     python benchmarks/compile_count.py
     python benchmarks/compile_count.py --questions 16 --choices 200 --json out.json
+    python benchmarks/compile_count.py --size smollm2-135m --processes on,again   # an accelerator
 """
 
 from __future__ import annotations
@@ -43,12 +44,32 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
 PHASES = ("load", "answers", "judging", "scoring")
+SIZES = {
+    # the default: a tiny model whose programs compile in well under a second each
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    # SmolLM2-135M's shape (random weights; the vocabulary stays the quickstart tokenizer's)
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+    ),
+}
+PROCESSES = {"on": "cache on", "again": "cache on again", "off": "cache off"}
 CACHED_SECONDS = 0.5  # the >=0.5s column
 
 
-def build_model(directory: str) -> None:
-  """A tiny random LLaMA with the quickstart tokenizer and a chat template, saved to
-  ``directory``."""
+def build_model(directory: str, size: str = "tiny") -> None:
+  """A random LLaMA of shape ``SIZES[size]`` with the quickstart tokenizer and a chat template,
+  saved to ``directory``."""
   from flax import nnx
 
   from anlr_jax import assets
@@ -57,15 +78,7 @@ def build_model(directory: str) -> None:
   tokenizer = load_tokenizer(os.path.join(os.path.dirname(assets.__file__), "quickstart"))
   tokenizer.chat_template = CHAT_TEMPLATE
   tokenizer.model_max_length = 8192
-  config = ModelConfig(
-      vocab_size=len(tokenizer),
-      hidden_size=64,
-      intermediate_size=128,
-      num_hidden_layers=2,
-      num_attention_heads=4,
-      num_key_value_heads=2,
-      max_position_embeddings=8192,
-  )
+  config = ModelConfig(vocab_size=len(tokenizer), max_position_embeddings=8192, **SIZES[size])
   save_hf_model(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), config, directory)
   tokenizer.save_pretrained(directory)
 
@@ -149,34 +162,39 @@ def worker(args) -> None:
 
 
 def run_workers(args) -> list[dict]:
-  """The three workers (cache on, on again, off), one after the other."""
+  """The workers ``args.processes`` (of cache on, on again, off), one after the other."""
   rows = []
   with tempfile.TemporaryDirectory(prefix="compile-count-") as tmp:
-    model = os.path.join(tmp, "tiny")
-    build_model(model)
+    model = os.path.join(tmp, args.size)
+    build_model(model, args.size)
     xla = os.path.join(tmp, "xla")
-    for label, cache in (("cache on", xla), ("cache on again", xla), ("cache off", "")):
+    for key in args.processes:
+      label, cache = PROCESSES[key], ("" if key == "off" else xla)
       env = dict(os.environ, ANLR_COMPILE_CACHE=cache, ANLR_CACHE_DIR=tmp)
       env.pop("JAX_COMPILATION_CACHE_DIR", None)
       argv = [sys.executable, os.path.abspath(__file__), "--worker", "--label", label]
       argv += ["--model", model, "--work", tmp, "--questions", str(args.questions)]
       argv += ["--choices", str(args.choices), "--batch", str(args.batch)]
       argv += ["--max-new-tokens", str(args.max_new_tokens)]
-      proc = subprocess.run(argv, env=env, capture_output=True, text=True)
-      if proc.returncode:
-        sys.exit(f"worker '{label}' failed:\n{proc.stderr[-3000:]}")
-      for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-          rows.append(json.loads(line[len("RESULT ") :]))
+      with tempfile.TemporaryFile("w+", encoding="utf-8") as err:
+        # rows are printed as the worker reports them: a run cut short still shows its phases
+        with subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=err, text=True) as proc:
+          for line in proc.stdout:
+            if line.startswith("RESULT "):
+              rows.append(json.loads(line[len("RESULT ") :]))
+              print(table(rows[-1:], head=False), flush=True)
+        if proc.returncode:
+          err.seek(0)
+          sys.exit(f"worker '{label}' failed:\n{err.read()[-3000:]}")
   return rows
 
 
-def table(rows: list[dict]) -> str:
-  head = (
+def table(rows: list[dict], head: bool = True) -> str:
+  title = (
       f"{'process':15s} {'phase':8s} {'run':>3s} {'programs':>8s} {'compiled':>8s}"
       f" {'>=0.5s':>6s} {'cached':>6s} {'compile s':>9s} {'wall s':>7s}"
   )
-  lines = [head, "-" * len(head)]
+  lines = [title, "-" * len(title)] if head else []
   for r in rows:
     lines.append(
         f"{r['worker']:15s} {r['phase']:8s} {r['run']:3d} {r['programs']:8d} {r['compiled']:8d}"
@@ -186,12 +204,34 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def processes(text: str) -> list[str]:
+  """``--processes``: a comma-separated subset of ``on``, ``again``, ``off``; ``again`` needs
+  ``on`` before it (it reads the cache that ``on`` filled)."""
+  keys = [k.strip() for k in text.split(",") if k.strip()]
+  bad = [k for k in keys if k not in PROCESSES]
+  if bad or not keys:
+    raise argparse.ArgumentTypeError(
+        f"unknown process {bad[0] if bad else text!r}; use on, again, off"
+    )
+  if "again" in keys and ("on" not in keys or keys.index("on") > keys.index("again")):
+    raise argparse.ArgumentTypeError("'again' reads the cache that 'on' fills: put 'on' first")
+  return keys
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--questions", type=int, default=8, help="MT-Bench questions (one per category)")
   ap.add_argument("--choices", type=int, default=64, help="questions per commonsense set")
   ap.add_argument("--batch", type=int, default=4, help="eval.batch_size")
   ap.add_argument("--max-new-tokens", type=int, default=16, help="answer and judge reply tokens")
+  ap.add_argument("--size", choices=sorted(SIZES), default="tiny", help="the random model's shape")
+  ap.add_argument(
+      "--processes",
+      type=processes,
+      default=list(PROCESSES),
+      help="which worker processes to run, in order: on (fresh cache), again (the filled cache),"
+      " off (no cache); default on,again,off",
+  )
   ap.add_argument("--json", help="also write the rows to this file")
   ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   ap.add_argument("--label", help=argparse.SUPPRESS)

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import pathlib
 
 import gguf
@@ -642,3 +643,74 @@ def test_quantised_tensors_are_dequantised_a_block_of_rows_at_a_time(tiny, kind,
     np.testing.assert_array_equal(value, expected[name], err_msg=name)
   if kind != "F32":
     assert rows_per_call and max(rows_per_call) <= 3, rows_per_call
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("mode", ["int8", "nf4"])
+def test_a_quantising_load_reads_large_tensors_a_block_of_rows_at_a_time(
+    tiny, arch, mode, monkeypatch
+):
+  """``model.quantize`` on a GGUF file: large quantised matrices come as RowBlocks and are
+  quantised a few rows at a time (no whole float32 copy), giving the arrays of a load that read
+  each tensor whole; llama's permuted q/k rows are still read whole and unpermuted."""
+  from anlr_jax.models import gguf as ours
+  from anlr_jax.models.hf_io import load_hf_model, model_from_hf_tensors
+  from anlr_jax.nn import quant
+
+  file = tiny["files"][arch, "Q4_K"]
+  hf_config, whole = read_gguf(file)  # a plain dict: every tensor whole
+  expected, _ = model_from_hf_tensors(hf_config, whole, quantize=mode)
+  rows_per_call, streamed = [], []
+  dequantize, stream = gguf.quants.dequantize, ours.GGUFTensors.streamed
+
+  def counted(data, kind):
+    rows_per_call.append(data.shape[0] if data.ndim == 2 else -1)
+    return dequantize(data, kind)
+
+  def recorded(self, name):
+    value = stream(self, name)
+    streamed.append((name, isinstance(value, quant.RowBlocks)))
+    return value
+
+  monkeypatch.setattr(ours, "DEQUANTIZE_CHUNK_BYTES", 4 * 256 * 3)  # 3 rows of 256 values
+  monkeypatch.setattr(quant, "QUANTIZE_CHUNK_BYTES", 4 * 256 * 5)  # 5 columns of 256 values
+  monkeypatch.setattr(gguf.quants, "dequantize", counted)
+  monkeypatch.setattr(ours.GGUFTensors, "streamed", recorded)
+  model, _ = load_hf_model(file, quantize=mode)
+  blocks = dict(streamed)
+  assert blocks["model.embed_tokens.weight"] and blocks["model.layers.0.mlp.down_proj.weight"]
+  assert blocks["model.layers.0.self_attn.q_proj.weight"] == (arch == "qwen2")
+  widths = [hf_config["hidden_size"], hf_config["intermediate_size"]]
+  assert rows_per_call and max(rows_per_call) < min(widths), rows_per_call
+  for (path, a), (_, b) in zip(
+      nnx.to_flat_state(nnx.state(model)), nnx.to_flat_state(nnx.state(expected)), strict=True
+  ):
+    np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), str(path))
+
+
+def test_reading_a_gguf_tensor_gives_its_file_pages_back(tiny):
+  """Once read, a tensor's pages of the memory-mapped file no longer count in the process's
+  resident memory (the mapping's Rss in /proc/self/smaps): without that, a loading process holds
+  the whole file on top of the model it builds."""
+  from anlr_jax.models.gguf import GGUFTensors
+
+  file = os.fspath(tiny["files"]["llama", "F32"])
+  _, tensors = read_gguf(file, lazy=True)
+  assert isinstance(tensors, GGUFTensors)
+  start = f"{tensors._reader.memmap.ctypes.data:x}-"  # this reader's mapping, not another's
+
+  def mapped_rss() -> int:
+    total, inside = 0, False
+    with open("/proc/self/smaps", encoding="utf-8") as f:
+      for line in f:
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+          inside = line.startswith(start)
+        elif inside and line.startswith("Rss:"):
+          total += int(line.split()[1]) * 1024
+    return total
+
+  size = os.path.getsize(file)
+  for name in tensors:
+    np.asarray(tensors[name]).sum()
+  # the kernel maps pages around each one touched, so a few stay; the whole file does not
+  assert 0 < mapped_rss() < size / 4, (mapped_rss(), size)

@@ -166,8 +166,11 @@ def test_finish_reason_counts_the_reply_in_tokens(tiny):
 def test_the_probe_goes_on_from_the_replies_kv_cache(tiny, monkeypatch):
   """The judge's replies are generated with their cache held; the probe continues from it (no new
   prefill: ``chain_logprobs`` is not called) and gives the whole-sequence reference's values."""
+  from anlr_jax import hostmem
   from anlr_jax.app.text_generation import make_generate_fn
 
+  trims = []  # each batch's freed heap is handed back (hostmem.release_free_heap)
+  monkeypatch.setattr(hostmem, "release_free_heap", lambda: trims.append(1) or True)
   model, reference, toks = tiny
   tok = toks["split"]
   fmt = prompt_of(tok)
@@ -183,12 +186,14 @@ def test_the_probe_goes_on_from_the_replies_kv_cache(tiny, monkeypatch):
   )
   prompts = [(s, u) for s, u, _ in JUDGMENTS]
   replies = generate([fmt(s, u) for s, u in prompts])
+  assert len(trims) == 1
   judgments = [(s, u, r) for (s, u), r in zip(prompts, replies)][::-1]  # any order
   probes = local_probes(model, tok, fmt, batch_size=4, max_new_tokens=6, held=holder)
   fail = lambda *a, **k: pytest.fail("prefilled again")
   monkeypatch.setattr(judge_probs, "chain_logprobs", fail)
   got = probes.choice_logprobs(judgments, judge_probs.RATING_CUE, RATINGS)
   assert holder.take() is None  # taken, its memory let go
+  assert len(trims) == 2
   for (system, user, reply), row in zip(judgments, got):
     context = fmt(system, user) + reply.rstrip() + judge_probs.RATING_CUE
     ctx, choices = choice_tokens(tok, context, RATINGS)

@@ -1,4 +1,4 @@
-"""benchmarks/judge_speed.py: a setting is dtype:quantize with an optional batch of its own."""
+"""The benchmarks' arguments: judge_speed.py, judge_real.py and compile_count.py."""
 
 import pytest
 
@@ -27,3 +27,24 @@ def test_the_real_prompt_benchmark_reads_its_settings_and_the_committed_answers(
   assert lengths == sorted(lengths, reverse=True)
   middle = judge_real.real_prompts(judge_real.ANSWERS, 8)
   assert middle == every[20:28] and all("Assistant" in u for _, u in middle)
+
+
+def test_the_compile_count_benchmark_reads_its_processes_and_sizes():
+  import argparse
+
+  from benchmarks import compile_count
+  from anlr_jax.models import ModelConfig
+
+  assert compile_count.processes("on,again") == ["on", "again"]
+  assert compile_count.processes(" off ") == ["off"]
+  for bad, match in (
+      ("on,later", "unknown process 'later'"),
+      ("again,on", "put 'on' first"),
+      ("again", "put 'on' first"),
+      (",", "unknown process"),
+  ):
+    with pytest.raises(argparse.ArgumentTypeError, match=match):
+      compile_count.processes(bad)
+  for size in compile_count.SIZES.values():  # each shape is a valid model configuration
+    ModelConfig(vocab_size=325, max_position_embeddings=8192, **size)
+  assert compile_count.SIZES["smollm2-135m"]["num_hidden_layers"] == 30

@@ -278,3 +278,33 @@ def test_a_lookup_dequantises_only_the_rows_it_reads():
   assert "f32[4096,128]" not in text and "f32[128,4096]" not in text
   with pytest.raises(ValueError, match=r"embedding table has width 100, not a multiple"):
     quant.QuantEmbed(nnx.Embed(10, 100, rngs=nnx.Rngs(0)), "nf4")
+
+
+@pytest.mark.parametrize("mode", ["nf4", "int8"])
+def test_a_kernel_read_a_block_of_rows_at_a_time_quantises_to_the_same_arrays(monkeypatch, mode):
+  """RowBlocks: a (rows, cols) matrix known by a row reader; its transpose, as a kernel, is
+  quantised by reading only column blocks of it, and gives the arrays of the whole kernel."""
+  weight = np.asarray(jax.random.normal(jax.random.key(5), (300, 128)) * 0.02)  # torch layout
+  reads = []
+
+  def read(start, stop):
+    reads.append(stop - start)
+    return weight[start:stop].copy()
+
+  blocks = quant.RowBlocks(weight.shape, read)
+  assert blocks.shape == (300, 128) and blocks.T.shape == (128, 300) and blocks.T.ndim == 2
+  np.testing.assert_array_equal(blocks[10:20], weight[10:20])
+  np.testing.assert_array_equal(blocks.T[:, 10:20], weight[10:20].T)
+  np.testing.assert_array_equal(np.asarray(blocks.T), weight.T)
+  for bad in ((slice(0, 4), slice(None)), slice(0, 9, 2), 3):
+    with pytest.raises(IndexError, match="blocks of rows"):
+      blocks.T[bad] if isinstance(bad, tuple) else blocks[bad]
+  monkeypatch.setattr(quant, "QUANTIZE_CHUNK_BYTES", 128 * 4 * 64)  # 64 columns a chunk
+  reads.clear()
+  streamed = quant.quantize_concrete(blocks.T, mode)
+  assert reads and max(reads) <= 64, reads
+  whole = quantize_kernel(jnp.asarray(weight.T), mode)
+  for name in whole:
+    np.testing.assert_array_equal(streamed[name], whole[name], err_msg=name)
+  table = quant.QuantEmbed(nnx.Embed(300, 128, rngs=nnx.Rngs(0)), mode, blocks)
+  np.testing.assert_array_equal(table.codes[...], whole["codes"])

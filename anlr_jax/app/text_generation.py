@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from anlr_jax import hostmem
 from anlr_jax.data import end_of_turn_id
 from anlr_jax.models import generate
 from anlr_jax.models.generation import left_padded_batch, prompt_width
@@ -87,7 +88,9 @@ def make_generate_fn(
       out, cache, slots = out
       hold(rows, np.asarray(out), cache, slots)
     calls[0] += 1
-    return decode(rows, np.asarray(out)[: len(rows)].tolist())
+    texts = decode(rows, np.asarray(out)[: len(rows)].tolist())
+    hostmem.release_free_heap()  # the batch's scraps go back to the OS, not into the next peak
+    return texts
 
   return generate_fn
 

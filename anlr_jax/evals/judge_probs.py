@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from anlr_jax import hostmem
 from anlr_jax.evals.loglik import bucket_width
 from anlr_jax.models.generation import chunk_layout, prefill_cache
 from anlr_jax.models.llama import init_cache
@@ -323,6 +324,7 @@ def local_probes(
     rows = []
     for (at, paths), (*_, tokens, _) in zip(where, encoded):
       rows.append(choice_logprobs_from(dict(zip(paths, tables[at : at + len(paths)])), tokens))
+    hostmem.release_free_heap()  # the batch's caches and scraps go back to the OS
     return np.stack(rows) if rows else np.zeros((0, len(choices)))
 
   slack = max(1, max_new_tokens // 50)

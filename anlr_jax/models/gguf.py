@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -42,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from anlr_jax.models.config import ModelConfig
+from anlr_jax.nn.quant import RowBlocks
 from anlr_jax.models.hf_files import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
@@ -126,7 +128,10 @@ class _Reader(gguf.GGUFReader):
 
   @data.setter
   def data(self, value: np.ndarray) -> None:
-    self.__dict__["_plain_data"] = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+    if isinstance(value, np.memmap):
+      self.__dict__["memmap"] = value  # the map itself: GGUFTensors gives its read pages back
+      value = value.view(np.ndarray)
+    self.__dict__["_plain_data"] = value
 
 
 def _open(path: str) -> gguf.GGUFReader:
@@ -279,10 +284,48 @@ class GGUFTensors(Mapping):
       array = np.array(tensor.data, dtype=np.float32)  # a copy: not a view of the memory map
     else:
       array = _dequantize_rows(tensor.data, kind)
+    self._drop_pages(tensor.data)
     array = array.reshape(self.shape(name))
     if name in self._heads:
       array = _unpermute_rows(array, self._heads[name])
     return array
+
+  def streamed(self, name: str) -> np.ndarray | RowBlocks:
+    """Tensor ``name`` as :meth:`__getitem__` gives it, except that a quantised matrix of more
+    than :data:`DEQUANTIZE_CHUNK_BYTES` in float32 (and in Hugging Face row order as stored) comes
+    as :class:`~anlr_jax.nn.quant.RowBlocks`, dequantised a block of rows at a time when read: a
+    quantising loader (``model.quantize``) never holds its float32 values whole."""
+    tensor = self._tensors[name]
+    kind = gguf.GGMLQuantizationType(tensor.tensor_type)
+    shape = self.shape(name)
+    small = len(shape) != 2 or 4 * math.prod(shape) <= DEQUANTIZE_CHUNK_BYTES
+    if small or kind == gguf.GGMLQuantizationType.F32 or name in self._heads:
+      return self[name]
+    data = tensor.data.reshape(shape[0], -1)
+
+    def read(start: int, stop: int) -> np.ndarray:
+      rows = _dequantize_rows(data[start:stop], kind)
+      self._drop_pages(data[start:stop])
+      return rows
+
+    return RowBlocks(shape, read)
+
+  def _drop_pages(self, data: np.ndarray) -> None:
+    """Lets the kernel take back the pages of the memory-mapped file that ``data`` (a view of it,
+    already read) lies on: they stay in the page cache, but no longer count in this process's
+    resident memory, which otherwise grows by the whole file while a model loads."""
+    whole = getattr(self._reader, "memmap", None)
+    mapping = getattr(whole, "_mmap", None)
+    if mapping is None or getattr(whole, "mode", None) != "r" or not hasattr(mapping, "madvise"):
+      return
+    start = data.__array_interface__["data"][0] - whole.__array_interface__["data"][0]
+    if not data.flags.c_contiguous or start < 0 or start + data.nbytes > whole.nbytes:
+      return
+    first = start // mmap.PAGESIZE * mmap.PAGESIZE
+    try:
+      mapping.madvise(mmap.MADV_DONTNEED, first, start + data.nbytes - first)
+    except (OSError, ValueError):  # advice only: reading works the same without it
+      pass
 
   def __iter__(self) -> Iterator[str]:
     return iter(self._tensors)

@@ -53,7 +53,7 @@ from anlr_jax.models.hf_files import (
     write_safetensors_shards,
 )
 from anlr_jax.models.llama import LlamaForCausalLM
-from anlr_jax.nn.quant import QuantEmbed, QuantLinear, check_mode
+from anlr_jax.nn.quant import QuantEmbed, QuantLinear, RowBlocks, check_mode
 
 # Buffers some older checkpoints store next to the weights; they are recomputed, never loaded.
 IGNORED_KEY = re.compile(r".*rotary_emb\.inv_freq$")
@@ -200,13 +200,14 @@ def set_tensor(
   if quantize != "none" and entry.attr == "kernel":
     # NumPy float32, quantised a chunk of columns at a time (no whole float copy on the device);
     # the packed arrays are placed like the abstract kernel
-    value = np.asarray(array, np.float32)
+    value = array if isinstance(array, RowBlocks) else np.asarray(array, np.float32)
     name = ".".join(map(str, entry.module_path))
     layer = QuantLinear(module, quantize, value, name=name)
     setattr(tensor_submodule(model, entry.module_path[:-1]), entry.module_path[-1], layer)
     return
   if quantize != "none" and entry.attr == "embedding":
-    table = QuantEmbed(module, quantize, np.asarray(array, np.float32))
+    table = array if isinstance(array, RowBlocks) else np.asarray(array, np.float32)
+    table = QuantEmbed(module, quantize, table)
     setattr(tensor_submodule(model, entry.module_path[:-1]), entry.module_path[-1], table)
     return
   variable = getattr(module, entry.attr)
@@ -264,8 +265,11 @@ def model_from_hf_tensors(
     if entry.hf_key not in tensors:
       raise KeyError(f"Tensor {entry.hf_key!r} not found in {source}.")
   model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+  # a quantising load reads large tensors a block of rows at a time where the mapping can
+  # (GGUFTensors.streamed): no whole float32 copy of the output matrix
+  streamed = getattr(tensors, "streamed", None) if quantize != "none" else None
   for entry in table:
-    array = tensors[entry.hf_key]
+    array = streamed(entry.hf_key) if streamed else tensors[entry.hf_key]
     check_shape(entry, tuple(array.shape), source)
     set_tensor(model, entry, array, dtype, quantize)
     del array
@@ -290,9 +294,9 @@ def load_hf_model(
     dtype: parameter dtype (checkpoint tensors are cast to it).
     compute_dtype: activation dtype; defaults to ``dtype``.
     quantize: ``'none'``, or ``'int8'`` / ``'nf4'``: every linear layer's weight (the output
-      matrix too, not the embedding table) is quantised as it is read
-      (:mod:`anlr_jax.nn.quant`); a GGUF file's blocks are dequantised to float32 first and
-      quantised again.
+      matrix too) and the embedding table are quantised as they are read
+      (:mod:`anlr_jax.nn.quant`); a GGUF file's blocks are dequantised to float32 and quantised
+      again, a large matrix a block of rows at a time (``GGUFTensors.streamed``).
     **config_overrides: other :class:`ModelConfig` fields, e.g. ``attention_impl='cudnn'``,
       ``remat=True``.
 

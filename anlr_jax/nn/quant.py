@@ -185,6 +185,48 @@ def quantize_kernel(w: jax.Array, mode: str) -> dict[str, jax.Array]:
   return {"codes": _codes(jnp.asarray(w), s, mode), **_scales(s, mode)}
 
 
+class RowBlocks:
+  """A host matrix ``(rows, cols)`` that is read a block of rows at a time (``read(start, stop)``
+  gives float32 ``(stop - start, cols)``) rather than held whole: a checkpoint tensor that
+  :func:`quantize_concrete` (through :class:`QuantLinear` and :class:`QuantEmbed`) quantises a
+  block at a time, so its float32 values never exist whole (a 151,936 x 1536 output matrix is
+  0.87 GiB of them). ``.T`` is the transposed view, whose column blocks ``[:, a:b]`` read rows
+  ``a:b``; ``np.asarray`` reads the whole."""
+
+  ndim = 2
+  dtype = np.dtype(np.float32)
+
+  def __init__(self, shape: tuple[int, int], read, transposed: bool = False):
+    self._rows_cols, self._read, self._transposed = tuple(shape), read, transposed
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    rows, cols = self._rows_cols
+    return (cols, rows) if self._transposed else (rows, cols)
+
+  @property
+  def T(self) -> "RowBlocks":  # pylint: disable=invalid-name
+    return RowBlocks(self._rows_cols, self._read, not self._transposed)
+
+  def __array__(self, dtype=None, copy=None):
+    del copy  # always a new array
+    whole = self._read(0, self._rows_cols[0])
+    whole = whole.T if self._transposed else whole
+    return whole if dtype is None else whole.astype(dtype, copy=False)
+
+  def __getitem__(self, index) -> np.ndarray:
+    """Row blocks ``[a:b]`` of the matrix, or column blocks ``[:, a:b]`` of its transpose."""
+    if self._transposed and isinstance(index, tuple) and len(index) == 2:
+      everything, block = index
+      if everything == slice(None) and isinstance(block, slice) and block.step in (None, 1):
+        start, stop, _ = block.indices(self._rows_cols[0])
+        return self._read(start, stop).T
+    if not self._transposed and isinstance(index, slice) and index.step in (None, 1):
+      start, stop, _ = index.indices(self._rows_cols[0])
+      return self._read(start, stop)
+    raise IndexError(f"RowBlocks reads blocks of rows only, not {index!r}")
+
+
 QUANTIZE_CHUNK_BYTES = 64 * 2**20
 """Float32 bytes of kernel columns :func:`quantize_concrete` quantises per compiled call."""
 
@@ -448,7 +490,8 @@ def _quantize_value(value: Any, mode: str) -> dict[str, jax.Array]:
   a chunk at a time, :func:`quantize_concrete`)."""
   if isinstance(value, jax.core.Tracer):
     return quantize_kernel(value, mode)
-  return quantize_concrete(value if isinstance(value, np.ndarray) else jnp.asarray(value), mode)
+  host = isinstance(value, (np.ndarray, RowBlocks))
+  return quantize_concrete(value if host else jnp.asarray(value), mode)
 
 
 def _store(module: nnx.Module, arrays: dict[str, jax.Array], sharding: Any) -> None:
@@ -608,7 +651,7 @@ class QuantEmbed(nnx.Embed):
       raise ValueError(
           f"QuantEmbed: table shape {value.shape} != {(self.num_embeddings, self.features)}"
       )
-    if not isinstance(value, (np.ndarray, jax.core.Tracer)):
+    if not isinstance(value, (np.ndarray, RowBlocks, jax.core.Tracer)):
       value = jnp.asarray(value)
     sharding = _sharding_of(like, transpose=True) if like is not None else _sharding_of(self.codes)
     _store(self, _quantize_value(value.T, self.quantize), sharding)
@@ -665,6 +708,7 @@ __all__ = [
     "QuantEmbed",
     "QuantLinear",
     "QuantizedParam",
+    "RowBlocks",
     "check_mode",
     "dequantize_kernel",
     "float_scales",
