@@ -23,7 +23,7 @@ to compile (what JAX's default threshold would have kept).
 
     python benchmarks/compile_count.py
     python benchmarks/compile_count.py --questions 16 --choices 200 --json out.json
-    python benchmarks/compile_count.py --size smollm2-135m --processes on,again   # an accelerator
+    python benchmarks/compile_count.py --size smollm2_135m --processes on,again   # an accelerator
 """
 
 from __future__ import annotations
@@ -44,31 +44,23 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
 PHASES = ("load", "answers", "judging", "scoring")
-SIZES = {
-    # the default: a tiny model whose programs compile in well under a second each
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),
-    # SmolLM2-135M's shape (random weights; the vocabulary stays the quickstart tokenizer's)
-    "smollm2-135m": dict(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        tie_word_embeddings=True,
-    ),
-}
+# the default, a tiny model whose programs compile in well under a second each, or a preset of
+# ModelConfig.preset (random weights; the vocabulary stays the quickstart tokenizer's)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=8192,
+)
+SIZES = ("tiny", "smollm2_135m")
 PROCESSES = {"on": "cache on", "again": "cache on again", "off": "cache off"}
 CACHED_SECONDS = 0.5  # the >=0.5s column
 
 
 def build_model(directory: str, size: str = "tiny") -> None:
-  """A random LLaMA of shape ``SIZES[size]`` with the quickstart tokenizer and a chat template,
+  """A random LLaMA of shape ``size`` (``TINY``, or a preset) with the quickstart tokenizer and a chat template,
   saved to ``directory``."""
   from flax import nnx
 
@@ -78,7 +70,10 @@ def build_model(directory: str, size: str = "tiny") -> None:
   tokenizer = load_tokenizer(os.path.join(os.path.dirname(assets.__file__), "quickstart"))
   tokenizer.chat_template = CHAT_TEMPLATE
   tokenizer.model_max_length = 8192
-  config = ModelConfig(vocab_size=len(tokenizer), max_position_embeddings=8192, **SIZES[size])
+  if size == "tiny":
+    config = ModelConfig(vocab_size=len(tokenizer), **TINY)
+  else:
+    config = ModelConfig.preset(size, vocab_size=len(tokenizer))
   save_hf_model(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), config, directory)
   tokenizer.save_pretrained(directory)
 
@@ -224,7 +219,7 @@ def main(argv=None) -> int:
   ap.add_argument("--choices", type=int, default=64, help="questions per commonsense set")
   ap.add_argument("--batch", type=int, default=4, help="eval.batch_size")
   ap.add_argument("--max-new-tokens", type=int, default=16, help="answer and judge reply tokens")
-  ap.add_argument("--size", choices=sorted(SIZES), default="tiny", help="the random model's shape")
+  ap.add_argument("--size", choices=SIZES, default="tiny", help="the random model's shape")
   ap.add_argument(
       "--processes",
       type=processes,

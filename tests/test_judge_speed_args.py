@@ -45,6 +45,6 @@ def test_the_compile_count_benchmark_reads_its_processes_and_sizes():
   ):
     with pytest.raises(argparse.ArgumentTypeError, match=match):
       compile_count.processes(bad)
-  for size in compile_count.SIZES.values():  # each shape is a valid model configuration
-    ModelConfig(vocab_size=325, max_position_embeddings=8192, **size)
-  assert compile_count.SIZES["smollm2-135m"]["num_hidden_layers"] == 30
+  ModelConfig(vocab_size=325, **compile_count.TINY)  # a valid model configuration
+  smollm2 = ModelConfig.preset("smollm2_135m")  # HuggingFaceTB/SmolLM2-135M: 134.5M weights
+  assert "smollm2_135m" in compile_count.SIZES and 134e6 < smollm2.num_params() < 135e6

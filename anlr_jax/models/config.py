@@ -410,6 +410,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         attention_bias=True,
         model_type="qwen2",
     ),
+    # SmolLM2-135M (HuggingFaceTB/SmolLM2-135M): GQA with 3 key/value heads, tied embeddings
+    "smollm2_135m": dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        model_type="llama",
+    ),
     # a ~160K-parameter LLaMA-style model with GQA (4 query / 2 key-value heads) for tests
     "tiny": dict(
         vocab_size=512,
