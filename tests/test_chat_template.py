@@ -119,7 +119,7 @@ def test_eval_prompt_is_the_training_prompt_and_decoding_stops_at_end_of_turn(
   n_prompt = int(np.argmax(train.loss_mask[0]))
   seen = {}
 
-  def fake_generate(model, ids, mask, *, max_new_tokens, eos_token_id, pad_token_id):
+  def fake_generate(model, ids, mask, *, max_new_tokens, eos_token_id, pad_token_id, **kw):
     seen.update(ids=np.asarray(ids), mask=np.asarray(mask), eos=eos_token_id)
     return np.tile(np.asarray(enc(tok, "5") + [401, 0, 0]), (ids.shape[0], 1))
 
@@ -263,7 +263,7 @@ def test_prompt_batches_pad_to_power_of_two_widths(monkeypatch):
   tok = build_tiny_tokenizer()
   widths = []
 
-  def fake_generate(model, ids, mask, *, max_new_tokens, eos_token_id, pad_token_id):
+  def fake_generate(model, ids, mask, *, max_new_tokens, eos_token_id, pad_token_id, **kw):
     widths.append(ids.shape[1])
     assert (np.asarray(mask).sum(axis=1) <= ids.shape[1]).all()
     return np.zeros((ids.shape[0], max_new_tokens), np.int32)

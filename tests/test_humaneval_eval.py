@@ -150,7 +150,7 @@ def test_truncation_and_exact_continuation(monkeypatch):
   tok = build_tiny_tokenizer()
   new = tok("    return a + b\n", add_special_tokens=False).input_ids
 
-  def fake_generate(model, ids, mask, *, max_new_tokens, eos_token_id, pad_token_id):
+  def fake_generate(model, ids, mask, *, max_new_tokens, eos_token_id, pad_token_id, **kw):
     import numpy as np
 
     return np.tile(np.asarray(new), (ids.shape[0], 1))

@@ -80,8 +80,8 @@ def make_generate_fn(
         max_new_tokens=max_new_tokens,
         eos_token_id=stop,
         pad_token_id=int(pad),
+        prefill_chunk=prefill_chunk,
         **sampling(temperature),
-        **({} if prefill_chunk is None else dict(prefill_chunk=prefill_chunk)),
         **({} if hold is None else dict(cache_reserve=HOLD_RESERVE, return_cache=True)),
     )
     if hold is not None:
