@@ -667,6 +667,38 @@ def run_worker(
     raise RuntimeError(f"worker exited with code {proc.returncode} and no result{tail}")
 
 
+def run_settings(script: str, settings: list[str], args: list[str]) -> list[dict]:
+  """Runs ``script --worker --setting S`` plus ``args`` for each setting, one process after the
+  other (each its own memory peak); returns their results (:func:`emit_result`), each with its
+  process's ``wall_s``, or ``{"setting": S, "error": ...}`` for one that gave none. Each is
+  printed as one JSON line as it comes."""
+  results = []
+  for setting in settings:
+    argv = [sys.executable, os.path.abspath(script), "--worker", "--setting", setting, *args]
+    start = time.perf_counter()
+    try:
+      result = run_worker(argv, capture_stderr=True)
+      result["wall_s"] = round(time.perf_counter() - start, 1)
+    except RuntimeError as err:
+      result = {"setting": setting, "error": str(err)}
+    results.append(result)
+    print(json.dumps(result), flush=True)
+  return results
+
+
+def write_record(path: str | None, results: list[dict]) -> None:
+  """Writes ``results`` to ``path`` (nothing when None) with the machine, its load average, the
+  date (UTC) and the command line."""
+  if path:
+    record = {
+        "machine": f"{machine_line()}, load average {os.getloadavg()}",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join(sys.argv),
+        "results": results,
+    }
+    write_json(path, record, indent=1)
+
+
 class Worker:
   """A framework's step in its own subprocess, driven one step at a time (:func:`serve`)."""
 

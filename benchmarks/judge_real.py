@@ -27,16 +27,14 @@ replies' KV cache, 0: it prefills prompt, reply and cue again).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
 import time
 
 if __package__ in (None, ""):
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import common  # noqa: E402
 
 JUDGE = os.path.join("~", ".cache", "anlr_jax", "joined", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
 ANSWERS = os.path.join("docs", "results", "dialogue_epoch", "lora", "mt_bench_answers.jsonl")
@@ -173,7 +171,7 @@ def main() -> None:
   args = ap.parse_args()
   args.lengths = [int(n) for n in args.lengths.split(",") if n]
   if args.worker:
-    print("RESULT " + json.dumps(worker(args)), flush=True)
+    common.emit_result(worker(args))
     return
   for setting in args.settings.split(","):
     try:
@@ -182,22 +180,11 @@ def main() -> None:
       sys.exit(str(err))
   if not os.path.isfile(args.model):
     sys.exit(f"--model: {args.model} does not exist (anlr judge-model joins it)")
-  results = []
-  for setting in args.settings.split(","):
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", "--setting", setting]
-    for key in ("model", "answers", "batch", "tokens"):
-      argv += [f"--{key}", str(getattr(args, key))]
-    argv += ["--lengths", ",".join(map(str, args.lengths))]
-    t = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True)
-    lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
-    if done.returncode or not lines:
-      results.append({"setting": setting, "error": done.stderr.strip().splitlines()[-3:]})
-    else:
-      results.append(
-          json.loads(lines[-1][len("RESULT ") :]) | {"wall_s": round(time.perf_counter() - t, 1)}
-      )
-    print(json.dumps(results[-1]), flush=True)
+  worker_args = []
+  for key in ("model", "answers", "batch", "tokens"):
+    worker_args += [f"--{key}", str(getattr(args, key))]
+  worker_args += ["--lengths", ",".join(map(str, args.lengths))]
+  results = common.run_settings(__file__, args.settings.split(","), worker_args)
   base = results[0]
   for r in results:
     if "error" in r or "error" in base:
@@ -218,15 +205,7 @@ def main() -> None:
         f" to {base['setting']}'s: {r['same_replies_as_first']} of {r['batch']}, probability"
         f" ratings within {r['prob_rating_max_diff_vs_first']:.2g}"
     )
-  out = {
-      "machine": f"{platform.node()} {os.cpu_count()} CPUs, load average {os.getloadavg()}",
-      "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-      "command": " ".join(sys.argv),
-      "results": results,
-  }
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(out, f, indent=1)
+  common.write_record(args.json, results)
 
 
 if __name__ == "__main__":

@@ -26,16 +26,15 @@ A setting's third field is its batch (the rate is per judgment, so batches compa
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
 if __package__ in (None, ""):
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import common  # noqa: E402
 
 JUDGE = os.path.join("~", ".cache", "anlr_jax", "joined", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
 ANSWER = "The answer is 42, because the question asks for a number and 42 is a number."
@@ -187,7 +186,7 @@ def main() -> None:
   args = ap.parse_args()
   args.lengths = [int(n) for n in args.lengths.split(",") if n]
   if args.worker:
-    print("RESULT " + json.dumps(worker(args)), flush=True)
+    common.emit_result(worker(args))
     return
   if not os.path.isfile(args.model):
     sys.exit(f"--model: {args.model} does not exist (anlr judge-model joins it)")
@@ -196,22 +195,11 @@ def main() -> None:
       parse_setting(setting, args.batch)
     except ValueError as err:
       sys.exit(str(err))
-  results = []
-  for setting in args.settings.split(","):
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", "--setting", setting]
-    for key in ("model", "prompts", "batch", "tokens", "prefill_repeats"):
-      argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    argv += ["--lengths", ",".join(map(str, args.lengths))]
-    t = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True)
-    lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
-    if done.returncode or not lines:
-      results.append({"setting": setting, "error": done.stderr.strip().splitlines()[-3:]})
-    else:
-      results.append(
-          json.loads(lines[-1][len("RESULT ") :]) | {"wall_s": round(time.perf_counter() - t, 1)}
-      )
-    print(json.dumps(results[-1]), flush=True)
+  worker_args = []
+  for key in ("model", "prompts", "batch", "tokens", "prefill_repeats"):
+    worker_args += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+  worker_args += ["--lengths", ",".join(map(str, args.lengths))]
+  results = common.run_settings(__file__, args.settings.split(","), worker_args)
   base = results[0]
   for r in results:
     if "error" in r or "error" in base:
@@ -228,15 +216,7 @@ def main() -> None:
         f" (loading {r['peak_loading_gib']:.2f}, loaded {r['rss_loaded_gib']:.2f}, judging"
         f" {r['peak_judging_gib']:.2f})"
     )
-  out = {
-      "machine": f"{platform.node()} {os.cpu_count()} CPUs, load average {os.getloadavg()}",
-      "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-      "command": " ".join(sys.argv),
-      "results": results,
-  }
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(out, f, indent=1)
+  common.write_record(args.json, results)
 
 
 if __name__ == "__main__":
