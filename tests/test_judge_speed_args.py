@@ -1,4 +1,4 @@
-"""The benchmarks' arguments: judge_speed.py, judge_real.py and compile_count.py."""
+"""The benchmarks' arguments: judge_speed.py, judge_real.py, judge_longer.py and compile_count.py."""
 
 import pytest
 
@@ -48,3 +48,24 @@ def test_the_compile_count_benchmark_reads_its_processes_and_sizes():
   ModelConfig(vocab_size=325, **compile_count.TINY)  # a valid model configuration
   smollm2 = ModelConfig.preset("smollm2_135m")  # HuggingFaceTB/SmolLM2-135M: 134.5M weights
   assert "smollm2_135m" in compile_count.SIZES and 134e6 < smollm2.num_params() < 135e6
+
+
+def test_the_longer_limit_benchmark_takes_the_cut_judgments_only(tmp_path):
+  from anlr_jax.evals.mtbench import append_records
+  from benchmarks import judge_longer
+
+  loop = "The response is clear and well organised. " * 8
+  rows = [
+      dict(question_id=1, score=-1, finish_reason="length", judgment="The answer explains the"),
+      dict(question_id=2, score=-1, finish_reason="length", judgment=loop),  # a loop: left out
+      dict(question_id=3, score=-1, finish_reason="stop", judgment="Assistant A is better."),
+      dict(question_id=4, score=7, finish_reason="stop", judgment="Rating: [[7]]"),
+  ]
+  append_records(tmp_path / "a.jsonl", rows[:2])
+  append_records(tmp_path / "b.jsonl", rows[2:])
+  picked = judge_longer.cut_records([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")])
+  assert [r["question_id"] for r in picked] == [1]
+  every = judge_longer.cut_records(
+      [f"docs/results/dialogue_epoch/{m}/mt_bench_single.jsonl" for m in ("base", "lora", "anlr")]
+  )
+  assert len(every) == 28  # docs/results.md section 9: 28 of the 48 unrated were cut

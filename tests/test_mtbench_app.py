@@ -391,3 +391,35 @@ def test_the_scores_file_is_written_atomically_beside_a_stale_temporary(tmp_path
           f"{scores_file('model_a')}.tmp",
       ]
   )
+
+
+def test_judge_longer_judges_the_cut_judgments_again_and_goes_on(tiny, tmp_path, capsys):
+  """benchmarks/judge_longer.py: the saved judgments the token limit cut (not the looping, rated
+  or stopped ones) judged again by the judge with the longer limit, one row each; a second run
+  with the same output judges nothing again."""
+  from anlr_jax.evals.mtbench import append_records
+  from benchmarks import judge_longer
+
+  path, _ = tiny
+  q = mtbench.load_questions()[0]
+  base = dict(question_id=q.question_id, category=q.category, model="m", turn=1, score=-1)
+  base |= dict(judge=["j", "single-v1"], user_prompt=f"[Question]\n{q.turns[0]}")
+  rows = [
+      base | dict(finish_reason="length", judgment="The answer"),
+      base | dict(turn=2, finish_reason="length", judgment="The answer is good. " * 6),  # loop
+      base | dict(model="n", finish_reason="stop", judgment="Fine."),
+      base | dict(model="o", score=4, finish_reason="stop", judgment="Rating: [[4]]"),
+  ]
+  append_records(tmp_path / "single.jsonl", rows)
+  out = tmp_path / "longer.jsonl"
+  argv = [str(tmp_path / "single.jsonl"), "--judge", path, "--quantize", "none"]
+  argv += ["--max-new-tokens", "3", "--batch", "2", "--out", str(out)]
+  assert judge_longer.main(argv) == 0
+  (row,) = [json.loads(line) for line in open(out)]
+  assert (row["model"], row["question_id"], row["turn"], row["max_new_tokens"]) == ("m", 81, 1, 3)
+  assert row["finish_reason"] in ("length", "stop") and isinstance(row["same_start"], bool)
+  assert (row["score"] is None) == (row["failure"] is not None)
+  assert "1 cut judgments to judge again (0 done before)" in capsys.readouterr().out
+  assert judge_longer.main(argv) == 0
+  assert "0 cut judgments to judge again (1 done before)" in capsys.readouterr().out
+  assert len(open(out).readlines()) == 1
