@@ -7,6 +7,8 @@ prompts, greedily, with ``--max-new-tokens`` instead. Greedy decoding makes the 
 the old limit (checked: ``same_start``), so this shows what the longer limit would have given
 those judgments: a rating, a loop, still cut, or a stop without a rating. Each reply is written
 to ``--out`` (JSON lines) as its batch ends; a second run with the same ``--out`` goes on.
+``--kind loop`` (or ``stopped``) takes those failures instead, e.g. with ``--quantize none`` to
+see whether the judge's loops come from its int8 rounding.
 
     python benchmarks/judge_longer.py docs/results/dialogue_epoch/*/mt_bench_single.jsonl \
         --max-new-tokens 512 --out docs/results/dialogue_epoch/longer_limit.jsonl
@@ -27,8 +29,9 @@ if __package__ in (None, ""):
 JUDGE = os.path.join("~", ".cache", "anlr_jax", "joined", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
 
 
-def cut_records(paths: list[str]) -> list[dict]:
-  """The records of ``paths`` without a rating whose reply the token limit cut (no loop)."""
+def cut_records(paths: list[str], kind: str = "length") -> list[dict]:
+  """The records of ``paths`` without a rating whose reply failed as ``kind`` (``failure_kind``:
+  ``length``, cut by the token limit without a loop; ``loop``; ``stopped``)."""
   from anlr_jax.evals.judge import UNPARSED
   from anlr_jax.evals.judge_probs import failure_kind
   from anlr_jax.evals.mtbench import read_records
@@ -36,10 +39,7 @@ def cut_records(paths: list[str]) -> list[dict]:
   out = []
   for path in paths:
     for r in read_records(path):
-      if (
-          r.get("score") == UNPARSED
-          and failure_kind(r["judgment"], r.get("finish_reason")) == "length"
-      ):
+      if r.get("score") == UNPARSED and failure_kind(r["judgment"], r.get("finish_reason")) == kind:
         out.append(r)
   return out
 
@@ -53,6 +53,12 @@ def main(argv=None) -> int:
       help="the judge: a .gguf file or a HF model directory (default: the joined offline judge)",
   )
   ap.add_argument("--max-new-tokens", type=int, default=512)
+  ap.add_argument(
+      "--kind",
+      default="length",
+      choices=("length", "loop", "stopped"),
+      help="the failures to judge again (default: those the token limit cut)",
+  )
   ap.add_argument("--quantize", default="int8", help="eval.judge.quantize")
   ap.add_argument("--batch", type=int, default=8, help="eval.judge.batch_size")
   ap.add_argument("--out", required=True, help="JSON lines, one per judgment")
@@ -70,11 +76,11 @@ def main(argv=None) -> int:
   from anlr_jax.evals.judge_probs import failure_kind
   from anlr_jax.evals.mtbench import append_records, read_records
 
-  todo = cut_records(args.records)
+  todo = cut_records(args.records, args.kind)
   key = lambda r: (r["model"], r["question_id"], r["turn"])
   done = {key(r) for r in read_records(args.out)} if os.path.exists(args.out) else set()
   todo = [r for r in todo if key(r) not in done]
-  print(f"{len(todo)} cut judgments to judge again ({len(done)} done before)", flush=True)
+  print(f"{len(todo)} {args.kind} judgments to judge again ({len(done)} done before)", flush=True)
   config = load_config(
       None,
       [
@@ -106,6 +112,8 @@ def main(argv=None) -> int:
               "turn": r["turn"],
               "category": r["category"],
               "max_new_tokens": args.max_new_tokens,
+              "quantize": args.quantize,
+              "old_failure": args.kind,
               "judgment": reply,
               "score": rating,
               "finish_reason": finish,

@@ -65,6 +65,8 @@ def test_the_longer_limit_benchmark_takes_the_cut_judgments_only(tmp_path):
   append_records(tmp_path / "b.jsonl", rows[2:])
   picked = judge_longer.cut_records([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")])
   assert [r["question_id"] for r in picked] == [1]
+  loops = judge_longer.cut_records([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], "loop")
+  assert [r["question_id"] for r in loops] == [2]
   every = judge_longer.cut_records(
       [f"docs/results/dialogue_epoch/{m}/mt_bench_single.jsonl" for m in ("base", "lora", "anlr")]
   )

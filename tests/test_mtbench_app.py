@@ -417,9 +417,10 @@ def test_judge_longer_judges_the_cut_judgments_again_and_goes_on(tiny, tmp_path,
   assert judge_longer.main(argv) == 0
   (row,) = [json.loads(line) for line in open(out)]
   assert (row["model"], row["question_id"], row["turn"], row["max_new_tokens"]) == ("m", 81, 1, 3)
+  assert (row["quantize"], row["old_failure"]) == ("none", "length")
   assert row["finish_reason"] in ("length", "stop") and isinstance(row["same_start"], bool)
   assert (row["score"] is None) == (row["failure"] is not None)
-  assert "1 cut judgments to judge again (0 done before)" in capsys.readouterr().out
+  assert "1 length judgments to judge again (0 done before)" in capsys.readouterr().out
   assert judge_longer.main(argv) == 0
-  assert "0 cut judgments to judge again (1 done before)" in capsys.readouterr().out
+  assert "0 length judgments to judge again (1 done before)" in capsys.readouterr().out
   assert len(open(out).readlines()) == 1
