@@ -35,6 +35,10 @@ import sys
 import tempfile
 import time
 
+JOINED_JUDGE = os.path.join(
+    "~", ".cache", "anlr_jax", "joined", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+)
+"""Where ``anlr judge-model`` joins the offline judge (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF)."""
 TARGETS = ("q_proj", "k_proj", "v_proj", "up_proj", "down_proj")
 LORA_LAYOUTS = ("stacked", "per-layer")
 LEARNING_RATE = 1e-4

@@ -26,7 +26,7 @@ import time
 if __package__ in (None, ""):
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-JUDGE = os.path.join("~", ".cache", "anlr_jax", "joined", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
+from benchmarks import common  # noqa: E402
 
 
 def cut_records(paths: list[str], kind: str = "length") -> list[dict]:
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
   ap.add_argument("records", nargs="+", help="mt_bench_single.jsonl files")
   ap.add_argument(
       "--judge",
-      default=os.path.expanduser(JUDGE),
+      default=os.path.expanduser(common.JOINED_JUDGE),
       help="the judge: a .gguf file or a HF model directory (default: the joined offline judge)",
   )
   ap.add_argument("--max-new-tokens", type=int, default=512)
@@ -81,6 +81,8 @@ def main(argv=None) -> int:
   done = {key(r) for r in read_records(args.out)} if os.path.exists(args.out) else set()
   todo = [r for r in todo if key(r) not in done]
   print(f"{len(todo)} {args.kind} judgments to judge again ({len(done)} done before)", flush=True)
+  if not todo:
+    return 0
   config = load_config(
       None,
       [

@@ -36,7 +36,6 @@ if __package__ in (None, ""):
 
 from benchmarks import common  # noqa: E402
 
-JUDGE = os.path.join("~", ".cache", "anlr_jax", "joined", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
 ANSWERS = os.path.join("docs", "results", "dialogue_epoch", "lora", "mt_bench_answers.jsonl")
 
 
@@ -155,7 +154,9 @@ def worker(args) -> dict:
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--model", default=os.path.expanduser(JUDGE), help="the judge (default: joined)")
+  ap.add_argument(
+      "--model", default=os.path.expanduser(common.JOINED_JUDGE), help="the judge (default: joined)"
+  )
   ap.add_argument("--answers", default=ANSWERS, help="MT-Bench answers whose judge prompts to use")
   ap.add_argument(
       "--settings",

@@ -36,7 +36,6 @@ if __package__ in (None, ""):
 
 from benchmarks import common  # noqa: E402
 
-JUDGE = os.path.join("~", ".cache", "anlr_jax", "joined", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
 ANSWER = "The answer is 42, because the question asks for a number and 42 is a number."
 
 
@@ -166,7 +165,9 @@ def worker(args) -> dict:
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--model", default=os.path.expanduser(JUDGE), help="the judge (default: joined)")
+  ap.add_argument(
+      "--model", default=os.path.expanduser(common.JOINED_JUDGE), help="the judge (default: joined)"
+  )
   ap.add_argument(
       "--settings",
       default="float32:none,float32:int8,float32:nf4",

@@ -21,7 +21,6 @@ image / text (the median of the per-round quotients, :func:`benchmarks.common.pa
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
