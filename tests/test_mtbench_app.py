@@ -393,10 +393,12 @@ def test_the_scores_file_is_written_atomically_beside_a_stale_temporary(tmp_path
   )
 
 
-def test_judge_longer_judges_the_cut_judgments_again_and_goes_on(tiny, tmp_path, capsys):
+def test_judge_longer_judges_the_cut_judgments_again_and_goes_on(
+    tiny, tmp_path, capsys, monkeypatch
+):
   """benchmarks/judge_longer.py: the saved judgments the token limit cut (not the looping, rated
   or stopped ones) judged again by the judge with the longer limit, one row each; a second run
-  with the same output judges nothing again."""
+  with the same output judges nothing again and does not load the judge."""
   from anlr_jax.evals.mtbench import append_records
   from benchmarks import judge_longer
 
@@ -421,6 +423,7 @@ def test_judge_longer_judges_the_cut_judgments_again_and_goes_on(tiny, tmp_path,
   assert row["finish_reason"] in ("length", "stop") and isinstance(row["same_start"], bool)
   assert (row["score"] is None) == (row["failure"] is not None)
   assert "1 length judgments to judge again (0 done before)" in capsys.readouterr().out
+  monkeypatch.setattr(anlr_jax.app.judge, "load_judge", lambda config: pytest.fail("loaded"))
   assert judge_longer.main(argv) == 0
   assert "0 length judgments to judge again (1 done before)" in capsys.readouterr().out
   assert len(open(out).readlines()) == 1
