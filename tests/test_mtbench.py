@@ -539,6 +539,48 @@ def test_judging_resumes_and_a_cut_last_line_is_made_again(questions, prompts, t
   assert len(sent) == 6  # another judge's grades are its own
 
 
+def test_a_run_goes_on_only_from_judgments_made_with_its_judges_settings(
+    questions, prompts, tmp_path
+):
+  """Saved judgments carry the judge's settings; a rerun whose judge has other settings (int8
+  against float32, another token limit) stops with one line naming them, for single grading and
+  pairs, instead of mixing two judges' ratings under one name."""
+  picked = questions[:2]
+  answers = {q.question_id: ["a", "b"] for q in picked}
+  int8 = {"dtype": "float32", "quantize": "int8", "max_new_tokens": 200}
+  none = dict(int8, quantize="none")
+  sent = []
+  judge_fn = lambda b: sent.extend(b) or ["[[7]]"] * len(b)
+  single = dict(model="m", judge_name="j", prompts=prompts, batch_size=2, progress=False)
+  path = str(tmp_path / "single.jsonl")
+  judging.judge_single(judge_fn, picked[:1], answers, path, judge_settings=int8, **single)
+  assert [r["judge_settings"] for r in read_jsonl(path)] == [int8, int8]
+  sent.clear()
+  with pytest.raises(ValueError) as err:
+    judging.judge_single(judge_fn, picked, answers, path, judge_settings=none, **single)
+  message = str(err.value)
+  assert "eval.judge.quantize=int8 there, none here" in message and "\n" not in message
+  assert "single.jsonl" in message and not sent  # nothing judged, nothing written
+  assert len(read_jsonl(path)) == 2
+  # the same settings go on; another judge's, another model's or unknown settings do not count
+  records = judging.judge_single(judge_fn, picked, answers, path, judge_settings=int8, **single)
+  assert len(records) == 4 and len(sent) == 2
+  judging.judge_single(judge_fn, picked, answers, path, judge_settings=None, **single)
+  other = dict(single, judge_name="k")
+  judging.judge_single(judge_fn, picked, answers, path, judge_settings=none, **other)
+
+  pair = dict(model_1="m", model_2="n", judge_name="j", prompts=prompts, batch_size=2)
+  path = str(tmp_path / "pair.jsonl")
+  judging.judge_pair(
+      judge_fn, picked[:1], answers, answers, path, judge_settings=int8, progress=False, **pair
+  )
+  longer = dict(int8, max_new_tokens=512)
+  with pytest.raises(ValueError, match="eval.judge.max_new_tokens=200 there, 512 here"):
+    judging.judge_pair(
+        judge_fn, picked, answers, answers, path, judge_settings=longer, progress=False, **pair
+    )
+
+
 def test_an_unreadable_line_in_the_middle_names_the_file_and_line(tmp_path):
   path = tmp_path / "x.jsonl"
   path.write_text('{"a": 1}\nnot json\n{"a": 2}\n')

@@ -166,10 +166,14 @@ def test_eval_answers_judges_and_resumes_then_pairwise(tiny, tmp_path, capsys, m
   monkeypatch.setattr(anlr_jax.app.text_generation, "generate", no_generation)
   code, stdout, err = run_cli(pair, capsys)  # all judged already: nothing is generated
   assert code == 0, err
+  single = ["judge", "--single", str(out), f"eval.judge.model={path}"]
   code, stdout, err = run_cli(  # key=value after --single's directories are overrides
-      ["judge", "--single", str(out), f"eval.judge.model={path}"], capsys
+      single + ["eval.judge.max_new_tokens=4"], capsys
   )
   assert code == 0, err
+  code, stdout, err = run_cli(single + ["eval.judge.max_new_tokens=8"], capsys)
+  assert code == 2 and len(err.strip().splitlines()) == 1, err  # not another judge's ratings
+  assert "eval.judge.max_new_tokens=4 there, 8 here" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("what", ["empty dir", "not a gguf", "unset", "missing"])

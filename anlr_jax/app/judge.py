@@ -101,12 +101,14 @@ def judge_prompt(tokenizer, system: str, user: str) -> str:
 @dataclasses.dataclass
 class Judge:
   """A loaded judge: its name (``eval.judge.model`` as given, or the endpoint's model name),
-  ``judge_fn``, batch size, and a local judge's probabilities (``probes``)."""
+  ``judge_fn``, batch size, a local judge's probabilities (``probes``), and the settings that
+  change its replies (``settings``: saved with each judgment, checked when a run goes on)."""
 
   name: str
   judge_fn: judging.JudgeFn
   batch_size: int
   probes: JudgeProbes | None = None
+  settings: dict[str, Any] | None = None
 
 
 def judge_configured(config: RunConfig) -> bool:
@@ -166,7 +168,12 @@ def load_judge(config: RunConfig) -> Judge:
       prefill_chunk=section.prefill_chunk,
       held=replies,
   )
-  return Judge(name, judge_fn, batch_size, probes)
+  settings = {
+      "dtype": str(section.dtype),
+      "quantize": section.quantize,
+      "max_new_tokens": section.max_new_tokens,
+  }
+  return Judge(name, judge_fn, batch_size, probes, settings)
 
 
 def judge_path(section, *, log: Log = say) -> tuple[str, str]:
@@ -228,7 +235,7 @@ def endpoint_judge(section, batch_size: int) -> Judge:
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, batch_size)) as pool:
       return list(pool.map(ask, prompts))
 
-  return Judge(name, judge_fn, batch_size)
+  return Judge(name, judge_fn, batch_size, settings={"max_new_tokens": section.max_new_tokens})
 
 
 def _kept(error: EndpointError, path: str) -> EndpointError:
@@ -295,6 +302,7 @@ def grade_single(judge: Judge, path: str, out_dir: str, *, log: Log = say) -> di
         batch_size=judge.batch_size,
         progress=is_writer(),
         probes=judge.probes,
+        judge_settings=judge.settings,
     )
   except EndpointError as err:
     raise _kept(err, out) from None
@@ -340,6 +348,7 @@ def compare_pair(
         batch_size=judge.batch_size,
         progress=is_writer(),
         probes=judge.probes,
+        judge_settings=judge.settings,
     )
   except EndpointError as err:
     raise _kept(err, out) from None

@@ -18,8 +18,10 @@ counts as a tie, and one with an error in either game is left out (counted and r
 FastChat's ``show_result`` does. ``win_rate_adjusted`` counts a tie as half a win.
 
 Judgments are appended to a JSONL file after each batch, verbatim, with the user prompt the judge
-saw (FastChat's record layout plus ``category``); a rerun judges only what the file does not hold
-for this judge and these models.
+saw (FastChat's record layout plus ``category`` and ``judge_settings``, the judge's settings that
+change its replies: ``dtype``, ``quantize``, ``max_new_tokens``); a rerun judges only what the file
+does not hold for this judge and these models, and refuses to go on from judgments its judge made
+with other settings (mixed, their mean would describe neither).
 
 **Beside the protocol** (its fields unchanged), each record holds what the judge's own
 probabilities say (:mod:`anlr_jax.evals.judge_probs`, a local judge; ``null`` for a judge behind an
@@ -135,6 +137,26 @@ def _check_answers(questions: Sequence[Question], answers: Mapping[int, Sequence
     raise ValueError(f"{where}: no answer to question(s) {missing[:8]}")
 
 
+def _check_settings(saved, wanted, key, settings, path: str) -> None:
+  """Raises ValueError when a saved record of ``wanted`` (its ``key``) was judged with other
+  ``judge_settings`` than ``settings`` (None on either side: not known, not checked)."""
+  if settings is None:
+    return
+  for r in saved:
+    theirs = r.get("judge_settings")
+    if theirs is None or key(r) not in wanted or theirs == settings:
+      continue
+    diff = ", ".join(
+        f"eval.judge.{k}={theirs.get(k)} there, {settings.get(k)} here"
+        for k in sorted(set(theirs) | set(settings))
+        if theirs.get(k) != settings.get(k)
+    )
+    raise ValueError(
+        f"{path} holds judgments by {tuple(r['judge'])[0]} made with other settings ({diff}):"
+        " judge into another directory, or with the same settings to go on"
+    )
+
+
 def _probabilities(probes, judgments, cue, choices) -> list[np.ndarray | None]:
   """The normalised choice probabilities of each ``(system, user, reply)``; Nones without
   ``probes``."""
@@ -169,6 +191,7 @@ def judge_single(
     batch_size: int,
     progress: bool = True,
     probes: JudgeProbes | None = None,
+    judge_settings: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
   """Grades both turns of each question's answer (see the module doc); returns the records of
   this judge and model for ``questions`` (those saved before and those made now). ``probes``: the
@@ -177,6 +200,8 @@ def judge_single(
   saved = read_records(path)
   key = lambda r: (tuple(r["judge"])[0], r["model"], r["question_id"], r["turn"])
   have = {key(r) for r in saved if "model" in r}
+  wanted = {(judge_name, model, q.question_id, t) for q in questions for t in TURNS}
+  _check_settings([r for r in saved if "model" in r], wanted, key, judge_settings, path)
   items, item_prompts = [], []
   for q in questions:
     for turn in TURNS:
@@ -202,6 +227,7 @@ def judge_single(
               "category": q.category,
               "model": model,
               "judge": [judge_name, name],
+              "judge_settings": judge_settings,
               "user_prompt": user,
               "judgment": judgment,
               "score": UNPARSED if rating is None else rating,
@@ -224,7 +250,6 @@ def judge_single(
       progress=progress,
       write=write,
   )
-  wanted = {(judge_name, model, q.question_id, t) for q in questions for t in TURNS}
   return [r for r in read_records(path) if "model" in r and key(r) in wanted]
 
 
@@ -352,6 +377,7 @@ def judge_pair(
     batch_size: int,
     progress: bool = True,
     probes: JudgeProbes | None = None,
+    judge_settings: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
   """Compares the answers of models 1 and 2 on both turns of each question, in both orders (see the
   module doc); returns the records of this judge and pair for ``questions``. ``probes`` as for
@@ -363,6 +389,8 @@ def judge_pair(
   saved = read_records(path)
   key = lambda r: (tuple(r["judge"])[0], r["model_1"], r["model_2"], r["question_id"], r["turn"])
   have = {key(r) for r in saved if "model_1" in r}
+  wanted = {(judge_name, model_1, model_2, q.question_id, t) for q in questions for t in TURNS}
+  _check_settings([r for r in saved if "model_1" in r], wanted, key, judge_settings, path)
   items, item_prompts = [], []
   for q in questions:
     for turn in TURNS:
@@ -396,6 +424,7 @@ def judge_pair(
               "g1_winner": _WINNER_1.get(v1, v1),
               "g2_winner": _WINNER_2.get(v2, v2),
               "judge": [judge_name, name],
+              "judge_settings": judge_settings,
               "g1_user_prompt": g1,
               "g1_judgment": j1,
               "g2_user_prompt": g2,
@@ -422,7 +451,6 @@ def judge_pair(
       progress=progress,
       write=write,
   )
-  wanted = {(judge_name, model_1, model_2, q.question_id, t) for q in questions for t in TURNS}
   return [r for r in read_records(path) if "model_1" in r and key(r) in wanted]
 
 
