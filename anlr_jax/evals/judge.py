@@ -195,7 +195,9 @@ def judge_single(
 ) -> list[dict[str, Any]]:
   """Grades both turns of each question's answer (see the module doc); returns the records of
   this judge and model for ``questions`` (those saved before and those made now). ``probes``: the
-  local judge's probabilities and reply lengths (None: those fields are null)."""
+  local judge's probabilities and reply lengths (None: those fields are null). ``judge_settings``:
+  saved with each record; a saved record of these questions made with other settings is a
+  ValueError (None: not checked)."""
   _check_answers(questions, answers, f"answers of {model}")
   saved = read_records(path)
   key = lambda r: (tuple(r["judge"])[0], r["model"], r["question_id"], r["turn"])
@@ -380,8 +382,8 @@ def judge_pair(
     judge_settings: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
   """Compares the answers of models 1 and 2 on both turns of each question, in both orders (see the
-  module doc); returns the records of this judge and pair for ``questions``. ``probes`` as for
-  :func:`judge_single`."""
+  module doc); returns the records of this judge and pair for ``questions``. ``probes`` and
+  ``judge_settings`` as for :func:`judge_single`."""
   if model_1 == model_2:
     raise ValueError(f"the two models of a pairwise comparison need two names, got {model_1!r}")
   _check_answers(questions, answers_1, f"answers of {model_1}")
