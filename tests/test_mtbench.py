@@ -562,7 +562,7 @@ def test_a_run_goes_on_only_from_judgments_made_with_its_judges_settings(
   assert "eval.judge.quantize=int8 there, none here" in message and "\n" not in message
   assert "single.jsonl" in message and not sent  # nothing judged, nothing written
   assert len(read_jsonl(path)) == 2
-  # the same settings go on; another judge's, another model's or unknown settings do not count
+  # the same settings go on; unknown settings and another judge's records are not checked
   records = judging.judge_single(judge_fn, picked, answers, path, judge_settings=int8, **single)
   assert len(records) == 4 and len(sent) == 2
   judging.judge_single(judge_fn, picked, answers, path, judge_settings=None, **single)
