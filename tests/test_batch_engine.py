@@ -74,3 +74,28 @@ def test_the_models_graph_is_not_hashed_at_each_step(model, monkeypatch):
     assert hashes == []
   finally:
     engine.close()
+
+
+def test_a_step_computes_the_rows_in_use_and_rows_move_down_as_requests_end(model):
+  rows, lengths = prompts()[:5], [2, 3, 4, 12, 12]
+  engine = BatchEngine(model, pad_id=0, max_batch=8)
+  try:
+    alone = [
+        list(engine.submit(Generation(list(ids), max_tokens=n)).tokens(timeout=120))
+        for ids, n in zip(rows, lengths)
+    ]
+    shapes = []
+    engine.step_hook = lambda: shapes.append(engine._cache[2].shape[0])
+    assert replies(engine, rows[:2]) == replies(engine, rows[:2], together=False)
+    assert set(shapes) == {2, 1}  # two requests together: a two-row step, not eight rows
+    shapes.clear()
+    gens = [Generation(list(ids), max_tokens=n) for ids, n in zip(rows, lengths)]
+    with engine._cond:
+      for g in gens:
+        engine.submit(g)
+    together = [list(g.tokens(timeout=120)) for g in gens]
+  finally:
+    engine.close()
+  assert together == alone and [len(r) for r in together] == lengths
+  # five rows, then four after the first ends (row 4 moved to row 0), then two (row 3 to row 1)
+  assert shapes[:3] == [8, 4, 4] and set(shapes[3:]) == {2} and len(shapes) == 11

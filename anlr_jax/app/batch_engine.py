@@ -1,6 +1,6 @@
 r"""Continuous batching for ``anlr serve``: requests decoded together, each row on its own.
 
-A :class:`BatchEngine` owns one thread and a key/value cache of ``max_batch`` rows (*slots*) of
+A :class:`BatchEngine` owns one thread and a key/value cache of up to ``max_batch`` rows (*slots*) of
 ``S`` positions. A request (:class:`Generation`) waits in a bounded queue until a slot is free; it
 is then *admitted*: its prompt, left-padded to :func:`~anlr_jax.models.generation.prompt_width`
 ``W``, is run through the model (the prefill, one call for the prompts of one width admitted
@@ -17,9 +17,12 @@ left-padded to ``W``, runs through the model (into slots ``[P, P + W)``). From t
 The step is the model's single-row decoding mapped over the rows (``jax.vmap``), so every row has
 its own write index, RoPE position and key mask: a row's tokens are those it would get decoded
 alone (same prompt padding, same positions, the other rows' keys never visible to it), and a
-request joins or leaves the batch between any two steps. The cache has one row while one request
-is decoded, else ``max_batch``; ``S`` grows (doubling) when a row reaches its end and shrinks back
-when the engine is idle; each distinct shape compiles once.
+request joins or leaves the batch between any two steps. The cache has as many rows as the
+requests being decoded, rounded up to a power of two (1, 2, 4, ... at most ``max_batch``): a step
+costs what its rows cost, so two requests do not pay for ``max_batch`` rows. When requests end, the
+rows above the smaller shape are moved down into the free ones and the cache shrinks. ``S`` grows
+(doubling) when a row reaches its end and shrinks back when the engine is idle; each distinct shape
+compiles once.
 
 A generation ends at its stop token (``stop``), after ``max_tokens`` tokens (``length``), or when
 its consumer cancels it (a client gone, a stop string seen): its slot is free for the next step.
@@ -169,6 +172,18 @@ def _insert(keys, values, mask, row, new_keys, new_values, new_mask):
       jax.lax.dynamic_update_slice(v, n.astype(v.dtype), at) for v, n in zip(values, new_values)
   )
   return keys, values, jax.lax.dynamic_update_slice(mask, new_mask[None], (row, 0))
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+def _move(keys, values, mask, source, target):
+  """Copies row ``source`` of the cache (keys, values, mask) into row ``target``."""
+
+  def move(x):
+    return jax.lax.dynamic_update_slice_in_dim(
+        x, jax.lax.dynamic_slice_in_dim(x, source, 1, axis=0), target, axis=0
+    )
+
+  return tuple(map(move, keys)), tuple(map(move, values)), move(mask)
 
 
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnums=(2, 3, 4))
@@ -330,12 +345,28 @@ class BatchEngine:
     for generation in self._waiting:
       generation._end("cancelled")
 
+  def _rows(self, n: int) -> int:
+    """The cache rows that hold ``n`` rows: ``n`` rounded up to a power of two, at most
+    ``max_batch`` (a decoding program per shape)."""
+    return min(1 << max(n - 1, 0).bit_length(), self.max_batch)
+
+  def _compact(self) -> None:
+    """Moves the requests decoded in rows at or above the shape their number needs into the free
+    rows below it, so that the cache can shrink to that shape."""
+    live = [row for row, slot in enumerate(self._slots) if slot is not None]
+    rows = self._rows(len(live))
+    free = [row for row in range(rows) if self._slots[row] is None]
+    for source, target in zip((row for row in live if row >= rows), free):
+      self._cache = _move(*self._cache, source, target)
+      self._slots[target], self._slots[source] = self._slots[source], None
+
   def _ensure_shape(self, rows: int, length: int) -> None:
-    """A cache of one row, or ``max_batch`` rows when more are needed, and at least ``length``
-    positions (:data:`MIN_LENGTH` times a power of two); zeros where nothing was written. Rows and
-    positions grow when a request needs them and shrink when the rows above are free."""
+    """A cache of at least ``rows`` rows and ``length`` positions (:data:`MIN_LENGTH` times a
+    power of two): the rows in use rounded up to a power of two (:meth:`_rows`); zeros where
+    nothing was written. Rows and positions grow when a request needs them; rows shrink when the
+    rows above are free."""
     used = max((row + 1 for row, slot in enumerate(self._slots) if slot is not None), default=0)
-    rows = 1 if max(rows, used) <= 1 else self.max_batch  # two decoding shapes, two compilations
+    rows = self._rows(max(rows, used))
     length = MIN_LENGTH * (1 << (max(1, -(-length // MIN_LENGTH)) - 1).bit_length())
     if self._cache is None:
       cache = init_cache(self.config, rows, length)
@@ -449,6 +480,8 @@ class BatchEngine:
     live = [(row, slot) for row, slot in enumerate(self._slots) if slot is not None]
     if not live:
       return
+    self._compact()
+    live = [(row, slot) for row, slot in enumerate(self._slots) if slot is not None]
     self._ensure_shape(1, max(s.width + s.made for _, s in live))
     b = self._cache[2].shape[0]
     tokens, positions, index = (np.zeros(b, np.int32) for _ in range(3))
