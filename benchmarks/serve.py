@@ -6,17 +6,25 @@ in its chat template. Eight different questions are sent as streamed greedy requ
 (``stream: true``, ``temperature: 0``, ``max_tokens`` each), in rounds that alternate the two ways:
 
 - *sequential*: one request after another, each sent when the previous reply has ended;
-- *concurrent*: all eight at once, one client thread each (the server decodes them in one batch).
+- *concurrent*: ``--clients`` client threads (8: all eight at once), each sending its next
+  question when its previous reply has ended (the server decodes the requests in flight in one
+  batch);
+- *fixed rows* (with ``--fixed_rows``): the concurrent way again, the engine made to decode every
+  step of more than one request at ``--max_batch`` rows, as a fixed-shape batch does, instead of the
+  rows in use rounded up to a power of two: what the engine's shapes gain with fewer clients than
+  rows. The two batched ways take turns going first from round to round.
 
 Per way and round: tokens/s = completion tokens (``usage``) / wall time of the eight. Per request:
 time to first token (TTFT, from sending to the first event with text) and total latency. The
 script prints the medians over rounds, the throughput ratio (concurrent / sequential), the
 p50 / p95 latencies and the engine's median turn (one decoding step of the rows it holds: one row
-one by one, eight together; a turn that admits requests also prefills them), checks that every
+one by one, eight together; a turn that admits requests also prefills them) and its largest
+cache (rows), checks that every
 concurrent reply equals the sequential reply of the same request, and writes everything as JSON
 (``--out``). Warm-up runs of each way first (compiles).
 
-  python benchmarks/serve.py [--rounds 3] [--max_tokens 48] [--max_batch 8] [--out FILE]
+  python benchmarks/serve.py [--rounds 3] [--max_tokens 48] [--max_batch 8] [--clients 8]
+                             [--fixed_rows] [--out FILE]
 """
 
 from __future__ import annotations
@@ -92,9 +100,9 @@ def one_by_one(host, port, max_tokens):
   return replies, time.perf_counter() - start
 
 
-def all_at_once(host, port, max_tokens):
+def all_at_once(host, port, max_tokens, clients=len(QUESTIONS)):
   start = time.perf_counter()
-  with concurrent.futures.ThreadPoolExecutor(len(QUESTIONS)) as pool:
+  with concurrent.futures.ThreadPoolExecutor(clients) as pool:
     replies = list(pool.map(lambda q: streamed(host, port, q, max_tokens), QUESTIONS))
   return replies, time.perf_counter() - start
 
@@ -112,6 +120,10 @@ def main(argv=None):
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--max_tokens", type=int, default=48)
   parser.add_argument("--max_batch", type=int, default=8)
+  parser.add_argument("--clients", type=int, default=len(QUESTIONS), help="concurrent clients")
+  parser.add_argument(
+      "--fixed_rows", action="store_true", help="also time the concurrent way at max_batch rows"
+  )
   parser.add_argument("--model", default=MODEL)
   parser.add_argument("--out", help="JSON file of the run")
   args = parser.parse_args(argv)
@@ -126,19 +138,30 @@ def main(argv=None):
   host, port = server.server_address[:2]
   load = lambda: round(os.getloadavg()[0], 2)
   turns = []  # the engine's loop turns (admissions and one decoding step each), as they end
-  server.service.engine.step_hook = lambda: turns.append(time.perf_counter())
+  engine = server.service.engine
+  cache_rows = lambda: 0 if engine._cache is None else engine._cache[2].shape[0]  # noqa: E731
+  engine.step_hook = lambda: turns.append((time.perf_counter(), cache_rows()))
+  rows_in_use = engine._rows
+  fixed = lambda n: 1 if n <= 1 else engine.max_batch  # noqa: E731
+  concurrently = lambda h, p, m: all_at_once(h, p, m, args.clients)  # noqa: E731
+  ways = [("sequential", one_by_one, rows_in_use), ("concurrent", concurrently, rows_in_use)]
+  if args.fixed_rows:
+    ways.append(("fixed rows", concurrently, fixed))
   try:
     loads = [load()]
     warm_seq, _ = one_by_one(host, port, args.max_tokens)  # compiles the one-row shapes
     for _ in range(2):  # and the batched ones (arrivals group differently from run to run)
-      all_at_once(host, port, args.max_tokens)
+      for _, run, rows in ways[1:]:
+        engine._rows = rows
+        run(host, port, args.max_tokens)
     rounds = []
-    for r in range(args.rounds):
-      for way, run in (("sequential", one_by_one), ("concurrent", all_at_once)):
+    for r in range(args.rounds):  # the batched ways take turns going first
+      for way, run, rows in ways[:1] + (ways[1:] if r % 2 == 0 else ways[:0:-1]):
+        engine._rows = rows
         turns.clear()
         replies, wall = run(host, port, args.max_tokens)
         tokens = sum(x["tokens"] for x in replies)
-        turn = statistics.median(b - a for a, b in zip(turns, turns[1:]))
+        turn = statistics.median(b - a for (a, _), (b, _) in zip(turns, turns[1:]))
         rounds.append(
             {
                 "round": r,
@@ -147,12 +170,14 @@ def main(argv=None):
                 "tokens": tokens,
                 "turn_p50_s": turn,
                 "turns": len(turns),
+                "rows_max": max(rows for _, rows in turns),
                 "replies": replies,
             }
         )
         print(
             f"round {r} {way}: {tokens} tokens in {wall:.2f} s = {tokens / wall:.2f} tokens/s;"
-            f" {len(turns)} engine turns, median {turn * 1e3:.1f} ms"
+            f" {len(turns)} engine turns, median {turn * 1e3:.1f} ms, at most"
+            f" {rounds[-1]['rows_max']} rows"
         )
         loads.append(load())
   finally:
@@ -161,7 +186,7 @@ def main(argv=None):
     server.service.close()
 
   summary = {}
-  for way in ("sequential", "concurrent"):
+  for way, *_ in ways:
     mine = [x for x in rounds if x["way"] == way]
     replies = [y for x in mine for y in x["replies"]]
     summary[way] = {
@@ -173,12 +198,11 @@ def main(argv=None):
         "turn_p50_s": statistics.median(x["turn_p50_s"] for x in mine),
     }
   ratio = summary["concurrent"]["tokens_per_s"] / summary["sequential"]["tokens_per_s"]
-  paired = statistics.median(
-      (c["tokens"] / c["wall_s"]) / (s["tokens"] / s["wall_s"])
-      for s, c in zip(rounds[0::2], rounds[1::2])
-  )
+  rate = lambda x: x["tokens"] / x["wall_s"]  # noqa: E731
+  by_round = [{x["way"]: rate(x) for x in rounds if x["round"] == r} for r in range(args.rounds)]
+  paired = statistics.median(x["concurrent"] / x["sequential"] for x in by_round)
   alone = [x["text"] for x in warm_seq]
-  same = all([y["text"] for y in x["replies"]] == alone for x in rounds if x["way"] == "concurrent")
+  same = all([y["text"] for y in x["replies"]] == alone for x in rounds if x["way"] != "sequential")
   for way, s in summary.items():
     print(
         f"{way:>10}: {s['tokens_per_s']:.2f} tokens/s (median of {args.rounds}); TTFT p50"
@@ -186,6 +210,14 @@ def main(argv=None):
         f" s, p95 {s['total_p95_s']:.2f} s; engine turn p50 {s['turn_p50_s'] * 1e3:.1f} ms"
     )
   print(f"concurrent / sequential tokens/s: {ratio:.2f} (paired rounds: {paired:.2f})")
+  fixed_ratio = fixed_paired = None
+  if args.fixed_rows:
+    fixed_ratio = summary["concurrent"]["tokens_per_s"] / summary["fixed rows"]["tokens_per_s"]
+    fixed_paired = statistics.median(x["concurrent"] / x["fixed rows"] for x in by_round)
+    print(
+        f"rows in use / fixed {args.max_batch} rows tokens/s: {fixed_ratio:.2f} (paired rounds:"
+        f" {fixed_paired:.2f})"
+    )
   print(f"every concurrent reply equals the sequential one: {same}")
   print(f"load average (1 min) before and after each run: {loads}")
   if args.out:
@@ -195,6 +227,8 @@ def main(argv=None):
         "summary": summary,
         "ratio": ratio,
         "paired_ratio": paired,
+        "rows_in_use_over_fixed_rows": fixed_ratio,
+        "rows_in_use_over_fixed_rows_paired": fixed_paired,
         "replies_equal": same,
         "load": loads,
         "rounds": rounds,

@@ -365,3 +365,17 @@ def test_a_run_directory_is_served_with_its_adapter_and_its_template(tiny, tmp_p
   assert ids[0] == service.tokenizer.bos_token_id  # bos first, as in training
   with pytest.raises(RequestError, match="must alternate"):
     service.complete({"messages": [{"role": "assistant", "content": "x"}, ask["messages"][0]]})
+
+
+def test_the_serving_benchmark_times_each_way_at_its_rows_and_checks_the_replies(tiny, tmp_path):
+  from benchmarks import serve as bench
+
+  out = tmp_path / "serve.json"
+  argv = ["--model", tiny, "--rounds", "1", "--max_tokens", "3", "--clients", "2", "--fixed_rows"]
+  assert bench.main(argv + ["--out", str(out)]) == 0
+  result = json.loads(out.read_text())
+  rows = {x["way"]: x["rows_max"] for x in result["rounds"]}
+  assert rows == {"sequential": 1, "concurrent": 2, "fixed rows": 8}
+  assert result["replies_equal"] is True
+  assert all(len(x["replies"]) == 8 and x["tokens"] > 0 for x in result["rounds"])
+  assert result["rows_in_use_over_fixed_rows"] > 0 and result["ratio"] > 0
