@@ -397,3 +397,23 @@ def test_interleave_takes_turns_and_keeps_the_untimed_rounds_apart():
   assert timings.times == {"a": [7, 8, 13, 14], "b": [10, 11, 16, 17]}
   with pytest.raises(ValueError, match="block=0"):
     interleave(steps, 1, block=0)
+
+
+def test_cpu_rates_reports_every_element_type_and_row_count_consistently(tmp_path, capsys):
+  from benchmarks import cpu_rates
+
+  out = tmp_path / "rates.json"
+  assert (
+      cpu_rates.main(["--size", "64", "--layers", "2", "--repeats", "1", "--json", str(out)]) == 0
+  )
+  record = json.loads(out.read_text())
+  assert set(record["square_gflops"]) == {"float32", "bfloat16", "int8"}
+  assert all(rate > 0 for rate in record["square_gflops"].values())
+  rows = record["rows"]
+  assert [r["rows"] for r in rows] == [1, 2, 4, 8, 16]
+  weights = 2 * 2 * 576 * 1536
+  for r in rows:
+    assert r["vs_one_row"] == pytest.approx(r["ms"] / rows[0]["ms"])
+    assert r["gflops"] == pytest.approx(2 * r["rows"] * weights / r["ms"] / 1e6)
+    assert r["weights_gb_per_s"] == pytest.approx(4 * weights / r["ms"] / 1e6)
+  assert "x one row" in capsys.readouterr().out
