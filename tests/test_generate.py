@@ -200,3 +200,42 @@ def test_logits_to_keep_computes_only_the_last_positions(hf_and_flax):
   b, t, v = ids.shape[0], ids.shape[1], model.config.vocab_size
   assert f"f32[{b},{t},{v}]" not in hlo and f"f32[{b * t},{v}]" not in hlo
   assert f"f32[{b},{v}]" in hlo or f"f32[{b},1,{v}]" in hlo
+
+
+def _repeats(row, n):
+  grams = [tuple(row[i : i + n]) for i in range(len(row) - n + 1)]
+  return len(grams) - len(set(grams))
+
+
+def _reference_no_repeat(hf, ids, mask, steps, n):
+  """Greedy decoding with repeated n-grams of the new tokens banned, written out: at each step
+  the transformers model's last logits over the whole sequence, every token that followed an
+  earlier occurrence of the row's last n - 1 new tokens struck out, then the argmax."""
+  rows = []
+  for prompt, keep in zip(ids, mask):
+    new = []
+    for _ in range(steps):
+      seq = torch.tensor([list(prompt) + new])
+      att = torch.tensor([list(keep) + [1] * len(new)])
+      with torch.no_grad():
+        logits = hf(input_ids=seq, attention_mask=att).logits[0, -1].numpy().astype(np.float64)
+      if len(new) >= n - 1:
+        last = new[len(new) - (n - 1) :]
+        for i in range(len(new) - n + 1):
+          if new[i : i + n - 1] == last:
+            logits[new[i + n - 1]] = -np.inf
+      new.append(int(np.argmax(logits)))
+    rows.append(new)
+  return np.asarray(rows)
+
+
+@pytest.mark.parametrize("n, steps", [(1, 16), (2, 24), (3, 48)])
+def test_no_repeat_ngram_equals_the_written_out_rule_and_never_repeats(hf_and_flax, n, steps):
+  hf, model, ids, mask = hf_and_flax
+  free = np.asarray(generate(model, ids, mask, max_new_tokens=steps))
+  assert max(_repeats(list(r), n) for r in free) > 0  # plain greedy repeats: the rule has work
+  got = np.asarray(generate(model, ids, mask, max_new_tokens=steps, no_repeat_ngram=n))
+  assert all(_repeats(list(r), n) == 0 for r in got)
+  np.testing.assert_array_equal(got, _reference_no_repeat(hf, ids, mask, steps, n))
+  with pytest.raises(ValueError, match="no_repeat_ngram"):
+    generate(model, ids, mask, max_new_tokens=3, no_repeat_ngram=-1)

@@ -11,6 +11,9 @@ single-token step is called ``N - 1`` times. Token ``y_{n+1}`` is drawn from
                                 logits and to the smallest set whose probability reaches top_p
 
 and once a row has produced ``eos_token_id`` every later token of that row is ``pad_token_id``.
+With ``no_repeat_ngram = n > 0`` a token that would make the last ``n`` tokens of a row's reply an
+``n``-gram the reply already holds is never chosen (its logit is set to the minimum first): a
+greedy reply cannot loop. Only the new tokens count, not the prompt.
 Both jitted functions live at module level, keyed only on the model's graph definition and greedy vs
 sampling (temperature, top_k, top_p, eos and pad ids are traced), so the step compiles once
 per prompt/cache shape and is reused across tokens and calls.
@@ -88,6 +91,21 @@ def _next_token(logits, done, rng, step, params: SamplingParams, *, greedy):
 _STATIC = ("graphdef", "greedy")
 
 
+def ban_repeated_ngrams(logits, history, step, n: int):
+  """``logits`` ``(B, V)`` with each token that would repeat an ``n``-gram of its row set to the
+  dtype minimum: the tokens that followed an earlier occurrence of the row's last ``n - 1`` tokens.
+  ``history`` ``(B, N)``: the tokens chosen so far in ``[:, :step]`` (``step`` may be traced)."""
+  batch, length = history.shape
+  starts = length - n + 1  # the windows of n tokens that fit
+  last = jax.lax.dynamic_slice_in_dim(history, jnp.maximum(step - (n - 1), 0), n - 1, axis=1)
+  match = (jnp.arange(starts) + n - 1 < step)[None] & (step >= n - 1)  # window ends before step
+  for k in range(n - 1):
+    match = match & (history[:, k : k + starts] == last[:, k : k + 1])
+  banned = jnp.where(match, history[:, n - 1 :], logits.shape[-1])  # out of range: dropped
+  rows = jnp.arange(batch)[:, None]
+  return logits.at[rows, banned].set(jnp.finfo(logits.dtype).min, mode="drop")
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _prefill(
     graphdef, state, prompt_ids, prompt_mask, cache, rng, params, pixel_values=None, *, greedy
@@ -153,11 +171,26 @@ def prefill_cache(model, ids, mask, cache: KVCache, *, chunk: int | None) -> KVC
   return cache
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+@functools.partial(
+    jax.jit, static_argnames=_STATIC + ("no_repeat_ngram",), donate_argnames=("cache", "history")
+)
 def _decode_step(
-    graphdef, state, token, cache: KVCache, done, position, rng, step, params, *, greedy
+    graphdef,
+    state,
+    token,
+    cache: KVCache,
+    done,
+    position,
+    rng,
+    step,
+    params,
+    history=None,
+    *,
+    greedy,
+    no_repeat_ngram=0,
 ):
-  """Feeds one token per row at ``position + 1`` and chooses the following one."""
+  """Feeds one token per row at ``position + 1`` and chooses the following one; with
+  ``no_repeat_ngram``, among those that repeat no ``n``-gram of ``history`` (updated)."""
   TRACE_COUNTS["decode_step"] += 1
   model = nnx.merge(graphdef, state)
   position = position + 1
@@ -167,8 +200,13 @@ def _decode_step(
       attention_mask=jnp.ones_like(token)[:, None],
       cache=cache,
   )
-  token, done = _next_token(logits[:, -1], done, rng, step, params, greedy=greedy)
-  return token, cache, done, position
+  logits = logits[:, -1]
+  if no_repeat_ngram:
+    logits = ban_repeated_ngrams(logits, history, step, no_repeat_ngram)
+  token, done = _next_token(logits, done, rng, step, params, greedy=greedy)
+  if no_repeat_ngram:
+    history = jax.lax.dynamic_update_slice_in_dim(history, token[:, None], step, axis=1)
+  return token, cache, done, position, history
 
 
 def generate(
@@ -187,6 +225,7 @@ def generate(
     prefill_chunk: int | None = None,
     cache_reserve: int = 0,
     return_cache: bool = False,
+    no_repeat_ngram: int = 0,
 ) -> jax.Array | tuple[jax.Array, KVCache, int]:
   """Generates ``max_new_tokens`` tokens after a left-padded prompt batch.
 
@@ -208,6 +247,8 @@ def generate(
       activations of one chunk, not of the whole prompt; None: one pass. Not with images.
     cache_reserve: free cache slots kept after the last token (for a caller that goes on).
     return_cache: also return the cache and the number of slots the prompt takes in it.
+    no_repeat_ngram: ``n > 0``: no row's new tokens hold the same ``n``-gram twice (see the module
+      doc); 0: off.
 
   Returns:
     ``(B, N)`` int32 new token ids; with ``return_cache``, ``(tokens, cache, prompt_slots)``:
@@ -240,6 +281,8 @@ def generate(
 
   if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk <= 0):
     raise ValueError(f"prefill_chunk must be a positive int or None, got {prefill_chunk!r}.")
+  if not isinstance(no_repeat_ngram, int) or no_repeat_ngram < 0:
+    raise ValueError(f"no_repeat_ngram must be an int >= 0, got {no_repeat_ngram!r}.")
   if not isinstance(cache_reserve, int) or cache_reserve < 0:
     raise ValueError(f"cache_reserve must be an int >= 0, got {cache_reserve!r}.")
   if prefill_chunk is not None and pixel_values is not None:
@@ -275,12 +318,15 @@ def generate(
       **static,
   )
   tokens = [token]
+  history = None
+  if no_repeat_ngram:
+    history = jnp.full((batch, max_new_tokens), -1, jnp.int32).at[:, 0].set(token)
   for step in range(1, max_new_tokens):
     # Stop early once every row has ended; checked every 16 steps to keep dispatch asynchronous.
     if eos_token_id is not None and step % 16 == 0 and bool(jnp.all(done)):
       tokens.append(jnp.full((batch, max_new_tokens - step), pad_token_id, jnp.int32))
       break
-    token, cache, done, position = _decode_step(
+    token, cache, done, position, history = _decode_step(
         graphdef=graphdef,
         state=state,
         token=token,
@@ -290,6 +336,8 @@ def generate(
         rng=rng,
         step=jnp.asarray(step, jnp.int32),
         params=params,
+        history=history,
+        no_repeat_ngram=no_repeat_ngram,
         **static,
     )
     tokens.append(token)
