@@ -419,11 +419,11 @@ def test_judge_longer_judges_the_cut_judgments_again_and_goes_on(
   append_records(tmp_path / "single.jsonl", rows)
   out = tmp_path / "longer.jsonl"
   argv = [str(tmp_path / "single.jsonl"), "--judge", path, "--quantize", "none"]
-  argv += ["--max-new-tokens", "3", "--batch", "2", "--out", str(out)]
+  argv += ["--max-new-tokens", "3", "--batch", "2", "--no-repeat-ngram", "2", "--out", str(out)]
   assert judge_longer.main(argv) == 0
   (row,) = [json.loads(line) for line in open(out)]
   assert (row["model"], row["question_id"], row["turn"], row["max_new_tokens"]) == ("m", 81, 1, 3)
-  assert (row["quantize"], row["old_failure"]) == ("none", "length")
+  assert (row["quantize"], row["old_failure"], row["no_repeat_ngram"]) == ("none", "length", 2)
   assert row["finish_reason"] in ("length", "stop") and isinstance(row["same_start"], bool)
   assert (row["score"] is None) == (row["failure"] is not None)
   assert "1 length judgments to judge again (0 done before)" in capsys.readouterr().out
@@ -431,3 +431,32 @@ def test_judge_longer_judges_the_cut_judgments_again_and_goes_on(
   assert judge_longer.main(argv) == 0
   assert "0 length judgments to judge again (1 done before)" in capsys.readouterr().out
   assert len(open(out).readlines()) == 1
+
+
+def test_a_local_judge_without_repeated_ngrams_decodes_so_and_records_it(
+    tiny, tmp_path, capsys, monkeypatch
+):
+  path, _ = tiny
+  (question,) = mtbench.load_questions(per_category=1)[:1]
+  out = tmp_path / "answers"
+  out.mkdir()
+  answer = {"question_id": question.question_id, "model_id": "m", "category": question.category}
+  answer["choices"] = [{"index": 0, "turns": ["one two three", "four five"]}]
+  (out / "mt_bench_answers.jsonl").write_text(json.dumps(answer) + "\n")
+  real = anlr_jax.app.text_generation.generate
+  seen = []
+
+  def recording(*args, **kwargs):
+    seen.append(kwargs["no_repeat_ngram"])
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(anlr_jax.app.text_generation, "generate", recording)
+  single = ["judge", "--single", str(out), f"eval.judge.model={path}"]
+  single += ["eval.judge.max_new_tokens=6"]
+  code, _, err = run_cli(single + ["eval.judge.no_repeat_ngram=2"], capsys)
+  assert code == 0, err
+  assert seen and set(seen) == {2}
+  records = [json.loads(line) for line in open(out / "mt_bench_single.jsonl")]
+  assert len(records) == 2 and all(r["judge_settings"]["no_repeat_ngram"] == 2 for r in records)
+  code, _, err = run_cli(single, capsys)  # plain greedy decoding: another judge
+  assert code == 2 and "eval.judge.no_repeat_ngram=2 there, None here" in err, err

@@ -154,6 +154,7 @@ def load_judge(config: RunConfig) -> Judge:
       template="chat",
       prefill_chunk=section.prefill_chunk,
       hold=replies.hold,
+      no_repeat_ngram=section.no_repeat_ngram,
   )
 
   def judge_fn(prompts: list[tuple[str, str]]) -> list[str]:
@@ -173,6 +174,8 @@ def load_judge(config: RunConfig) -> Judge:
       "quantize": section.quantize,
       "max_new_tokens": section.max_new_tokens,
   }
+  if section.no_repeat_ngram:  # recorded when on, so the records made without it still match
+    settings["no_repeat_ngram"] = section.no_repeat_ngram
   return Judge(name, judge_fn, batch_size, probes, settings)
 
 

@@ -352,6 +352,12 @@ class JudgeSection:
   max_new_tokens: int = setting(
       2048, "tokens of each judgment at most (greedy; FastChat's judge gets 2048)", Range(1)
   )
+  no_repeat_ngram: int = setting(
+      0,
+      "a local judge never repeats an n-gram of its own reply (n > 0; a greedy judge that loops"
+      " gives no rating); 0: plain greedy decoding, as FastChat's judge",
+      Range(0),
+  )
   batch_size: int | None = setting(
       None,
       "judge prompts per generation batch (eval.judge.url: requests in flight at once); None:"

@@ -28,6 +28,7 @@ def make_generate_fn(
     seed: int = 0,
     prefill_chunk: int | None = None,
     hold=None,
+    no_repeat_ngram: int = 0,
 ):
   """``prompts -> continuations`` by greedy decoding, with the training tokenisation of a prompt.
 
@@ -43,6 +44,8 @@ def make_generate_fn(
   (:func:`anlr_jax.models.generate`). ``hold(rows, new_ids, cache, prompt_slots)``, when given, is
   called after each batch with the prompts' token ids, the ``(B, N)`` new ids and the KV cache
   (``HOLD_RESERVE`` free slots kept after the last token) for a caller that goes on from there.
+  ``no_repeat_ngram``: ``n > 0`` keeps each reply free of repeated ``n``-grams of its own tokens
+  (:func:`anlr_jax.models.generate`).
   """
   chat = template == "chat"
   bos = None if chat else tokenizer.bos_token_id
@@ -81,6 +84,7 @@ def make_generate_fn(
         eos_token_id=stop,
         pad_token_id=int(pad),
         prefill_chunk=prefill_chunk,
+        no_repeat_ngram=no_repeat_ngram,
         **sampling(temperature),
         **({} if hold is None else dict(cache_reserve=HOLD_RESERVE, return_cache=True)),
     )
