@@ -8,7 +8,8 @@ the old limit (checked: ``same_start``), so this shows what the longer limit wou
 those judgments: a rating, a loop, still cut, or a stop without a rating. Each reply is written
 to ``--out`` (JSON lines) as its batch ends; a second run with the same ``--out`` goes on.
 ``--kind loop`` (or ``stopped``) takes those failures instead, e.g. with ``--quantize none`` to
-see whether the judge's loops come from its int8 rounding.
+see whether the judge's loops come from its int8 rounding, or with ``--no-repeat-ngram 4`` to see
+what the judge writes when it may not repeat a 4-gram of its reply (``eval.judge.no_repeat_ngram``).
 
     python benchmarks/judge_longer.py docs/results/dialogue_epoch/*/mt_bench_single.jsonl \
         --max-new-tokens 512 --out docs/results/dialogue_epoch/longer_limit.jsonl
@@ -61,6 +62,7 @@ def main(argv=None) -> int:
   )
   ap.add_argument("--quantize", default="int8", help="eval.judge.quantize")
   ap.add_argument("--batch", type=int, default=8, help="eval.judge.batch_size")
+  ap.add_argument("--no-repeat-ngram", type=int, default=0, help="eval.judge.no_repeat_ngram")
   ap.add_argument("--out", required=True, help="JSON lines, one per judgment")
   args = ap.parse_args(argv)
   for path in args.records:
@@ -90,6 +92,7 @@ def main(argv=None) -> int:
           f"eval.judge.max_new_tokens={args.max_new_tokens}",
           f"eval.judge.quantize={args.quantize}",
           f"eval.judge.batch_size={args.batch}",
+          f"eval.judge.no_repeat_ngram={args.no_repeat_ngram}",
       ],
   )
   start = time.perf_counter()
@@ -115,6 +118,7 @@ def main(argv=None) -> int:
               "category": r["category"],
               "max_new_tokens": args.max_new_tokens,
               "quantize": args.quantize,
+              "no_repeat_ngram": args.no_repeat_ngram,
               "old_failure": args.kind,
               "judgment": reply,
               "score": rating,
