@@ -237,5 +237,7 @@ def test_no_repeat_ngram_equals_the_written_out_rule_and_never_repeats(hf_and_fl
   got = np.asarray(generate(model, ids, mask, max_new_tokens=steps, no_repeat_ngram=n))
   assert all(_repeats(list(r), n) == 0 for r in got)
   np.testing.assert_array_equal(got, _reference_no_repeat(hf, ids, mask, steps, n))
+  short = generate(model, ids, mask, max_new_tokens=n + 1, no_repeat_ngram=n + 3)
+  np.testing.assert_array_equal(np.asarray(short), free[:, : n + 1])  # too short to repeat
   with pytest.raises(ValueError, match="no_repeat_ngram"):
     generate(model, ids, mask, max_new_tokens=3, no_repeat_ngram=-1)

@@ -97,6 +97,8 @@ def ban_repeated_ngrams(logits, history, step, n: int):
   ``history`` ``(B, N)``: the tokens chosen so far in ``[:, :step]`` (``step`` may be traced)."""
   batch, length = history.shape
   starts = length - n + 1  # the windows of n tokens that fit
+  if starts <= 0:  # a reply shorter than n tokens repeats none
+    return logits
   last = jax.lax.dynamic_slice_in_dim(history, jnp.maximum(step - (n - 1), 0), n - 1, axis=1)
   match = (jnp.arange(starts) + n - 1 < step)[None] & (step >= n - 1)  # window ends before step
   for k in range(n - 1):
