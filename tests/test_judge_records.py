@@ -121,6 +121,91 @@ def test_pair_records_map_probability_verdicts_to_models_by_game(tmp_path):
   assert by_turn[1]["g1_prob_verdict"]["A"] == pytest.approx(0.5)
 
 
+def test_a_higher_token_limit_judges_again_only_what_the_lower_one_cut(tmp_path):
+  """Going on with a higher ``max_new_tokens`` (the other settings the same) keeps the judgments
+  that ended before the old limit (rated or not) and judges again those it cut without a rating;
+  the new record replaces the old one. A lower limit, or other settings too, is still refused."""
+  questions = mtbench.load_questions()[:2]
+  q1, q2 = ids = [q.question_id for q in questions]
+  answers = dict(zip(ids, (["Alpha.", "CUT."], ["Beta.", "Gamma."])))
+  stub = StubProbes(lambda prompt: 0)
+  kwargs = dict(
+      model="m",
+      judge_name="j",
+      prompts=mtbench.load_judge_prompts(),
+      batch_size=4,
+      progress=False,
+      probes=JudgeProbes(stub.choice_logprobs, stub.finish_reason),
+  )
+  at = lambda n, **other: {"dtype": "float32", "quantize": "int8", "max_new_tokens": n, **other}
+  sent, lines = [], []
+
+  def short(batch):  # the turn showing "CUT." is cut by the limit; "Gamma." stops without a rating
+    sent.extend(u for _, u in batch)
+    return [LOOP if "CUT." in u else "No." if "Gamma." in u else "[[7]]" for _, u in batch]
+
+  def longer(batch):
+    sent.extend(u for _, u in batch)
+    return ["Now it ends. Rating: [[4]]"] * len(batch)
+
+  path = str(tmp_path / "single.jsonl")
+  judging.judge_single(short, questions, answers, path, judge_settings=at(200), **kwargs)
+  assert len(sent) == 4
+  sent.clear()
+  records = judging.judge_single(
+      longer, questions, answers, path, judge_settings=at(512), log=lines.append, **kwargs
+  )
+  assert len(sent) == 1 and "CUT." in sent[0]
+  assert lines == ["  1 saved judgments cut by a lower token limit are judged again"]
+  by = {(r["question_id"], r["turn"]): r for r in records}
+  assert len(records) == 4 and by[q1, 2]["score"] == 4 and by[q1, 1]["score"] == 7
+  assert by[q1, 2]["judge_settings"] == at(512) and by[q2, 2]["judge_settings"] == at(200)
+  assert by[q2, 2]["score"] == judging.UNPARSED and by[q2, 2]["finish_reason"] == "stop"
+  saved = [json.loads(line) for line in open(path)]
+  assert len(saved) == 5 and saved[-1]["judgment"] == "Now it ends. Rating: [[4]]"
+  assert judging.single_summary(records)["unparsed"] == 1
+  sent.clear()
+  again = judging.judge_single(longer, questions, answers, path, judge_settings=at(1024), **kwargs)
+  assert not sent and again == records
+  with pytest.raises(ValueError, match="max_new_tokens=200 there, 100 here"):
+    judging.judge_single(longer, questions, answers, path, judge_settings=at(100), **kwargs)
+  with pytest.raises(ValueError, match="quantize=int8 there, none here"):
+    other = at(1024, quantize="none")
+    judging.judge_single(longer, questions, answers, path, judge_settings=other, **kwargs)
+  assert not sent
+
+  # pairs: a game cut without a verdict has its pair judged again (both games)
+  del kwargs["model"]
+  answers_2 = {q: ["Uno.", "Dos."] for q in ids}
+  pair = dict(kwargs, model_1="m1", model_2="m2")
+  one = {q1: answers[q1]}
+
+  def short_pair(batch):  # turn 2, game 1 (model 1 first) is cut
+    sent.extend(u for _, u in batch)
+    return [
+        LOOP if "CUT." in u and u.index("Alpha.") < u.index("Uno.") else "[[A]]" for _, u in batch
+    ]
+
+  path = str(tmp_path / "pair.jsonl")
+  judging.judge_pair(
+      short_pair, questions[:1], one, answers_2, path, judge_settings=at(200), **pair
+  )
+  sent.clear()
+  records = judging.judge_pair(
+      lambda b: sent.extend(b) or ["[[B]]"] * len(b),
+      questions[:1],
+      one,
+      answers_2,
+      path,
+      judge_settings=at(512),
+      **pair,
+  )
+  by = {r["turn"]: r for r in records}
+  assert len(sent) == 2 and len(records) == 2
+  assert (by[1]["g1_winner"], by[1]["g2_winner"]) == ("model_1", "model_2")  # [[A]] both: stands
+  assert (by[2]["g1_winner"], by[2]["g2_winner"]) == ("model_2", "model_1")  # [[B]] both: new
+
+
 def single(score, prob, turn, category, judgment="Rating.", finish="stop", question=None):
   return dict(
       question_id=question,

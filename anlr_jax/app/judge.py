@@ -306,6 +306,7 @@ def grade_single(judge: Judge, path: str, out_dir: str, *, log: Log = say) -> di
         progress=is_writer(),
         probes=judge.probes,
         judge_settings=judge.settings,
+        log=log,
     )
   except EndpointError as err:
     raise _kept(err, out) from None
@@ -352,6 +353,7 @@ def compare_pair(
         progress=is_writer(),
         probes=judge.probes,
         judge_settings=judge.settings,
+        log=log,
     )
   except EndpointError as err:
     raise _kept(err, out) from None

@@ -21,7 +21,11 @@ Judgments are appended to a JSONL file after each batch, verbatim, with the user
 saw (FastChat's record layout plus ``category`` and ``judge_settings``, the judge's settings that
 change its replies: ``dtype``, ``quantize``, ``max_new_tokens``); a rerun judges only what the file
 does not hold for this judge and these models, and refuses to go on from judgments its judge made
-with other settings (mixed, their mean would describe neither).
+with other settings (mixed, their mean would describe neither). A higher ``max_new_tokens`` alone
+goes on: greedy decoding repeats a reply up to the old limit, so a judgment that ended before it
+stands, and one the old limit cut without a verdict (``finish_reason`` ``length``) is judged
+again; the new record is appended after the old one and replaces it (the last record of a
+judgment counts).
 
 **Beside the protocol** (its fields unchanged), each record holds what the judge's own
 probabilities say (:mod:`anlr_jax.evals.judge_probs`, a local judge; ``null`` for a judge behind an
@@ -137,14 +141,23 @@ def _check_answers(questions: Sequence[Question], answers: Mapping[int, Sequence
     raise ValueError(f"{where}: no answer to question(s) {missing[:8]}")
 
 
-def _check_settings(saved, wanted, key, settings, path: str) -> None:
+def _check_settings(saved, wanted, key, settings, path: str, cut) -> set:
   """Raises ValueError when a saved record of ``wanted`` (its ``key``) was judged with other
-  ``judge_settings`` than ``settings`` (None on either side: not known, not checked)."""
+  ``judge_settings`` than ``settings`` (None on either side: not known, not checked), except with
+  a lower ``max_new_tokens`` alone, where the reply's end is known (``cut(record)``: True, cut by
+  the limit without a verdict; False, ended before it or holds one; None, not known). Returns the
+  keys of the records the lower limit cut: judged again (greedy decoding repeats the reply up to
+  the old limit, so the records it did not cut stand as they are)."""
+  again = set()
   if settings is None:
-    return
+    return again
   for r in saved:
     theirs = r.get("judge_settings")
     if theirs is None or key(r) not in wanted or theirs == settings:
+      continue
+    if _higher_limit(theirs, settings) and cut(r) is not None:
+      if cut(r):
+        again.add(key(r))
       continue
     diff = ", ".join(
         f"eval.judge.{k}={theirs.get(k)} there, {settings.get(k)} here"
@@ -155,6 +168,36 @@ def _check_settings(saved, wanted, key, settings, path: str) -> None:
         f"{path} holds judgments by {tuple(r['judge'])[0]} made with other settings ({diff}):"
         " judge into another directory, or with the same settings to go on"
     )
+  return again
+
+
+def _higher_limit(theirs: Mapping[str, Any], settings: Mapping[str, Any]) -> bool:
+  """Whether ``settings`` differ from ``theirs`` only by a higher ``max_new_tokens``."""
+  old, new = theirs.get("max_new_tokens"), settings.get("max_new_tokens")
+  rest = lambda s: {k: v for k, v in s.items() if k != "max_new_tokens"}
+  numbers = isinstance(old, int) and isinstance(new, int)
+  return numbers and new > old and rest(theirs) == rest(settings)
+
+
+def _cut(verdict_missing: bool, finish_reason: str | None) -> bool | None:
+  """Whether a reply was cut by the token limit without a verdict (None: its end is not known)."""
+  if not verdict_missing:
+    return False
+  return {"length": True, "stop": False}.get(finish_reason)
+
+
+def _cut_single(r: Mapping[str, Any]) -> bool | None:
+  return _cut(r["score"] == UNPARSED, r.get("finish_reason"))
+
+
+def _cut_pair(r: Mapping[str, Any]) -> bool | None:
+  games = [_cut(r[f"g{g}_winner"] == "error", r.get(f"g{g}_finish_reason")) for g in (1, 2)]
+  return True if True in games else None if None in games else False
+
+
+def _latest(records: Iterable[Mapping[str, Any]], key) -> list[dict[str, Any]]:
+  """The last record of each ``key``: a judgment made again replaces the one before it."""
+  return list({key(r): r for r in records}.values())
 
 
 def _probabilities(probes, judgments, cue, choices) -> list[np.ndarray | None]:
@@ -192,18 +235,23 @@ def judge_single(
     progress: bool = True,
     probes: JudgeProbes | None = None,
     judge_settings: Mapping[str, Any] | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
   """Grades both turns of each question's answer (see the module doc); returns the records of
   this judge and model for ``questions`` (those saved before and those made now). ``probes``: the
   local judge's probabilities and reply lengths (None: those fields are null). ``judge_settings``:
   saved with each record; a saved record of these questions made with other settings is a
-  ValueError (None: not checked)."""
+  ValueError (None: not checked), except a lower ``max_new_tokens`` (see the module doc). ``log``:
+  a line when saved judgments are judged again."""
   _check_answers(questions, answers, f"answers of {model}")
   saved = read_records(path)
   key = lambda r: (tuple(r["judge"])[0], r["model"], r["question_id"], r["turn"])
-  have = {key(r) for r in saved if "model" in r}
   wanted = {(judge_name, model, q.question_id, t) for q in questions for t in TURNS}
-  _check_settings([r for r in saved if "model" in r], wanted, key, judge_settings, path)
+  saved = _latest((r for r in saved if "model" in r), key)
+  again = _check_settings(saved, wanted, key, judge_settings, path, _cut_single)
+  have = {key(r) for r in saved} - again
+  if again and log is not None:
+    log(f"  {len(again)} saved judgments cut by a lower token limit are judged again")
   items, item_prompts = [], []
   for q in questions:
     for turn in TURNS:
@@ -252,7 +300,9 @@ def judge_single(
       progress=progress,
       write=write,
   )
-  return [r for r in read_records(path) if "model" in r and key(r) in wanted]
+  return [
+      r for r in _latest((r for r in read_records(path) if "model" in r), key) if key(r) in wanted
+  ]
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -380,19 +430,23 @@ def judge_pair(
     progress: bool = True,
     probes: JudgeProbes | None = None,
     judge_settings: Mapping[str, Any] | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
   """Compares the answers of models 1 and 2 on both turns of each question, in both orders (see the
-  module doc); returns the records of this judge and pair for ``questions``. ``probes`` and
-  ``judge_settings`` as for :func:`judge_single`."""
+  module doc); returns the records of this judge and pair for ``questions``. ``probes``,
+  ``judge_settings`` and ``log`` as for :func:`judge_single`."""
   if model_1 == model_2:
     raise ValueError(f"the two models of a pairwise comparison need two names, got {model_1!r}")
   _check_answers(questions, answers_1, f"answers of {model_1}")
   _check_answers(questions, answers_2, f"answers of {model_2}")
   saved = read_records(path)
   key = lambda r: (tuple(r["judge"])[0], r["model_1"], r["model_2"], r["question_id"], r["turn"])
-  have = {key(r) for r in saved if "model_1" in r}
   wanted = {(judge_name, model_1, model_2, q.question_id, t) for q in questions for t in TURNS}
-  _check_settings([r for r in saved if "model_1" in r], wanted, key, judge_settings, path)
+  saved = _latest((r for r in saved if "model_1" in r), key)
+  again = _check_settings(saved, wanted, key, judge_settings, path, _cut_pair)
+  have = {key(r) for r in saved} - again
+  if again and log is not None:
+    log(f"  {len(again)} saved judgments cut by a lower token limit are judged again")
   items, item_prompts = [], []
   for q in questions:
     for turn in TURNS:
@@ -453,7 +507,9 @@ def judge_pair(
       progress=progress,
       write=write,
   )
-  return [r for r in read_records(path) if "model_1" in r and key(r) in wanted]
+  return [
+      r for r in _latest((r for r in read_records(path) if "model_1" in r), key) if key(r) in wanted
+  ]
 
 
 def pair_outcome(record: Mapping[str, Any], *, verdict: str = "winner") -> str:
