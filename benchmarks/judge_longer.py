@@ -6,7 +6,9 @@ local judge (loaded as ``anlr judge`` loads it: ``eval.judge.*`` settings) answe
 prompts, greedily, with ``--max-new-tokens`` instead. Greedy decoding makes the same reply up to
 the old limit (checked: ``same_start``), so this shows what the longer limit would have given
 those judgments: a rating, a loop, still cut, or a stop without a rating. Each reply is written
-to ``--out`` (JSON lines) as its batch ends; a second run with the same ``--out`` goes on.
+to ``--out`` (JSON lines) as its batch ends; a second run with the same ``--out`` goes on. (``anlr
+judge`` with a higher ``eval.judge.max_new_tokens`` judges the cut ones again in place, in the
+judgment file; this script writes them apart, beside the records it read.)
 ``--kind loop`` (or ``stopped``) takes those failures instead, e.g. with ``--quantize none`` to
 see whether the judge's loops come from its int8 rounding, or with ``--no-repeat-ngram 4`` to see
 what the judge writes when it may not repeat a 4-gram of its reply (``eval.judge.no_repeat_ngram``).
