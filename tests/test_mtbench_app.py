@@ -171,9 +171,23 @@ def test_eval_answers_judges_and_resumes_then_pairwise(tiny, tmp_path, capsys, m
       single + ["eval.judge.max_new_tokens=4"], capsys
   )
   assert code == 0, err
-  code, stdout, err = run_cli(single + ["eval.judge.max_new_tokens=8"], capsys)
+  code, stdout, err = run_cli(single + ["eval.judge.max_new_tokens=2"], capsys)
   assert code == 2 and len(err.strip().splitlines()) == 1, err  # not another judge's ratings
-  assert "eval.judge.max_new_tokens=4 there, 8 here" in err and "Traceback" not in err
+  assert "eval.judge.max_new_tokens=4 there, 2 here" in err and "Traceback" not in err
+  # a higher limit goes on: what the 4 tokens cut without a rating is judged again, the rest stands
+  cut = [r for r in single_records(out) if r["score"] == -1 and r["finish_reason"] == "length"]
+  assert cut
+  monkeypatch.undo()
+  code, stdout, err = run_cli(single + ["eval.judge.max_new_tokens=8"], capsys)
+  assert code == 0, err
+  assert f"{len(cut)} saved judgments cut by a lower token limit are judged again" in stdout + err
+  records = single_records(out)
+  assert len(records) == 16 + len(cut)
+  assert all(r["judge_settings"]["max_new_tokens"] == 8 for r in records[16:])
+
+
+def single_records(out):
+  return [json.loads(line) for line in open(out / "mt_bench_single.jsonl")]
 
 
 @pytest.mark.parametrize("what", ["empty dir", "not a gguf", "unset", "missing"])
