@@ -155,8 +155,9 @@ def _check_settings(saved, wanted, key, settings, path: str, cut) -> set:
     theirs = r.get("judge_settings")
     if theirs is None or key(r) not in wanted or theirs == settings:
       continue
-    if _higher_limit(theirs, settings) and cut(r) is not None:
-      if cut(r):
+    ended = cut(r) if _higher_limit(theirs, settings) else None
+    if ended is not None:
+      if ended:
         again.add(key(r))
       continue
     diff = ", ".join(
@@ -195,9 +196,20 @@ def _cut_pair(r: Mapping[str, Any]) -> bool | None:
   return True if True in games else None if None in games else False
 
 
-def _latest(records: Iterable[Mapping[str, Any]], key) -> list[dict[str, Any]]:
-  """The last record of each ``key``: a judgment made again replaces the one before it."""
-  return list({key(r): r for r in records}.values())
+def _latest(path: str, field: str, key) -> list[dict[str, Any]]:
+  """The last record of each ``key`` among the records of ``path`` holding ``field``: a judgment
+  made again replaces the one before it."""
+  return list({key(r): r for r in read_records(path) if field in r}.values())
+
+
+def _judged(path: str, field: str, key, wanted, settings, cut, log) -> set:
+  """The keys of the judgments ``path`` holds that stand (:func:`_check_settings`: those a lower
+  token limit cut are judged again, said by ``log``)."""
+  saved = _latest(path, field, key)
+  again = _check_settings(saved, wanted, key, settings, path, cut)
+  if again and log is not None:
+    log(f"  {len(again)} saved judgments cut by a lower token limit are judged again")
+  return {key(r) for r in saved} - again
 
 
 def _probabilities(probes, judgments, cue, choices) -> list[np.ndarray | None]:
@@ -244,14 +256,9 @@ def judge_single(
   ValueError (None: not checked), except a lower ``max_new_tokens`` (see the module doc). ``log``:
   a line when saved judgments are judged again."""
   _check_answers(questions, answers, f"answers of {model}")
-  saved = read_records(path)
   key = lambda r: (tuple(r["judge"])[0], r["model"], r["question_id"], r["turn"])
   wanted = {(judge_name, model, q.question_id, t) for q in questions for t in TURNS}
-  saved = _latest((r for r in saved if "model" in r), key)
-  again = _check_settings(saved, wanted, key, judge_settings, path, _cut_single)
-  have = {key(r) for r in saved} - again
-  if again and log is not None:
-    log(f"  {len(again)} saved judgments cut by a lower token limit are judged again")
+  have = _judged(path, "model", key, wanted, judge_settings, _cut_single, log)
   items, item_prompts = [], []
   for q in questions:
     for turn in TURNS:
@@ -300,9 +307,7 @@ def judge_single(
       progress=progress,
       write=write,
   )
-  return [
-      r for r in _latest((r for r in read_records(path) if "model" in r), key) if key(r) in wanted
-  ]
+  return [r for r in _latest(path, "model", key) if key(r) in wanted]
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -439,14 +444,9 @@ def judge_pair(
     raise ValueError(f"the two models of a pairwise comparison need two names, got {model_1!r}")
   _check_answers(questions, answers_1, f"answers of {model_1}")
   _check_answers(questions, answers_2, f"answers of {model_2}")
-  saved = read_records(path)
   key = lambda r: (tuple(r["judge"])[0], r["model_1"], r["model_2"], r["question_id"], r["turn"])
   wanted = {(judge_name, model_1, model_2, q.question_id, t) for q in questions for t in TURNS}
-  saved = _latest((r for r in saved if "model_1" in r), key)
-  again = _check_settings(saved, wanted, key, judge_settings, path, _cut_pair)
-  have = {key(r) for r in saved} - again
-  if again and log is not None:
-    log(f"  {len(again)} saved judgments cut by a lower token limit are judged again")
+  have = _judged(path, "model_1", key, wanted, judge_settings, _cut_pair, log)
   items, item_prompts = [], []
   for q in questions:
     for turn in TURNS:
@@ -507,9 +507,7 @@ def judge_pair(
       progress=progress,
       write=write,
   )
-  return [
-      r for r in _latest((r for r in read_records(path) if "model_1" in r), key) if key(r) in wanted
-  ]
+  return [r for r in _latest(path, "model_1", key) if key(r) in wanted]
 
 
 def pair_outcome(record: Mapping[str, Any], *, verdict: str = "winner") -> str:
